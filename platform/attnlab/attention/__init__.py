@@ -1,0 +1,66 @@
+"""Attention variants for length-extrapolation studies (SPEC.md sections 1-4).
+
+Public API (a contract: tests and docs rely on it):
+
+- :func:`variant_names`, :func:`get_variant` -> :class:`AttentionSpec` (the registry is ``variants.py``).
+- :func:`attention_weights` ``(q, k, spec) -> (B, H, T, T)`` dense causal weights (float32 or better).
+- :func:`attend` ``(q, k, v, spec, impl="auto") -> (B, H, T, D)``.
+
+``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
+reference is ``dense.py``. No Ray imports anywhere in this package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnlab.attention.dense import attend_dense, weights_for_rows
+from attnlab.attention.spec import AttentionSpec, parse_scale
+from attnlab.attention.variants import get_variant, variant_names
+
+__all__ = ["AttentionSpec", "attend", "attention_weights", "get_variant", "parse_scale", "variant_names",
+           "IMPLS"]
+
+IMPLS = ("auto", "dense")
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    """Raise ValueError unless q, k (and v) are ``(B, H, T, D)`` tensors of matching shapes and float dtypes."""
+    named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor of shape (B, H, T, D), got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, H, T, D), got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}: use float32, float64, bfloat16 or float16")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape (B, H, T, D), got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v is not None and v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must share (B, H, T) with q, got {tuple(v.shape)} and {tuple(q.shape)}")
+
+
+def _check_spec(spec) -> None:
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"spec must be an AttentionSpec from get_variant(name), got {type(spec).__name__}")
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Dense causal attention weights ``(B, H, T, T)``, in float32 (float64 for float64 inputs)."""
+    check_qkv(q, k)
+    _check_spec(spec)
+    return weights_for_rows(q, k, spec)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+           impl: str = "auto") -> torch.Tensor:
+    """Causal attention output ``(B, H, T, D)`` in v's dtype.
+
+    ``impl``: ``dense`` (the reference, chunked over query rows for long sequences) or ``auto``.
+    """
+    check_qkv(q, k, v)
+    _check_spec(spec)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not allowed: use one of {', '.join(IMPLS)}")
+    return attend_dense(q, k, v, spec)

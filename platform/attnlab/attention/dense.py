@@ -1,0 +1,154 @@
+"""The dense reference implementation of every variant: SPEC.md sections 1-4, written to read like it.
+
+It materialises the ``(B, H, T, T)`` weights in float32 (float64 for float64 inputs) and is the oracle the
+fused path is tested against. Rows are independent, so :func:`attend_dense` can process query rows in chunks
+(exactly: the first-three-rows rule and ``N_i`` use absolute row indices), which bounds memory at long lengths.
+No Ray, no model code here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
+
+# A peaked unnormalised exp (Table 2, scenario II) would overflow fp32 past e^88; it is clamped here.
+EXP_CLAMP = 80.0
+# The dense path processes query rows in chunks once the weights of one chunk would exceed this many bytes.
+DEFAULT_CHUNK_BYTES = 256 * 1024**2
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Weights are computed in float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def causal_rows(row_start: int, n_rows: int, n_keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices ``i`` (shape ``(R, 1)``) and the causal visibility mask ``j <= i`` (shape ``(R, K)``).
+
+    The single place where the causal mask and the per-row positions are built, for training and eval alike.
+    """
+    rows = torch.arange(row_start, row_start + n_rows, device=device).unsqueeze(-1)
+    cols = torch.arange(n_keys, device=device).unsqueeze(0)
+    return rows, cols <= rows
+
+
+def length_scale(spec: AttentionSpec, n: torch.Tensor, d: int) -> torch.Tensor | float:
+    """The scale factor of the scores, per row: ``n`` holds N_i, the number of visible keys of each row."""
+    if spec.scale == "inv_sqrt_d":
+        return 1.0 / math.sqrt(d)
+    if spec.scale == "log_n":  # Chiang & Cholak: ln(N_i) / sqrt(d)
+        return torch.log(n) / math.sqrt(d)
+    if spec.scale == "logd_logn":  # LSSA: ln(d) * ln(N_i)
+        return math.log(d) * torch.log(n)
+    return spec.coef * torch.log(n)  # coef*log_n
+
+
+def phi(spec: AttentionSpec, s: torch.Tensor) -> torch.Tensor:
+    """The non-linearity f of ``A = l1norm(f(S) * M)`` (for ``exp`` + l1norm, softmax is used instead)."""
+    if spec.phi == "exp":
+        return torch.exp(s.clamp(max=EXP_CLAMP))
+    if spec.phi == "identity":
+        return s
+    if spec.phi == "relu":
+        return F.relu(s)
+    if spec.phi == "relu2":
+        return F.relu(s) ** 2
+    if spec.phi == "relu6":
+        return F.relu6(s)
+    if spec.phi == "gelu":
+        return F.gelu(s)
+    if spec.phi == "sigmoid":
+        return torch.sigmoid(s)
+    if spec.phi == "softplus":
+        return F.softplus(s)
+    return F.mish(s)
+
+
+def l1norm(x: torch.Tensor) -> torch.Tensor:
+    """Divide each row by the sum of its absolute values (an all-zero row stays zero instead of 0/0)."""
+    total = x.abs().sum(dim=-1, keepdim=True)
+    return x / total.clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def sharpen(a: torch.Tensor, n: torch.Tensor, rows: torch.Tensor, p: float) -> torch.Tensor:
+    """Re-weighting (SPEC section 3): ``l1norm(relu(N_i * A_ij - O_i) ** p)``.
+
+    ``O_i = 1`` for rows ``i >= 3`` and 0 for the first three rows. Each row of ``relu(...)`` is divided by
+    its maximum before the power (exact after the second normalisation; avoids fp32 overflow of (N*A)^p).
+    Fallback: a row whose ``relu(...)`` is all zero (e.g. a perfectly uniform row at ``i >= 3``) keeps the
+    un-sharpened row ``A`` rather than becoming 0/0.
+    """
+    offset = (rows >= SHARPEN_EXEMPT_ROWS).to(a.dtype)
+    x = F.relu(n * a - offset)
+    row_max = x.amax(dim=-1, keepdim=True)
+    has_mass = row_max > 0
+    x = (x / torch.where(has_mass, row_max, torch.ones_like(row_max))) ** p
+    sharpened = x / x.sum(dim=-1, keepdim=True).clamp_min(1.0)  # the row max is 1, so the sum is >= 1
+    return torch.where(has_mass, sharpened, a)
+
+
+def weights_for_rows(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, row_start: int = 0,
+                     seq_len: int | None = None) -> torch.Tensor:
+    """Causal weights of query rows ``row_start .. row_start + Tq - 1`` over keys ``0 .. Tk - 1``.
+
+    ``q``: ``(..., Tq, d)``, ``k``: ``(..., Tk, d)``; ``seq_len`` is the full sequence length T (for the
+    ``-ln T`` bias), by default ``Tk``. Returns ``(..., Tq, Tk)`` in the compute dtype.
+    """
+    dtype = compute_dtype(q.dtype)
+    q, k = q.to(dtype), k.to(dtype)
+    d = q.shape[-1]
+    seq_len = k.shape[-2] if seq_len is None else seq_len
+    rows, visible = causal_rows(row_start, q.shape[-2], k.shape[-2], q.device)
+    n = (rows + 1).to(dtype)  # N_i: visible keys in row i (causal)
+
+    if spec.qk_norm:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    s = length_scale(spec, n, d) * (q @ k.transpose(-1, -2))
+    if spec.bias == "neg_log_t":
+        s = s - math.log(seq_len)
+    elif spec.bias == "neg_log_n":
+        s = s - torch.log(n)
+
+    if spec.phi == "exp" and spec.norm == "l1":  # softmax: exp with the row max subtracted, then l1norm
+        a = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    else:
+        a = torch.where(visible, phi(spec, s), torch.zeros((), dtype=dtype, device=s.device))
+        if spec.norm == "l1":
+            a = l1norm(a)
+        elif spec.norm == "count":
+            a = a / n
+
+    if spec.post == "negate":
+        a = -a
+    elif spec.post in ("recentre", "recentre_l1"):
+        recentre = (rows >= SHARPEN_EXEMPT_ROWS) & visible
+        a = a - recentre.to(dtype) / n
+        if spec.post == "recentre_l1":
+            a = l1norm(a)
+
+    if spec.p is not None:
+        a = sharpen(a, n, rows, spec.p)
+    return a
+
+
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+    """``A @ v`` (plus the variant's output LayerNorm) with query rows processed in memory-bounded chunks."""
+    T = q.shape[-2]
+    dtype = compute_dtype(q.dtype)
+    batch = math.prod(q.shape[:-2])
+    bytes_per_row = max(1, batch * T * torch.finfo(dtype).bits // 8 * 4)  # weights + temporaries
+    chunk = max(1, min(T, chunk_bytes // bytes_per_row))
+    outs = []
+    for r0 in range(0, T, chunk):
+        r1 = min(T, r0 + chunk)
+        a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T)
+        outs.append(a @ v[..., :r1, :].to(dtype))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    if spec.out_norm == "layernorm":
+        out = F.layer_norm(out, out.shape[-1:])
+    return out.to(v.dtype)

@@ -1,0 +1,137 @@
+"""What an attention variant is: a frozen, validated description (no tensors, no torch here).
+
+An :class:`AttentionSpec` names the choices of SPEC.md section 1, ``A = l1norm(f(S) * M)`` with
+``S = scale * q @ k^T``: the non-linearity ``phi``, the normalisation, the scale factor, QK-norm, an additive
+bias, a post-processing step (Table 1's inverse/re-centred rows), the sharpening power ``p`` (SPEC section 3)
+and an output LayerNorm (``relu_shen``). The registry of named variants lives in ``variants.py``; the math
+lives in ``dense.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+
+PHIS = ("exp", "identity", "relu", "relu2", "relu6", "gelu", "sigmoid", "softplus", "mish")
+NORMS = ("l1", "none", "count")  # count: divide by the number of visible keys N_i (relu_wortsman)
+SCALES = ("inv_sqrt_d", "log_n", "logd_logn", "coef*log_n")
+BIASES = ("none", "neg_log_t", "neg_log_n")
+POSTS = ("none", "negate", "recentre", "recentre_l1")
+OUT_NORMS = ("none", "layernorm")
+
+# Sharpening leaves the first SHARPEN_EXEMPT_ROWS rows without the offset O_i = 1 (SPEC section 3).
+SHARPEN_EXEMPT_ROWS = 3
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention variant. Build it with :func:`attnlab.attention.get_variant`.
+
+    Fields:
+        name: registry name (``lssa``, ``softmax``, ...).
+        phi: the non-linearity ``f`` applied to the scores.
+        norm: ``l1`` (divide each row by its sum of absolute values), ``none``, or ``count`` (divide by N_i).
+        scale: ``inv_sqrt_d`` = 1/sqrt(d); ``log_n`` = ln(N_i)/sqrt(d) (Chiang & Cholak);
+            ``logd_logn`` = ln(d)*ln(N_i) (LSSA); ``coef*log_n`` = coef*ln(N_i).
+        coef: the coefficient of ``coef*log_n`` (None otherwise).
+        qk_norm: L2-normalise q and k per token before the scores (no learnable gain).
+        bias: additive score bias: ``neg_log_t`` = -ln(T) (T = sequence length), ``neg_log_n`` = -ln(N_i).
+        post: ``negate`` (-A, Table 1 inverse), ``recentre`` (subtract 1/N_i from visible entries of rows >= 3),
+            ``recentre_l1`` (that, then l1norm).
+        p: sharpening power (SPEC section 3); None = no sharpening.
+        out_norm: ``layernorm``: parameter-free LayerNorm over the head dimension of each head's output
+            ``A @ v`` (relu_shen), applied inside :func:`attnlab.attention.attend` before heads are merged.
+        source: where the variant comes from in the paper (documentation only).
+    """
+
+    name: str
+    phi: str = "exp"
+    norm: str = "l1"
+    scale: str = "inv_sqrt_d"
+    coef: float | None = None
+    qk_norm: bool = False
+    bias: str = "none"
+    post: str = "none"
+    p: float | None = None
+    out_norm: str = "none"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _check_choice("phi", self.phi, PHIS)
+        _check_choice("norm", self.norm, NORMS)
+        _check_choice("scale", self.scale, SCALES)
+        _check_choice("bias", self.bias, BIASES)
+        _check_choice("post", self.post, POSTS)
+        _check_choice("out_norm", self.out_norm, OUT_NORMS)
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"qk_norm={self.qk_norm!r} is not allowed: use true or false")
+        if self.scale == "coef*log_n":
+            if self.coef is None:
+                raise ValueError("scale='coef*log_n' needs coef: a positive float, e.g. coef=4.16")
+            object.__setattr__(self, "coef", _check_float("coef", self.coef, minimum=0.0, strict=True))
+        elif self.coef is not None:
+            raise ValueError(f"coef={self.coef!r} is only allowed with scale='coef*log_n' (scale is {self.scale!r})")
+        if self.p is not None:
+            object.__setattr__(self, "p", _check_float("p", self.p, minimum=1.0))
+
+    @property
+    def sharpened(self) -> bool:
+        return self.p is not None
+
+    @property
+    def scale_label(self) -> str:
+        """The scale as one string, as the results store records it (``coef*log_n:4.16`` for a coefficient)."""
+        return f"coef*log_n:{self.coef:g}" if self.scale == "coef*log_n" else self.scale
+
+    def replace(self, **changes) -> "AttentionSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def parse_scale(value) -> tuple[str, float | None]:
+    """Parse a scale override into ``(scale, coef)``.
+
+    Accepts ``inv_sqrt_d``, ``log_n``, ``logd_logn``, ``coef*log_n`` (coef given separately), a string
+    ``"<float>*log_n"`` or ``"coef*log_n:<float>"``, or a bare number meaning ``<number>*log_n``.
+    """
+    allowed = "inv_sqrt_d, log_n, logd_logn, or coef*log_n with a float coefficient (e.g. '2.5*log_n')"
+    if isinstance(value, bool):
+        raise ValueError(f"scale={value!r} is not allowed: use {allowed}")
+    if isinstance(value, numbers.Real):
+        return "coef*log_n", _check_float("scale coefficient", value, minimum=0.0, strict=True)
+    if not isinstance(value, str):
+        raise ValueError(f"scale={value!r} is not allowed: use {allowed}")
+    text = value.strip()
+    if text in SCALES:
+        return text, None
+    for prefix in ("coef*log_n:", "coef*log_n="):
+        if text.startswith(prefix):
+            return "coef*log_n", _parse_coef(text[len(prefix):], value, allowed)
+    if text.endswith("*log_n"):
+        return "coef*log_n", _parse_coef(text[: -len("*log_n")], value, allowed)
+    raise ValueError(f"scale={value!r} is not allowed: use {allowed}")
+
+
+def _parse_coef(text: str, original, allowed: str) -> float:
+    try:
+        coef = float(text)
+    except ValueError:
+        raise ValueError(f"scale={original!r}: the coefficient {text!r} is not a number; use {allowed}") from None
+    return _check_float("scale coefficient", coef, minimum=0.0, strict=True)
+
+
+def _check_choice(field: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r} is not allowed: use one of {', '.join(allowed)}")
+
+
+def _check_float(field: str, value, minimum: float, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{field}={value!r} is not a number: use a float "
+                         f"{'>' if strict else '>='} {minimum:g}")
+    value = float(value)
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        raise ValueError(f"{field}={value!r} is out of range: use a finite number "
+                         f"{'>' if strict else '>='} {minimum:g}")
+    return value

@@ -1,0 +1,90 @@
+"""The registry of named attention variants: one entry per row of the paper's tables (SPEC.md section 4).
+
+Adding a variant is one entry here plus its test. Every entry is a plain :class:`AttentionSpec`; the math that
+interprets the fields is in ``dense.py``. Unless stated, scores are ``q @ k^T / sqrt(d)``, causal, no QK-norm.
+"""
+
+from __future__ import annotations
+
+from attnlab.attention.spec import AttentionSpec, parse_scale
+
+_REGISTRY: dict[str, AttentionSpec] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def _register(spec: AttentionSpec, *aliases: str) -> None:
+    _REGISTRY[spec.name] = spec
+    for alias in aliases:
+        _ALIASES[alias] = spec.name
+
+
+# --- Table 1: is non-negativity needed? -------------------------------------------------------------------
+_register(AttentionSpec("softmax", phi="exp", norm="l1", source="Tables 1-4: softmax (= exp + l1norm)"),
+          "exp", "scenario_iv")
+_register(AttentionSpec("softmax_inverse", phi="exp", norm="l1", post="negate", source="Table 1: -softmax"))
+_register(AttentionSpec("softmax_recentred", phi="exp", norm="l1", post="recentre",
+                        source="Table 1: softmax minus the row mean 1/N_i, first 3 rows untouched"))
+_register(AttentionSpec("softmax_recentred_l1", phi="exp", norm="l1", post="recentre_l1",
+                        source="Table 1: re-centred softmax, then l1norm"))
+
+# --- Table 2: which half of softmax matters? --------------------------------------------------------------
+_register(AttentionSpec("scenario_i", phi="identity", norm="none", source="Table 2 I: identity, no norm"))
+_register(AttentionSpec("scenario_ii", phi="exp", norm="none", source="Table 2 II: exp, no norm"))
+_register(AttentionSpec("scenario_iii", phi="identity", norm="l1", source="Table 2 III: identity + l1norm"))
+
+# --- Table 3: activation swap, f(S) * M then l1norm ---------------------------------------------------------
+for _phi in ("relu", "relu2", "relu6", "gelu", "sigmoid", "softplus", "mish"):
+    _register(AttentionSpec(_phi, phi=_phi, norm="l1", source=f"Table 3: {_phi} + l1norm"))
+
+# --- Table 4: softmax-free state of the art ---------------------------------------------------------------
+_register(AttentionSpec("sigmoid_ramapuram", phi="sigmoid", norm="none", bias="neg_log_t",
+                        source="Table 4: sigmoid(S - ln T), T = sequence length, no norm (Ramapuram et al.)"))
+_register(AttentionSpec("sigmoid_ramapuram_b", phi="sigmoid", norm="none", bias="neg_log_n",
+                        source="Table 4: sigmoid(S - ln N_i), no norm (inferred per-row b)"))
+_register(AttentionSpec("sigmoid_ramapuram_b_l1", phi="sigmoid", norm="l1", bias="neg_log_n",
+                        source="Table 4: sigmoid(S - ln N_i), then l1norm"))
+_register(AttentionSpec("sigmoid_l1", phi="sigmoid", norm="l1", source="Table 4: sigmoid + l1norm (proposed)"))
+_register(AttentionSpec("relu_wortsman", phi="relu", norm="count",
+                        source="Table 4: relu(S) / N_i (Wortsman et al.; inferred: visible length)"))
+_register(AttentionSpec("relu_l1", phi="relu", norm="l1", source="Table 4: relu + l1norm (Li et al.)"))
+_register(AttentionSpec("relu_shen", phi="relu", norm="none", out_norm="layernorm",
+                        source="Table 4: relu(S), then LayerNorm on each head's output (Shen et al.; inferred)"))
+_register(AttentionSpec("lssa", phi="softplus", norm="l1", scale="logd_logn", qk_norm=True,
+                        source="SPEC section 2: QK-norm, scale ln(d)*ln(N_i), softplus + l1norm"))
+_register(AttentionSpec("lssar", phi="softplus", norm="l1", scale="logd_logn", qk_norm=True, p=15.0,
+                        source="SPEC section 3: LSSA + sharpening, p = 15 by default"))
+
+_OVERRIDABLE = ("p", "scale", "coef", "qk_norm", "phi", "norm", "bias", "post", "out_norm")
+
+
+def variant_names() -> list[str]:
+    """Every registered name, aliases included, sorted."""
+    return sorted([*_REGISTRY, *_ALIASES])
+
+
+def get_variant(name: str, **overrides) -> AttentionSpec:
+    """The named variant, with fields overridden.
+
+    ``p``: sharpening power (``None`` = none, otherwise a number >= 1). ``scale``: ``inv_sqrt_d``,
+    ``log_n``, ``logd_logn``, ``coef*log_n`` (with ``coef=``), ``"2.5*log_n"``, or a bare number meaning
+    ``<number>*log_n``. Other fields of :class:`AttentionSpec` may be overridden too.
+    """
+    if not isinstance(name, str) or (name not in _REGISTRY and name not in _ALIASES):
+        raise ValueError(f"attention={name!r} is unknown: use one of {', '.join(variant_names())}")
+    spec = _REGISTRY[_ALIASES.get(name, name)]
+    unknown = sorted(set(overrides) - set(_OVERRIDABLE))
+    if unknown:
+        raise ValueError(f"attention override {unknown[0]!r} is unknown: use one of {', '.join(_OVERRIDABLE)}")
+    changes = dict(overrides)
+    if "scale" in changes:
+        scale, coef = parse_scale(changes["scale"])
+        changes["scale"] = scale
+        if coef is not None:
+            if changes.get("coef") not in (None, coef):
+                raise ValueError(f"scale={overrides['scale']!r} and coef={changes['coef']!r} disagree: give one")
+            changes["coef"] = coef
+        elif scale != "coef*log_n":
+            changes.setdefault("coef", None)
+    elif "coef" in changes and changes["coef"] is not None:
+        changes["scale"] = "coef*log_n"
+    return spec.replace(**changes)
