@@ -1,0 +1,99 @@
+"""The model configuration and its presets (SPEC.md section 5).
+
+``GPTConfig`` is a small frozen dataclass; presets are plain functions of the data's vocabulary. The
+``tiny`` presets keep head dim 64 (it enters LSSA's ln(d)) so CPU proxies stay faithful.
+No Ray, no torch modules here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from attnlab.attention import get_variant
+from attnlab.attention.spec import AttentionSpec
+from attnlab.errors import UserError
+from attnlab.model.rope import ROPE_SCALINGS
+
+GPT2_VOCAB = 50257
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-2 style decoder with RoPE. ``attention``/``p_train``/``scale`` select the attention variant."""
+
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    vocab_size: int = GPT2_VOCAB
+    train_len: int = 1024
+    rope_base: float = 10000.0
+    attention: str = "softmax"
+    p_train: float | None = None
+    scale: str | float | None = None  # None: the variant's own scale
+    bias: bool = True
+    init_std: float = 0.02
+    attn_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "train_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"model.{name}={value!r} is not allowed: use a positive integer")
+        if self.n_embd % self.n_head:
+            raise UserError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        if self.head_dim % 2:
+            raise UserError(f"model head dim {self.head_dim} (n_embd/n_head) must be even for RoPE")
+        try:
+            self.attention_spec()
+        except ValueError as exc:
+            raise UserError(f"model attention: {exc}") from None
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def attention_spec(self, p: float | None | str = "train") -> AttentionSpec:
+        """The training-time spec, or (``p=...``) the same variant with another sharpening power."""
+        overrides = {}
+        if self.scale is not None:
+            overrides["scale"] = self.scale
+        if p == "train":
+            if self.p_train is not None:
+                overrides["p"] = self.p_train
+        else:
+            overrides["p"] = p
+        return get_variant(self.attention, **overrides)
+
+    def replace(self, **changes) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, dict] = {
+    # GPT-2 small as in llm.c, with RoPE instead of the learned position table: 124M less 0.8M.
+    "gpt2-small": dict(n_layer=12, n_head=12, n_embd=768, train_len=1024),
+    # GPT-2 medium: 355M (less the 1.0M position table).
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, train_len=1024),
+    # The paper's smallest size, ~45M: 6 layers x 512 wide, 8 heads of 64.
+    "gpt2-45m": dict(n_layer=6, n_head=8, n_embd=512, train_len=1024),
+    # CPU proxies: head dim 64; trains at 64 tokens, evaluates to 16x = 1024 on a laptop.
+    "tiny": dict(n_layer=2, n_head=2, n_embd=128, train_len=64),
+    "tiny-4l": dict(n_layer=4, n_head=4, n_embd=256, train_len=128),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """A preset config with fields overridden (e.g. ``vocab_size`` from the data, ``attention``, ``p_train``)."""
+    if name not in PRESETS:
+        raise UserError(f"preset={name!r} is unknown: use one of {', '.join(sorted(PRESETS))}")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise UserError(f"model.{unknown[0]} is not a model field: use one of {', '.join(sorted(fields))}")
+    return GPTConfig(**{**PRESETS[name], **overrides})
+
+
+def check_rope_scaling(value: str) -> str:
+    if value not in ROPE_SCALINGS:
+        raise UserError(f"rope_scaling={value!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+    return value

@@ -1,0 +1,150 @@
+"""GPT-2 with RoPE + NTK scaling and any attention variant (SPEC.md section 5), read top to bottom.
+
+Blocks as in llm.c's GPT-2: pre-LayerNorm with biases, tanh-GELU MLP (4x), tied input/output embeddings,
+init N(0, 0.02) with residual projections at 0.02/sqrt(2 * n_layer). The learned position table is replaced
+by RoPE. Per forward call one can choose the RoPE scaling (``none``/``ntk``) and, for evaluation, another
+attention spec (e.g. a different sharpening power ``p_eval``) without touching the weights.
+No Ray imports here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attnlab.attention import attend
+from attnlab.attention.spec import AttentionSpec
+from attnlab.model.config import GPTConfig
+from attnlab.model.rope import apply_rope, rope_base, rope_tables
+
+# Called as on_attention(layer_index, q, k) with q, k after RoPE, (B, H, T, D): for attention diagnostics.
+AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_scaled = True
+
+    def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, layer: int,
+                on_attention: AttentionObserver | None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if on_attention is not None:
+            on_attention(layer, q.detach(), k.detach())
+        y = attend(q, k, v, spec, impl=impl)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_scaled = True
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, spec, impl, layer, on_attention):
+        x = x + self.attn(self.ln_1(x), cos, sin, spec, impl, layer, on_attention)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.spec = cfg.attention_spec()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied input/output embeddings
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.cfg.init_std
+        if isinstance(module, nn.Linear):
+            if getattr(module, "residual_scaled", False):
+                std = std / math.sqrt(2 * self.cfg.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def num_params(self) -> int:
+        """Parameters, the tied embedding counted once (there is no position table)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6N + 12 * n_layer * n_head * head_dim * T (PaLM appendix B / nanoGPT)."""
+        T = seq_len or self.cfg.train_len
+        c = self.cfg
+        return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * c.head_dim * T
+
+    def hidden_states(self, idx: torch.Tensor, *, rope_scaling: str = "none", attention: AttentionSpec | None = None,
+                      impl: str | None = None, on_attention: AttentionObserver | None = None) -> torch.Tensor:
+        """The final-LayerNorm output ``(B, T, C)``.
+
+        ``rope_scaling``: ``none`` or ``ntk`` (NTK-aware base for T > train_len); ``attention``: a spec to use
+        instead of the trained one (evaluation-time sharpening); ``on_attention``: diagnostics observer.
+        """
+        B, T = idx.shape
+        c = self.cfg
+        base = rope_base(rope_scaling, c.rope_base, c.head_dim, T, c.train_len)
+        cos, sin = rope_tables(T, c.head_dim, base, device=idx.device)
+        spec = attention or self.spec
+        impl = impl or c.attn_impl
+        x = self.wte(idx)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, spec, impl, i, on_attention)
+        return self.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logits, loss)``; the loss is the mean cross-entropy over all (or the masked) target positions."""
+        h = self.hidden_states(idx, **kwargs)
+        logits = self.lm_head(h)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
+        if loss_mask is None:
+            return logits, loss.mean()
+        mask = loss_mask.reshape(-1).to(loss.dtype)
+        return logits, (loss * mask).sum() / mask.sum().clamp_min(1.0)
+
+    @torch.no_grad()
+    def token_stats(self, idx: torch.Tensor, targets: torch.Tensor, *, chunk: int = 1024,
+                    **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cross-entropy ``(B, T)`` (float32) and whether the argmax is the target ``(B, T)`` (bool).
+
+        The LM head runs over chunks of positions, so long windows never materialise ``(B, T, vocab)`` logits.
+        """
+        h = self.hidden_states(idx, **kwargs)
+        losses, correct = [], []
+        for t0 in range(0, h.shape[1], chunk):
+            logits = self.lm_head(h[:, t0:t0 + chunk]).float()
+            tgt = targets[:, t0:t0 + chunk]
+            losses.append(F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none"))
+            correct.append(logits.argmax(-1) == tgt)
+        return torch.cat(losses, dim=1), torch.cat(correct, dim=1)

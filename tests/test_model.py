@@ -1,0 +1,139 @@
+"""The GPT model: preset sizes, RoPE/NTK behaviour, long forward passes, initial loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnlab.attention import get_variant
+from attnlab.errors import UserError
+from attnlab.model import GPT, ntk_base, preset
+from attnlab.model.rope import apply_rope, rope_tables
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("gpt2-small", 124_439_808 - 1024 * 768),     # llm.c GPT-2 124M less its 0.8M position table
+    ("gpt2-medium", 354_823_168 - 1024 * 1024),   # GPT-2 medium 355M less its position table
+    ("gpt2-45m", 44_646_912),
+])
+def test_preset_parameter_counts(name, expected):
+    with torch.device("meta"):
+        model = GPT(preset(name))
+    assert model.num_params() == expected
+    assert model.cfg.head_dim == 64
+
+
+def test_presets_keep_head_dim_64_and_tie_embeddings():
+    model = GPT(preset("tiny"))
+    assert model.cfg.head_dim == 64
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_ntk_base_formula():
+    assert ntk_base(10000.0, 64, 1024, 1024) == 10000.0
+    assert ntk_base(10000.0, 64, 2048, 1024) == pytest.approx(10000 * 2 ** (64 / 62))
+    assert ntk_base(10000.0, 64, 16384, 1024) == pytest.approx(175_000, rel=0.01)  # research note: ~175K
+
+
+def test_rope_keeps_norms_and_is_relative():
+    cos, sin = rope_tables(16, 64, 10000.0, dtype=torch.float64)
+    x = torch.randn(1, 1, 16, 64, dtype=torch.float64)
+    assert torch.allclose(apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1))
+    # q_i . k_j depends only on i - j
+    q = torch.randn(64, dtype=torch.float64).expand(1, 1, 16, 64)
+    k = torch.randn(64, dtype=torch.float64).expand(1, 1, 16, 64)
+    s = apply_rope(q, cos, sin)[0, 0] @ apply_rope(k, cos, sin)[0, 0].T
+    assert torch.allclose(s[5, 2], s[10, 7]) and torch.allclose(s[3, 3], s[12, 12])
+
+
+def test_ntk_none_vs_ntk_same_within_training_length_and_different_beyond():
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=512)).eval()
+    T = model.cfg.train_len
+    idx = torch.randint(0, 512, (2, 4 * T))
+    with torch.no_grad():
+        for t in (1, T // 2, T):
+            a, _ = model(idx[:, :t], rope_scaling="none")
+            b, _ = model(idx[:, :t], rope_scaling="ntk")
+            assert torch.equal(a, b)
+        a, _ = model(idx, rope_scaling="none")
+        b, _ = model(idx, rope_scaling="ntk")
+        assert not torch.allclose(a, b)
+        assert torch.allclose(a[:, :1], b[:, :1], atol=1e-5)  # position 0 has no rotation
+
+
+def test_tiny_forward_at_16x_training_length():
+    torch.manual_seed(0)
+    for attention in ("lssar", "softmax"):
+        model = GPT(preset("tiny", attention=attention)).eval()
+        T = 16 * model.cfg.train_len
+        idx = torch.randint(0, model.cfg.vocab_size, (1, T))
+        with torch.no_grad():
+            loss, correct = model.token_stats(idx[:, :-1], idx[:, 1:], rope_scaling="ntk")
+        assert loss.shape == (1, T - 1) and correct.dtype == torch.bool
+        assert torch.isfinite(loss).all()
+
+
+@pytest.mark.parametrize("attention", ["softmax", "lssa", "lssar", "sigmoid_ramapuram", "relu_shen"])
+def test_initial_loss_is_near_ln_vocab(attention):
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", attention=attention))
+    idx = torch.randint(0, model.cfg.vocab_size, (4, 65))
+    with torch.no_grad():
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    assert loss.item() == pytest.approx(math.log(50257), abs=0.15)
+
+
+def test_token_stats_agree_with_forward_loss_and_masks():
+    torch.manual_seed(1)
+    model = GPT(preset("tiny", vocab_size=300)).eval()
+    idx = torch.randint(0, 300, (3, 41))
+    x, y = idx[:, :-1], idx[:, 1:]
+    with torch.no_grad():
+        logits, loss = model(x, y)
+        tok_loss, tok_correct = model.token_stats(x, y, chunk=7)
+        mask = torch.zeros_like(y, dtype=torch.bool)
+        mask[:, 20:] = True
+        _, masked = model(x, y, loss_mask=mask)
+    assert tok_loss.mean().item() == pytest.approx(loss.item(), rel=1e-5)
+    assert masked.item() == pytest.approx(tok_loss[:, 20:].mean().item(), rel=1e-5)
+    assert torch.equal(tok_correct, logits.argmax(-1) == y)
+
+
+def test_eval_time_attention_override_leaves_weights_untouched():
+    torch.manual_seed(2)
+    model = GPT(preset("tiny", attention="lssa")).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, 1000, (1, 32))
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(idx, attention=model.cfg.attention_spec(p=15))
+    assert not torch.allclose(a, b)
+    assert model.cfg.attention_spec(p=15) == get_variant("lssa", p=15)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_gradients_flow_through_sharpened_attention():
+    torch.manual_seed(3)
+    model = GPT(preset("tiny", attention="lssar", vocab_size=128))
+    idx = torch.randint(0, 128, (2, 33))
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert model.blocks[0].attn.c_attn.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(name="gpt5"), "preset='gpt5' is unknown"),
+    (dict(name="tiny", n_layers=3), "model.n_layers is not a model field"),
+    (dict(name="tiny", attention="softmaxx"), "attention='softmaxx' is unknown"),
+    (dict(name="tiny", n_head=3), "not divisible"),
+    (dict(name="tiny", p_train=0), "out of range"),
+])
+def test_bad_model_config(bad, match):
+    name = bad.pop("name")
+    with pytest.raises(UserError, match=match):
+        preset(name, **bad)
