@@ -1,0 +1,37 @@
+"""The results store (immutable Parquet files of long-format rows) and the reports read from it.
+
+Public API:
+- ``ResultsStore(uri)``: ``write(rows, key)``, ``read(study=None, **filters)``, ``mark_complete(row, n_rows)``,
+  ``has_complete(config_hash, expected=None)``, ``studies()``.
+- ``reports``: ``table`` / ``to_markdown`` / ``to_csv``, ``curves``, ``best``, ``export``,
+  ``format_reference_table``.
+- ``schema``: the columns, ``SCHEMA_VERSION``, the metric registry (``register_metric``).
+
+Importable without Ray (nothing here imports it); matplotlib is imported only when plotting.
+"""
+
+from attnlab.results.schema import (
+    COLUMN_NAMES,
+    COMPLETE_METRIC,
+    CONFIG_COLUMNS,
+    METRICS,
+    SCHEMA_VERSION,
+    describe_schema,
+    register_metric,
+    validate_row,
+)
+from attnlab.results.store import DEFAULT_STORE_URI, ResultsStore, file_name_for_key
+
+__all__ = [
+    "COLUMN_NAMES",
+    "COMPLETE_METRIC",
+    "CONFIG_COLUMNS",
+    "DEFAULT_STORE_URI",
+    "METRICS",
+    "SCHEMA_VERSION",
+    "ResultsStore",
+    "describe_schema",
+    "file_name_for_key",
+    "register_metric",
+    "validate_row",
+]

@@ -1,0 +1,189 @@
+"""``attnlab results table|curves|best|export|studies|schema``: reports from a results store.
+
+Thin argument handling only: reading is ``ResultsStore``, the reports are ``attnlab.results.reports``.
+No Ray here. Bad input raises ``UserError`` (printed by the top-level CLI as one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from attnlab.errors import UserError
+from attnlab.results import reports
+from attnlab.results.schema import COLUMNS, describe_schema
+from attnlab.results.store import DEFAULT_STORE_URI, ResultsStore
+
+_COLUMN_KINDS = {c.name: c for c in COLUMNS}
+
+
+def _parse_where(items: list[str] | None) -> dict:
+    """``--where COL=V1,V2``: equality or any-of; ``none`` means null for nullable columns."""
+    filters: dict = {}
+    for item in items or []:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise UserError(f"--where {item!r}: use COLUMN=VALUE or COLUMN=V1,V2")
+        column = _COLUMN_KINDS.get(name)
+        if column is None:
+            raise UserError(f"--where {item!r}: unknown column {name!r}; allowed: {', '.join(_COLUMN_KINDS)}")
+        values = []
+        for raw in text.split(","):
+            raw = raw.strip()
+            if raw.lower() == "none" and not column.required:
+                values.append(None)
+            elif column.kind == "int":
+                try:
+                    values.append(int(raw))
+                except ValueError:
+                    raise UserError(f"--where {item!r}: {name} takes integers, got {raw!r}") from None
+            elif column.kind == "float":
+                try:
+                    values.append(float(raw))
+                except ValueError:
+                    raise UserError(f"--where {item!r}: {name} takes numbers or none, got {raw!r}") from None
+            else:
+                values.append(raw)
+        filters[name] = values if len(values) > 1 else values[0]
+    return filters
+
+
+def _load(args):
+    store = ResultsStore(args.store)
+    filters = _parse_where(getattr(args, "where", None))
+    frame = store.read(study=args.study, **filters)
+    if len(frame) == 0:
+        if not store.exists():
+            raise UserError(f"--store {args.store!r}: no results store there (nothing has been written yet)")
+        studies = store.studies()
+        if args.study and args.study not in studies:
+            raise UserError(f"--study {args.study!r} not in store {args.store!r}; studies: {', '.join(studies) or 'none'}")
+        raise UserError(f"store {args.store!r}: no rows match the selection (--study/--where)")
+    return frame
+
+
+def _emit(text: str, out: str | None) -> None:
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as handle:
+            handle.write(text if text.endswith("\n") else text + "\n")
+        print(out)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def _table(args) -> int:
+    result = reports.table(_load(args), metric=args.metric, step=args.step)
+    if args.format == "csv":
+        text = reports.to_csv(result)
+    else:
+        text = reports.to_markdown(result, digits=args.digits)
+        if args.reference:
+            text += "\n\n" + reports.format_reference_table()
+    _emit(text, args.out)
+    return 0
+
+
+def _curves(args) -> int:
+    paths = reports.curves(_load(args), args.out, metric=args.metric, by=args.by, step=args.step)
+    print(paths["png"])
+    print(paths["html"])
+    return 0
+
+
+def _best(args) -> int:
+    ranking = reports.best(_load(args), at=args.at, metric=args.metric, step=args.step)
+    if args.top:
+        ranking = ranking.head(args.top)
+    text = reports.best_to_markdown(ranking, digits=args.digits) if args.format == "markdown" else \
+        ranking.to_csv(index=False, lineterminator="\n")
+    _emit(text, None)
+    return 0
+
+
+def _export(args) -> int:
+    print(reports.export(_load(args), args.out, format=args.format))
+    return 0
+
+
+def _studies(args) -> int:
+    for name in ResultsStore(args.store).studies():
+        print(name)
+    return 0
+
+
+def _schema(args) -> int:
+    print(describe_schema())
+    return 0
+
+
+def _store_options(parser: argparse.ArgumentParser, selection: bool = True) -> None:
+    default = os.environ.get("ATTNLAB_STORE", DEFAULT_STORE_URI)
+    parser.add_argument("--store", default=default, metavar="URI",
+                        help=f"results store: a folder or a pyarrow URI (file://, s3://, gs://); default {default!r} "
+                             "(env ATTNLAB_STORE)")
+    if selection:
+        parser.add_argument("--study", default=None, metavar="NAME", help="only this study")
+        parser.add_argument("--where", action="append", metavar="COL=V[,V2]",
+                            help="keep rows whose column equals a value (several: any of; 'none' = null); repeatable")
+
+
+def _report_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metric", default="val_loss", help="metric to report (default val_loss; e.g. acc, bpb)")
+    parser.add_argument("--step", default="final",
+                        help="'final' (each trial's last step, default), 'all', or a step number")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "results", help="tables, curves, rankings and exports from a results store",
+        description="Reports from a results store (long-format Parquet rows written by eval and studies).",
+    )
+    sub = parser.add_subparsers(dest="results_command", metavar="REPORT")
+    sub.required = True
+
+    p = sub.add_parser("table", help="Table-4 layout: one row per configuration, one column per eval length",
+                       description="One row per configuration (constant columns dropped from the label), one "
+                                   "column per eval length, mean ± sample std over seeds (n shown when > 1).")
+    _store_options(p)
+    _report_options(p)
+    p.add_argument("--format", choices=("markdown", "csv"), default="markdown")
+    p.add_argument("--digits", type=int, default=4, help="decimals in markdown cells (default 4)")
+    p.add_argument("--reference", action="store_true", help="also print the paper's Table 4 (SPEC.md section 8)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write to FILE instead of stdout")
+    p.set_defaults(func=_table)
+
+    p = sub.add_parser("curves", help="PNG + HTML of the metric vs eval length (or vs p with --by p)",
+                       description="Metric against eval length (log2 x axis, one line per configuration; the "
+                                   "paper's Figure 1), or with --by p against p per length (its Figure 2).")
+    _store_options(p)
+    _report_options(p)
+    p.add_argument("--by", choices=("length", "p"), default="length")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for <metric>_vs_<by>.png/.html")
+    p.set_defaults(func=_curves)
+
+    p = sub.add_parser("best", help="rank configurations at one eval length",
+                       description="Rank configurations by the metric at one eval length (lower is better for "
+                                   "losses, higher for accuracies).")
+    _store_options(p)
+    _report_options(p)
+    p.add_argument("--at", required=True, metavar="LENGTH", help="eval length (16384, 16k) or multiple of train_len (16x)")
+    p.add_argument("--top", type=int, default=None, help="show only the first N")
+    p.add_argument("--format", choices=("markdown", "csv"), default="markdown")
+    p.add_argument("--digits", type=int, default=4)
+    p.set_defaults(func=_best)
+
+    p = sub.add_parser("export", help="write the selected rows as Parquet or CSV")
+    _store_options(p)
+    p.add_argument("--format", choices=("parquet", "csv"), default=None, help="default: from the --out suffix")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser("studies", help="list the studies in the store")
+    _store_options(p, selection=False)
+    p.set_defaults(func=_studies)
+
+    p = sub.add_parser("schema", help="print the results-row schema")
+    p.set_defaults(func=_schema)

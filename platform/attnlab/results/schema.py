@@ -1,0 +1,283 @@
+"""The results-row schema: one long-format row per measured number, and the checks that refuse bad rows.
+
+A row says *what was measured* (``metric``, ``value``), *on what* (``eval_len``, ``window_mode``,
+optional ``layer``/``bucket``/``n_tokens``), *for which configuration* (``attention``, ``scale``,
+``p_train``, ``p_eval``, ``rope_scaling``, ``train_len``, ``preset``, ``data``, ``seed``) and *where it
+came from* (``study``, ``trial``, ``step``, ``tokens``, ``config_hash``, ``git_sha``, ``created_at``).
+Every stored file carries ``schema_version`` (a column and a file-metadata entry); readers fill
+columns that an older file lacks with nulls.
+
+Conventions:
+- ``p_train`` / ``p_eval``: the sharpening power, null = no sharpening (the string ``"none"`` is
+  accepted on input and stored as null).
+- ``value`` may be NaN or infinite: a diverged run must still be recordable.
+- ``metric`` must be a registered name (:data:`METRICS`); typos would otherwise vanish silently from
+  tables. Add new metrics with :func:`register_metric`.
+- The marker row ``metric="complete"`` says a trial finished writing its results (see
+  ``ResultsStore.mark_complete``); reports ignore it.
+
+This module is pure Python + pyarrow: no Ray, no pandas-only logic, no file I/O.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import numbers
+import re
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from attnlab.errors import UserError
+
+SCHEMA_VERSION = 1
+SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
+
+COMPLETE_METRIC = "complete"
+ROPE_SCALINGS = ("ntk", "none")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the results schema."""
+
+    name: str
+    kind: str  # "str", "int", "float", "timestamp"
+    required: bool
+    doc: str
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("study", "str", True, "study name (also the store folder study=<name>/)"),
+    Column("trial", "str", True, "trial id inside the study"),
+    Column("attention", "str", True, "attention variant name, e.g. softmax, lssa, sigmoid_l1"),
+    Column("scale", "str", True, 'scale factor, e.g. "logd_logn", "inv_sqrt_d", "coef*log_n:0.8"'),
+    Column("p_train", "float", False, "sharpening power used in training; null = none"),
+    Column("p_eval", "float", False, "sharpening power applied at evaluation only; null = none"),
+    Column("rope_scaling", "str", True, "RoPE scaling at evaluation: ntk | none"),
+    Column("step", "int", True, "training step of the evaluated weights"),
+    Column("tokens", "int", True, "training tokens seen at that step"),
+    Column("eval_len", "int", True, "evaluation length (tokens per window)"),
+    Column("train_len", "int", True, "training context length"),
+    Column("window_mode", "str", True, 'how windows were cut: "nonoverlap", "long_docs", "passkey", ...'),
+    Column("metric", "str", True, "metric name (see METRICS)"),
+    Column("value", "float", True, "the measured number (NaN/inf allowed: diverged runs)"),
+    Column("seed", "int", True, "training seed of the trial"),
+    Column("config_hash", "str", True, "hash of the full trial configuration"),
+    Column("git_sha", "str", True, 'code version ("unknown" when not in a git checkout)'),
+    Column("layer", "int", False, "layer index for per-layer diagnostics; null = whole model"),
+    Column("bucket", "str", False, 'position bucket ("early"/"middle"/"late") or key depth; null = all'),
+    Column("n_tokens", "int", False, "number of tokens the metric was computed on"),
+    Column("preset", "str", False, "model preset name"),
+    Column("data", "str", False, "data set / folder the metric was computed on"),
+    Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
+    Column("schema_version", "int", True, "schema version of the writer; filled on write"),
+)
+COLUMN_NAMES = tuple(c.name for c in COLUMNS)
+_BY_NAME = {c.name: c for c in COLUMNS}
+
+# Columns that identify a configuration (what reports group by); seeds are averaged over.
+CONFIG_COLUMNS = (
+    "attention", "scale", "p_train", "p_eval", "rope_scaling", "train_len", "preset", "data",
+    "window_mode", "layer", "bucket",
+)
+
+_ARROW_TYPES = {
+    "str": pa.string(),
+    "int": pa.int64(),
+    "float": pa.float64(),
+    "timestamp": pa.timestamp("us", tz="UTC"),
+}
+
+ARROW_SCHEMA = pa.schema(
+    [pa.field(c.name, _ARROW_TYPES[c.kind], nullable=not c.required) for c in COLUMNS],
+    metadata={SCHEMA_VERSION_METADATA_KEY: str(SCHEMA_VERSION).encode()},
+)
+
+_STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A registered metric name: whether a higher value is better (used by rankings) and what it means."""
+
+    name: str
+    higher_is_better: bool
+    doc: str
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register_metric(name: str, higher_is_better: bool, doc: str = "") -> Metric:
+    """Add a metric name to the registry (idempotent for the same definition)."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise UserError(f"metric name {name!r} must be lower_snake_case (letters, digits, underscores)")
+    metric = Metric(name, higher_is_better, doc)
+    METRICS[name] = metric
+    return metric
+
+
+for _name, _higher, _doc in (
+    ("val_loss", False, "mean next-token cross-entropy (nats) over all window positions"),
+    ("bpb", False, "bits per UTF-8 byte"),
+    ("loss_bucket", False, "cross-entropy over one position bucket of the window (see bucket)"),
+    ("loss", False, "cross-entropy of a probe or task"),
+    ("train_loss", False, "training loss"),
+    ("perplexity", False, "exp(cross-entropy)"),
+    ("acc", True, "accuracy of a probe / multiple-choice task"),
+    ("passkey_acc", True, "passkey retrieval accuracy (true key ranked first among distractors)"),
+    ("passkey_rank", False, "mean rank of the true passkey among distractors (0 = first)"),
+    ("entropy", False, "mean attention-row entropy (nats), per layer"),
+    ("sink_mass", False, "mean attention weight on the first token, per layer"),
+    (COMPLETE_METRIC, True, "marker: the trial finished writing its results; value = rows written"),
+):
+    register_metric(_name, _higher, _doc)
+
+
+def describe_schema() -> str:
+    """A human-readable listing of the columns (for --help and docs)."""
+    lines = [f"results schema v{SCHEMA_VERSION}:"]
+    for c in COLUMNS:
+        flag = "required" if c.required else "nullable"
+        lines.append(f"  {c.name:<15} {c.kind:<9} {flag:<8} {c.doc}")
+    return "\n".join(lines)
+
+
+def _is_missing(value) -> bool:
+    if value is None:
+        return True
+    try:
+        import pandas as pd
+
+        if value is pd.NA or value is pd.NaT:
+            return True
+    except ImportError:  # pragma: no cover - pandas is a dependency
+        pass
+    return False
+
+
+def _describe_row(index: int, row: dict) -> str:
+    parts = [f"row {index}"]
+    ident = [f"{k}={row[k]!r}" for k in ("trial", "metric", "eval_len") if k in row and not _is_missing(row[k])]
+    if ident:
+        parts.append("(" + ", ".join(ident) + ")")
+    return " ".join(parts)
+
+
+def _coerce(column: Column, value, where: str):
+    """Return the stored form of one cell, or raise UserError naming the row and column."""
+    name = column.name
+    if _is_missing(value) or (name != "value" and isinstance(value, float) and math.isnan(value)):
+        # Outside ``value``, NaN is how pandas spells "missing" (e.g. p_eval = none, an empty bucket).
+        if column.required:
+            raise UserError(f"results {where}: column {name!r} is required ({column.doc}), got a missing value")
+        return None
+    kind = column.kind
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            raise UserError(f"results {where}: column {name!r} must be a non-empty string, got {value!r}")
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise UserError(f"results {where}: column {name!r} must be an integer, got {value!r}")
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if math.isfinite(value) and float(value).is_integer():
+            return int(value)
+        raise UserError(f"results {where}: column {name!r} must be an integer, got {value!r}")
+    if kind == "float":
+        if name in ("p_train", "p_eval") and isinstance(value, str) and value.strip().lower() == "none":
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise UserError(f"results {where}: column {name!r} must be a number, got {value!r}")
+        value = float(value)
+        if name != "value" and not math.isfinite(value):
+            raise UserError(f"results {where}: column {name!r} must be finite, got {value!r}")
+        return value
+    if kind == "timestamp":
+        if isinstance(value, str):
+            try:
+                value = _dt.datetime.fromisoformat(value)
+            except ValueError:
+                raise UserError(
+                    f"results {where}: column {name!r} must be a datetime or ISO-8601 string, got {value!r}"
+                ) from None
+        if hasattr(value, "to_pydatetime"):
+            value = value.to_pydatetime()
+        if not isinstance(value, _dt.datetime):
+            raise UserError(f"results {where}: column {name!r} must be a datetime, got {value!r}")
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return value.astimezone(_dt.timezone.utc)
+    raise AssertionError(kind)  # pragma: no cover
+
+
+def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> dict:
+    """Check one row against the schema and return it in stored form (all columns present).
+
+    Raises ``UserError`` naming the row and the column on: an unknown column, a missing required
+    column, a wrong type, an unregistered metric, an unknown rope_scaling, a bad study name, or a
+    negative length/step/token count.
+    """
+    if not isinstance(row, dict):
+        raise UserError(f"results row {index}: must be a mapping of column -> value, got {type(row).__name__}")
+    where = _describe_row(index, row)
+    unknown = sorted(set(row) - set(COLUMN_NAMES))
+    if unknown:
+        raise UserError(
+            f"results {where}: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMN_NAMES)}"
+        )
+    out = {}
+    for column in COLUMNS:
+        if column.name == "schema_version":
+            given = row.get("schema_version")
+            if not _is_missing(given) and given != SCHEMA_VERSION:
+                raise UserError(
+                    f"results {where}: column 'schema_version' is {given!r}; this writer only writes "
+                    f"version {SCHEMA_VERSION}"
+                )
+            out["schema_version"] = SCHEMA_VERSION
+            continue
+        if column.name == "created_at" and _is_missing(row.get("created_at")):
+            out["created_at"] = now or _dt.datetime.now(_dt.timezone.utc)
+            continue
+        if column.name not in row and column.required:
+            raise UserError(f"results {where}: missing required column {column.name!r} ({column.doc})")
+        out[column.name] = _coerce(column, row.get(column.name), where)
+
+    if out["metric"] not in METRICS:
+        raise UserError(
+            f"results {where}: unknown metric {out['metric']!r}; registered: {', '.join(sorted(METRICS))} "
+            "(add one with attnlab.results.register_metric)"
+        )
+    if out["rope_scaling"] not in ROPE_SCALINGS:
+        raise UserError(
+            f"results {where}: column 'rope_scaling' is {out['rope_scaling']!r}; allowed: {', '.join(ROPE_SCALINGS)}"
+        )
+    if not _STUDY_NAME.match(out["study"]):
+        raise UserError(
+            f"results {where}: column 'study' is {out['study']!r}; use letters, digits and . _ + - "
+            "(it names a folder), at most 200 characters, starting with a letter or digit"
+        )
+    for name in ("step", "tokens", "seed", "n_tokens", "layer"):
+        if out[name] is not None and out[name] < 0:
+            raise UserError(f"results {where}: column {name!r} must be >= 0, got {out[name]}")
+    for name in ("eval_len", "train_len"):
+        if out[name] <= 0:
+            raise UserError(f"results {where}: column {name!r} must be > 0, got {out[name]}")
+    return out
+
+
+def rows_to_table(rows: list[dict]) -> pa.Table:
+    """Validate rows and build an Arrow table in the stored schema (raises UserError on the first bad row)."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    checked = [validate_row(row, i, now) for i, row in enumerate(rows)]
+    columns = {name: [r[name] for r in checked] for name in COLUMN_NAMES}
+    return pa.Table.from_pydict(columns, schema=ARROW_SCHEMA)
+
+
+def empty_table() -> pa.Table:
+    """A table with the stored schema and no rows."""
+    return ARROW_SCHEMA.empty_table()

@@ -1,0 +1,192 @@
+"""Reports on a store with known rows: Table-4 cells (hand-computed mean/std), curves PNG/HTML, best, export, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from attnlab.errors import UserError
+from attnlab.results import ResultsStore, reports
+from attnlab.results import cli as results_cli
+
+
+def row(attention, p_eval, seed, eval_len, value, step=500, metric="val_loss", **extra) -> dict:
+    out = dict(
+        study="t4", trial=f"{attention}-s{seed}", attention=attention, scale="logd_logn", p_train=None,
+        p_eval=p_eval, rope_scaling="ntk", step=step, tokens=step * 4096, eval_len=eval_len, train_len=64,
+        window_mode="nonoverlap", metric=metric, value=value, seed=seed, config_hash=f"h-{attention}-{seed}",
+        git_sha="abc1234",
+    )
+    out.update(extra)
+    return out
+
+
+# Hand-computed cells (train_len 64; lengths 64 = 1x and 128 = 2x):
+# softmax, none: seeds 0,1 at 64 -> 3.0, 3.2: mean 3.1, sample std sqrt((0.01+0.01)/1) = 0.141421
+#                at 128 -> 4.0, 4.4: mean 4.2, std 0.282843
+# lssa, none:    seed 0: 3.1 at 64, 3.3 at 128 (n = 1: no std)
+# lssa, 15:      seeds 0,1,2 at 64 -> 3.0, 3.1, 3.5: mean 3.2, std sqrt((0.04+0.01+0.09)/2) = 0.264575
+#                seed 0 only at 128 -> 3.25
+KNOWN_ROWS = [
+    row("softmax", None, 0, 64, 3.0), row("softmax", None, 1, 64, 3.2),
+    row("softmax", None, 0, 128, 4.0), row("softmax", None, 1, 128, 4.4),
+    row("lssa", None, 0, 64, 3.1), row("lssa", None, 0, 128, 3.3),
+    row("lssa", 15.0, 0, 64, 3.0), row("lssa", 15.0, 1, 64, 3.1), row("lssa", 15.0, 2, 64, 3.5),
+    row("lssa", 15.0, 0, 128, 3.25),
+]
+NOISE_ROWS = [
+    row("softmax", None, 0, 64, 9.9, step=100),  # an earlier step: not the final one
+    row("softmax", None, 0, 128, 9.9, step=100),
+    row("softmax", None, 0, 64, 1.23, metric="bpb"),  # another metric
+]
+
+
+@pytest.fixture()
+def store(tmp_path):
+    store = ResultsStore(str(tmp_path / "store"))
+    by_trial: dict[tuple, list] = {}
+    for r in KNOWN_ROWS + NOISE_ROWS:
+        by_trial.setdefault((r["trial"], r["p_eval"], r["step"]), []).append(r)
+    for key, rows in by_trial.items():
+        store.write(rows, key=key)
+    store.mark_complete(KNOWN_ROWS[0], n_rows=4)
+    return store
+
+
+def test_table_cells_are_hand_computed_mean_std_n(store):
+    result = reports.table(store.read(study="t4"))
+    assert result.attrs["label_columns"] == ["attention", "p_eval"]
+    assert result.attrs["lengths"] == [64, 128]
+    assert result.attrs["constants"]["scale"] == "logd_logn" and result.attrs["train_len"] == 64
+    assert result["attention"].tolist() == ["lssa", "lssa", "softmax"]
+    assert result["p_eval"].isna().tolist() == [True, False, True] and result["p_eval"][1] == 15.0
+    assert result["mean@64"].tolist() == pytest.approx([3.1, 3.2, 3.1])
+    assert result["std@64"][0] != result["std@64"][0]  # NaN: n = 1
+    assert result["std@64"][1:].tolist() == pytest.approx([math.sqrt(0.07), math.sqrt(0.02)])
+    assert result["n@64"].tolist() == [1, 3, 2]
+    assert result["mean@128"].tolist() == pytest.approx([3.3, 3.25, 4.2])
+    assert result["std@128"][2] == pytest.approx(math.sqrt(0.08))
+    assert result["n@128"].tolist() == [1, 1, 2]
+
+    markdown = reports.to_markdown(result)
+    lines = markdown.splitlines()
+    assert lines[0].startswith("val_loss (final step of each trial;")
+    assert "constant: scale=logd_logn, p_train=none, rope_scaling=ntk, train_len=64, window_mode=nonoverlap" in lines[0]
+    assert lines[2:] == [
+        "| attention | p_eval | 64 (1x) | 128 (2x) |",
+        "|---|---|---|---|",
+        "| lssa | none | 3.1000 | 3.3000 |",
+        "| lssa | 15 | 3.2000 ± 0.2646 (n=3) | 3.2500 |",
+        "| softmax | none | 3.1000 ± 0.1414 (n=2) | 4.2000 ± 0.2828 (n=2) |",
+    ]
+    csv_lines = reports.to_csv(result).splitlines()
+    assert csv_lines[0] == "attention,p_eval,mean@64,std@64,n@64,mean@128,std@128,n@128"
+    assert csv_lines[3].startswith("softmax,,3.1,0.1414213562")
+
+
+def test_table_other_metric_missing_cells_and_explicit_step(store):
+    result = reports.table(store.read(), metric="bpb")
+    assert result["mean@64"].tolist() == [1.23] and result.attrs["label_columns"] == ["attention"]
+    early = reports.table(store.read(), step=100)
+    assert early["mean@64"].tolist() == [9.9] and early["mean@128"].tolist() == [9.9]
+    # A length measured for one configuration only shows "–" for the others.
+    frame = pd.concat([store.read(), pd.DataFrame([row("lssa", None, 0, 256, 3.9)])], ignore_index=True)
+    lines = reports.to_markdown(reports.table(frame), with_caption=False).splitlines()
+    assert lines[2] == "| lssa | none | 3.1000 | 3.3000 | 3.9000 |"
+    assert lines[4].endswith("| 4.2000 ± 0.2828 (n=2) | – |")
+    with pytest.raises(UserError, match="--metric 'acc' has no rows; metrics present: bpb, val_loss"):
+        reports.table(store.read(), metric="acc")
+    with pytest.raises(UserError, match="marker"):
+        reports.table(store.read(), metric="complete")
+
+
+def test_best_ranks_at_a_length_or_multiple(store):
+    ranking = reports.best(store.read(), at="2x")
+    assert ranking["rank"].tolist() == [1, 2, 3]
+    assert list(zip(ranking["attention"], ranking["p_eval"].fillna(0))) == [("lssa", 15.0), ("lssa", 0), ("softmax", 0)]
+    assert ranking["mean"].tolist() == pytest.approx([3.25, 3.3, 4.2])
+    assert reports.best(store.read(), at=128)["mean"].tolist() == pytest.approx([3.25, 3.3, 4.2])
+    text = reports.best_to_markdown(ranking)
+    assert "| 1 | lssa | 15 | 128 | 3.2500 |" in text and "lower is better" in text
+    with pytest.raises(UserError, match="eval lengths present: 64, 128"):
+        reports.best(store.read(), at="16x")
+    with pytest.raises(UserError, match="--at 'far'"):
+        reports.best(store.read(), at="far")
+    # Accuracies rank higher-first.
+    acc = pd.DataFrame([row("softmax", None, 0, 64, 0.2, metric="passkey_acc"),
+                        row("lssa", None, 0, 64, 0.9, metric="passkey_acc")])
+    assert reports.best(acc, at="1x", metric="passkey_acc")["attention"].tolist() == ["lssa", "softmax"]
+
+
+def test_curves_write_a_png_that_opens_and_html_with_the_data(store, tmp_path):
+    import matplotlib.image
+
+    paths = reports.curves(store.read(), str(tmp_path / "plots"))
+    with open(paths["png"], "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(paths["png"])
+    assert image.shape[:2] == (500, 800)  # 8x5 inches at 100 dpi
+    assert image.std() > 0  # something was drawn
+    page = Path(paths["html"]).read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and "data:image/png;base64,iVBORw0KGgo" in page
+    assert "<td>3.2000 ± 0.2646 (n=3)</td>" in page and "<td>4.2000 ± 0.2828 (n=2)</td>" in page
+    assert "http://" not in page and "https://" not in page
+
+    by_p = reports.curves(store.read(), str(tmp_path / "plots"), by="p")
+    assert by_p["png"].endswith("val_loss_vs_p.png")
+    assert matplotlib.image.imread(by_p["png"]).shape[:2] == (500, 800)
+    page = Path(by_p["html"]).read_text(encoding="utf-8")
+    assert "<th>p_eval</th>" in page and "<td>15</td><td>64</td><td>3.2000 ± 0.2646 (n=3)</td>" in page
+    with pytest.raises(UserError, match="--by p needs rows with several"):
+        reports.curves(store.read()[lambda d: d["attention"] == "softmax"], str(tmp_path / "x"), by="p")
+
+
+def test_export_and_reference(store, tmp_path):
+    frame = store.read(metric="val_loss")
+    csv_path = reports.export(frame, str(tmp_path / "out" / "rows.csv"))
+    assert len(pd.read_csv(csv_path)) == len(frame) == 12
+    parquet_path = reports.export(frame, str(tmp_path / "rows.parquet"))
+    assert pd.read_parquet(parquet_path)["value"].tolist() == frame["value"].tolist()
+    reference = reports.format_reference_table()
+    assert "| lssar | 15 | 3.1905 | 3.1930 | 3.2291 | 3.3171 |" in reference
+    assert reports.reference_table().shape == (15, 6)
+
+
+def _run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="attnlab")
+    results_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_reports(store, tmp_path, capsys):
+    root = store.uri
+    assert _run_cli(["results", "table", "--store", root, "--study", "t4"]) == 0
+    out = capsys.readouterr().out
+    assert "| softmax | none | 3.1000 ± 0.1414 (n=2) | 4.2000 ± 0.2828 (n=2) |" in out
+    assert _run_cli(["results", "table", "--store", root, "--format", "csv", "--where", "attention=lssa",
+                     "--where", "p_eval=none"]) == 0
+    # Nothing varies: the label falls back to attention; std is empty when n = 1.
+    assert capsys.readouterr().out.splitlines() == ["attention,mean@64,std@64,n@64,mean@128,std@128,n@128",
+                                                    "lssa,3.1,,1,3.3,,1"]
+    assert _run_cli(["results", "table", "--store", root, "--reference"]) == 0
+    assert "Paper (Gao & Spratling, Table 4)" in capsys.readouterr().out
+    assert _run_cli(["results", "best", "--store", root, "--at", "2x", "--top", "1"]) == 0
+    assert "| 1 | lssa | 15 | 128 | 3.2500 |" in capsys.readouterr().out
+    assert _run_cli(["results", "curves", "--store", root, "--out", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "c" / "val_loss_vs_length.png"),
+                                                 str(tmp_path / "c" / "val_loss_vs_length.html")]
+    assert _run_cli(["results", "export", "--store", root, "--out", str(tmp_path / "e.parquet")]) == 0
+    assert len(pd.read_parquet(tmp_path / "e.parquet")) == 14  # 13 rows + the complete marker
+    assert _run_cli(["results", "studies", "--store", root]) == 0
+    assert capsys.readouterr().out.split()[-1] == "t4"
+    with pytest.raises(UserError, match="--study 'nope' not in store"):
+        _run_cli(["results", "table", "--store", root, "--study", "nope"])
+    with pytest.raises(UserError, match="no results store there"):
+        _run_cli(["results", "table", "--store", str(tmp_path / "missing")])
+    with pytest.raises(UserError, match="--where 'eval_len=big'"):
+        _run_cli(["results", "table", "--store", root, "--where", "eval_len=big"])

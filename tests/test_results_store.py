@@ -1,0 +1,208 @@
+"""The results store: concurrent writers in real processes, replace-on-retry, schema refusal, reads."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from attnlab.errors import UserError
+from attnlab.results import SCHEMA_VERSION, ResultsStore, file_name_for_key
+from attnlab.results.schema import ARROW_SCHEMA, SCHEMA_VERSION_METADATA_KEY
+
+
+def make_row(**overrides) -> dict:
+    row = dict(
+        study="s1", trial="t0", attention="lssa", scale="logd_logn", p_train=None, p_eval=None,
+        rope_scaling="ntk", step=100, tokens=6400, eval_len=64, train_len=64, window_mode="nonoverlap",
+        metric="val_loss", value=3.5, seed=0, config_hash="cfg-t0", git_sha="abc1234",
+    )
+    row.update(overrides)
+    return row
+
+
+def _writer(root: str, worker: int, barrier) -> None:
+    """One writer process: its own 10 keys, a retry of its first key, and the key every writer shares."""
+    store = ResultsStore(root)
+    barrier.wait()
+    for step in range(10):
+        rows = [make_row(trial=f"w{worker}", step=step, eval_len=64 * 2**i, value=worker + step / 10 + i / 100,
+                         config_hash=f"cfg-w{worker}") for i in range(5)]
+        store.write(rows, key=(f"w{worker}", step, "eval"))
+        if step == 0:
+            store.write(rows, key=(f"w{worker}", step, "eval"))  # a retried write
+    shared = [make_row(trial="shared", step=0, eval_len=64 * 2**i, value=float(i)) for i in range(5)]
+    store.write(shared, key=("shared", 0, "eval"))
+
+
+def test_four_processes_write_concurrently_nothing_lost_nothing_duplicated(tmp_path):
+    root = str(tmp_path / "store")
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(4)
+    processes = [context.Process(target=_writer, args=(root, w, barrier)) for w in range(4)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(timeout=120)
+    assert [p.exitcode for p in processes] == [0, 0, 0, 0]
+
+    frame = ResultsStore(root).read()
+    # 4 writers x 10 steps x 5 lengths, plus the 5 shared rows exactly once.
+    assert len(frame) == 4 * 10 * 5 + 5
+    identity = list(zip(frame["trial"], frame["step"], frame["eval_len"]))
+    assert len(set(identity)) == len(identity)
+    expected = {(f"w{w}", s, 64 * 2**i) for w in range(4) for s in range(10) for i in range(5)}
+    expected |= {("shared", 0, 64 * 2**i) for i in range(5)}
+    assert set(identity) == expected
+    w3 = frame[(frame["trial"] == "w3") & (frame["step"] == 7) & (frame["eval_len"] == 256)]
+    assert w3["value"].tolist() == [pytest.approx(3 + 0.7 + 0.02)]
+    files = sorted(os.listdir(os.path.join(root, "study=s1")))
+    assert len(files) == 41  # one file per key, no temporary leftovers
+    assert not [f for f in files if f.startswith(".")]
+
+
+def test_same_key_replaces_and_other_key_adds(tmp_path):
+    store = ResultsStore(str(tmp_path))
+    first = store.write([make_row(value=1.0), make_row(eval_len=128, value=2.0)], key=("t0", 100, "eval"))
+    again = store.write([make_row(value=1.5)], key=("t0", 100, "eval"))
+    assert first == again
+    assert os.path.basename(first) == file_name_for_key(("t0", 100, "eval"))
+    assert store.read()["value"].tolist() == [1.5]
+    store.write([make_row(step=200, value=0.5)], key=("t0", 200, "eval"))
+    assert store.read()["value"].tolist() == [1.5, 0.5]
+    # Keys differing only in type or order are different files; the same key is the same name.
+    assert file_name_for_key(("t0", 1)) != file_name_for_key(("t0", "1"))
+    assert file_name_for_key(("a", "b")) != file_name_for_key(("b", "a"))
+    assert file_name_for_key("t0") == file_name_for_key(("t0",))
+
+
+def test_read_filters_types_and_studies(tmp_path):
+    store = ResultsStore(str(tmp_path))
+    assert store.read().empty and store.studies() == []
+    store.write([make_row(p_eval=None, value=1.0), make_row(p_eval=3, value=2.0),
+                 make_row(p_eval="none", eval_len=128, value=3.0, layer=2, n_tokens=4096)], key="a")
+    store.write([make_row(study="other", trial="x", value=9.0)], key="a")
+    assert store.studies() == ["other", "s1"]
+    assert sorted(store.read()["value"]) == [1.0, 2.0, 3.0, 9.0]
+    assert store.read(study="other")["value"].tolist() == [9.0]
+    assert store.read(p_eval=3)["value"].tolist() == [2.0]
+    assert sorted(store.read(p_eval=None)["value"]) == [1.0, 3.0, 9.0]
+    assert sorted(store.read(study="s1", p_eval=[None, 3.0])["value"]) == [1.0, 2.0, 3.0]
+    assert store.read(eval_len=[128, 4096])["value"].tolist() == [3.0]
+    assert store.read(eval_len=[]).empty
+    frame = store.read(study="s1")
+    assert str(frame["layer"].dtype) == "Int64" and frame["layer"].tolist()[2] == 2
+    assert frame["layer"].isna().sum() == 2
+    assert (frame["schema_version"] == SCHEMA_VERSION).all()
+    assert frame["created_at"].notna().all()
+    with pytest.raises(UserError, match="filter 'evallen' is not a column"):
+        store.read(evallen=64)
+    # file:// URIs read the same store.
+    assert len(ResultsStore("file://" + str(tmp_path)).read()) == 4
+
+
+def test_nan_value_is_recorded_and_schema_version_in_metadata(tmp_path):
+    store = ResultsStore(str(tmp_path))
+    path = store.write([make_row(value=float("nan")), make_row(eval_len=128, value=float("inf"))], key="diverged")
+    values = store.read()["value"].tolist()
+    assert math.isnan(values[0]) and values[1] == math.inf
+    metadata = pq.read_schema(path).metadata
+    assert metadata[SCHEMA_VERSION_METADATA_KEY] == str(SCHEMA_VERSION).encode()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"eval_len": "long"}, "row 1 .*column 'eval_len' must be an integer, got 'long'"),
+        ({"value": None}, "row 1 .*column 'value' is required"),
+        ({"seed": True}, "column 'seed' must be an integer"),
+        ({"step": 1.5}, "column 'step' must be an integer"),
+        ({"p_eval": "sharp"}, "column 'p_eval' must be a number"),
+        ({"metric": "val-loss"}, "unknown metric 'val-loss'; registered: .*val_loss"),
+        ({"rope_scaling": "yarn"}, "column 'rope_scaling' is 'yarn'; allowed: ntk, none"),
+        ({"evallen": 64}, "unknown column 'evallen'"),
+        ({"study": "a/b"}, "column 'study' is 'a/b'"),
+        ({"eval_len": 0}, "column 'eval_len' must be > 0"),
+        ({"study": "s2"}, "rows of one write must share one study"),
+    ],
+)
+def test_rows_that_break_the_schema_are_refused_and_nothing_is_written(tmp_path, override, message):
+    store = ResultsStore(str(tmp_path))
+    store.write([make_row(value=1.0)], key="good")
+    with pytest.raises(UserError, match=message) as info:
+        store.write([make_row(), make_row(**override)], key="bad")
+    assert "\n" not in str(info.value)
+    assert store.read()["value"].tolist() == [1.0]
+    assert sorted(os.listdir(tmp_path / "study=s1")) == [file_name_for_key("good")]
+
+
+def test_missing_required_column_and_bad_inputs_are_refused(tmp_path):
+    store = ResultsStore(str(tmp_path / "store"))
+    row = make_row()
+    del row["config_hash"]
+    with pytest.raises(UserError, match="row 0 .*missing required column 'config_hash'"):
+        store.write([row], key="k")
+    with pytest.raises(UserError, match="no rows to write"):
+        store.write([], key="k")
+    with pytest.raises(UserError, match="key must be a string or a tuple"):
+        store.write([make_row()], key=["k"])
+    with pytest.raises(UserError, match="single dict"):
+        store.write(make_row(), key="k")
+    assert not store.exists()
+
+
+def test_dataframe_round_trip_keeps_nulls(tmp_path):
+    store = ResultsStore(str(tmp_path / "a"))
+    store.write([make_row(value=1.0, bucket="early"), make_row(eval_len=128, value=2.0, p_eval=15)], key="k")
+    frame = store.read()
+    copy = ResultsStore(str(tmp_path / "b"))
+    copy.write(frame, key="k")  # a DataFrame from read() is valid input (NaN = null outside value)
+    back = copy.read()
+    assert back["p_eval"].isna().tolist() == [True, False]
+    assert back["bucket"].tolist()[0] == "early" and back["bucket"].isna().tolist() == [False, True]
+    assert back["value"].tolist() == [1.0, 2.0]
+
+
+def test_complete_marker(tmp_path):
+    store = ResultsStore(str(tmp_path))
+    assert store.has_complete("cfg-t0") is False  # store not created yet
+    rows = [make_row(eval_len=64 * 2**i, value=float(i)) for i in range(3)]
+    store.write(rows, key=("t0", 100, "eval"))
+    assert store.has_complete("cfg-t0") is False
+    store.mark_complete(rows[0], n_rows=3)
+    assert store.has_complete("cfg-t0") is True
+    assert store.has_complete("cfg-t0", expected=3) is True
+    assert store.has_complete("cfg-t0", expected=4) is False
+    assert store.has_complete("cfg-other") is False
+    store.mark_complete(rows[0], n_rows=3)  # a retry does not add a second marker
+    markers = store.read(metric="complete")
+    assert len(markers) == 1 and markers["value"].tolist() == [3.0]
+
+
+def test_old_files_read_with_nulls_newer_and_corrupt_files_are_refused(tmp_path):
+    store = ResultsStore(str(tmp_path))
+    store.write([make_row(value=1.0, preset="tiny")], key="new")
+    # A file from an older writer that lacks the optional columns.
+    old = make_row(value=2.0, schema_version=SCHEMA_VERSION, trial="old")
+    fields = [ARROW_SCHEMA.field(name) for name in old]
+    pq.write_table(pa.Table.from_pylist([old], schema=pa.schema(fields)), str(tmp_path / "study=s1" / "old.parquet"))
+    frame = store.read()  # sorted by trial: "old" before "t0"
+    assert frame["trial"].tolist() == ["old", "t0"] and frame["value"].tolist() == [2.0, 1.0]
+    assert frame["preset"].isna().tolist() == [True, False] and frame["preset"].tolist()[1] == "tiny"
+
+    newer = make_row(value=3.0, trial="newer")
+    newer["schema_version"] = SCHEMA_VERSION + 1
+    pq.write_table(pa.Table.from_pylist([newer], schema=pa.schema([ARROW_SCHEMA.field(n) for n in newer])),
+                   str(tmp_path / "study=s1" / "newer.parquet"))
+    with pytest.raises(UserError, match="newer than this attnlab"):
+        store.read()
+    os.remove(tmp_path / "study=s1" / "newer.parquet")
+
+    (tmp_path / "study=s1" / "broken.parquet").write_bytes(b"not parquet at all")
+    (tmp_path / "study=s1" / ".tmp-inflight.parquet").write_bytes(b"half written")  # ignored
+    with pytest.raises(UserError, match="broken.parquet' is not a readable results file"):
+        store.read()
