@@ -30,6 +30,8 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(tempfile.gettempdir(), 
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["conftest_data"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _offline_tokenizer():

@@ -1,0 +1,495 @@
+"""``prepare()``: a document source -> shuffled, tokenised, verified token shards (``attnlab data prepare``).
+
+Two phases, each a list of independent work items run serially (``workers=1``) or as Ray tasks
+(:mod:`attnlab.data.parallel`, the only Ray code here):
+
+1. **tokenise**: one item per source partition. Each document becomes ``[EOT] + encode_ordinary(text)``;
+   the partition's documents go, in source order, to ``OUT/_work/part-NNNNN.arrow`` (one row per document).
+2. **assemble**: the driver numbers every document in source order (partition by partition), permutes
+   them with ``numpy.random.Generator(PCG64(seed)).permutation``, gives the validation split the longest
+   prefix of that order that fits in ``val_tokens`` (whole documents), and the train split the rest in
+   the same order. Each split's token stream is cut into ``shard_tokens``-token shards; one item per
+   shard gathers its tokens from the memory-mapped part files and writes ``train-NNNNN.arrow`` /
+   ``val-NNNNN.arrow``. Then ``manifest.json`` is written and ``_work`` removed.
+
+Shard bytes depend only on the inputs, the seed and the sizes, never on the number of workers. Every
+file is written under a temporary name and renamed, so an interrupted run leaves only whole files; a
+re-run with the same arguments skips the finished partitions and shards (``_work/plan.json`` records the
+arguments; a folder prepared with other arguments, tokeniser or seed is refused, never overwritten).
+
+Never imports Ray at module level.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from attnlab.data.shards import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    Location,
+    encode_shard,
+    file_sha256,
+    manifest_bytes,
+    read_shard,
+    resolve,
+    sha256_hex,
+    shard_name,
+)
+from attnlab.data.sources import Partition, Source, make_source
+from attnlab.data.tokenizer import EOT_ID, GPT2_VOCAB, TOKENIZER_NAME, encode_document
+from attnlab.errors import UserError
+
+WORK_DIR = "_work"
+PLAN = "plan.json"
+DEFAULT_SHARD_TOKENS = 100_000_000
+DEFAULT_VAL_TOKENS = 100_000_000  # capped at 10% of the corpus when val_tokens is None
+_PART_BATCH_TOKENS = 4_000_000  # a part file is written in record batches of about this many tokens
+_IDENTITY_KEYS = ("tokenizer", "vocab_size", "eot_id", "source", "seed", "shard_tokens", "val_tokens_requested")
+
+
+def _part_name(index: int) -> str:
+    return f"part-{index:05d}.arrow"
+
+
+def _throttle() -> None:
+    """Test hook: ``ATTNLAB_DATA_THROTTLE_S`` sleeps after each work item (kill-and-resume tests)."""
+    delay = float(os.environ.get("ATTNLAB_DATA_THROTTLE_S", "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+# ------------------------------------------------------------------------------------------ phase 1 items
+@dataclass(frozen=True)
+class TokenizeJob:
+    source: Source
+    partition: Partition
+    work: Location
+
+
+def tokenize_partition(job: TokenizeJob) -> tuple[int, int]:
+    """Tokenise one partition into ``_work/part-NNNNN.arrow``; return (documents, tokens)."""
+    schema = pa.schema([pa.field("tokens", pa.large_list(pa.uint16()))])
+    final = job.work.join(_part_name(job.partition.index))
+    tmp = job.work.join(f".{_part_name(job.partition.index)}.tmp-{os.getpid()}")
+    n_docs = n_tokens = 0
+    with job.work.fs.open_output_stream(tmp) as sink, ipc.new_file(sink, schema) as writer:
+        pieces: list[np.ndarray] = []
+        size = 0
+
+        def flush():
+            nonlocal pieces, size
+            if pieces:
+                offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+                np.cumsum([len(p) for p in pieces], out=offsets[1:])
+                values = pa.array(np.concatenate(pieces), pa.uint16())
+                writer.write_batch(pa.record_batch([pa.LargeListArray.from_arrays(offsets, values)], schema=schema))
+            pieces, size = [], 0
+
+        for text in job.source.documents(job.partition):
+            tokens = encode_document(text)
+            pieces.append(tokens)
+            size += len(tokens)
+            n_docs += 1
+            n_tokens += len(tokens)
+            if size >= _PART_BATCH_TOKENS:
+                flush()
+        flush()
+    job.work.fs.move(tmp, final)
+    _throttle()
+    return n_docs, n_tokens
+
+
+class _PartFile:
+    """A part file opened for gathering: per record batch its token values and document offsets."""
+
+    def __init__(self, loc: Location, name: str):
+        if loc.is_local:
+            reader = ipc.open_file(pa.memory_map(loc.join(name), "r"))
+        else:
+            reader = ipc.open_file(pa.py_buffer(loc.read_bytes(name)))
+        self.values: list[np.ndarray] = []
+        self.offsets: list[np.ndarray] = []
+        for b in range(reader.num_record_batches):
+            column = reader.get_batch(b).column(0)
+            self.values.append(column.values.to_numpy(zero_copy_only=True))
+            self.offsets.append(column.offsets.to_numpy())
+        counts = [len(o) - 1 for o in self.offsets]
+        self.batch_ends = np.cumsum(counts, dtype=np.int64)
+        self.num_docs = int(self.batch_ends[-1]) if counts else 0
+
+    def doc_lengths(self) -> np.ndarray:
+        if not self.offsets:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.diff(o) for o in self.offsets]).astype(np.int64)
+
+    def doc(self, i: int) -> np.ndarray:
+        b = int(np.searchsorted(self.batch_ends, i, side="right"))
+        row = i - (int(self.batch_ends[b - 1]) if b else 0)
+        o = self.offsets[b]
+        return self.values[b][o[row] : o[row + 1]]
+
+
+# ------------------------------------------------------------------------------------------ phase 2 items
+@dataclass(frozen=True)
+class ShardJob:
+    work: Location
+    out: Location
+    name: str
+    num_tokens: int
+    doc_ids: np.ndarray  # global document ids, in shard order
+    piece_lo: np.ndarray  # first token of each document taken into this shard
+    piece_hi: np.ndarray  # one past the last
+    first_doc_continues: bool
+    part_doc_ends: np.ndarray  # cumulative document count per part file
+
+
+def assemble_shard(job: ShardJob) -> dict:
+    """Gather one shard's tokens from the part files and write it; return its manifest entry."""
+    tokens = np.empty(job.num_tokens, dtype=np.uint16)
+    starts: list[int] = []
+    parts: dict[int, _PartFile] = {}
+    pos = 0
+    for k, (doc, lo, hi) in enumerate(zip(job.doc_ids, job.piece_lo, job.piece_hi)):
+        p = int(np.searchsorted(job.part_doc_ends, doc, side="right"))
+        if p not in parts:
+            parts[p] = _PartFile(job.work, _part_name(p))
+        local = int(doc) - (int(job.part_doc_ends[p - 1]) if p else 0)
+        piece = parts[p].doc(local)[lo:hi]
+        if not (k == 0 and job.first_doc_continues):
+            starts.append(pos)
+        tokens[pos : pos + len(piece)] = piece
+        pos += len(piece)
+    assert pos == job.num_tokens, (pos, job.num_tokens)
+    data = encode_shard(tokens, np.array(starts, dtype=np.int64), job.first_doc_continues)
+    job.out.write_bytes_atomic(job.name, data)
+    _throttle()
+    return _entry(job.name, sha256_hex(data), job.num_tokens, len(starts), job.first_doc_continues)
+
+
+def _entry(name: str, sha: str, num_tokens: int, num_docs: int, continues: bool) -> dict:
+    split, index = name.split(".")[0].split("-")
+    return {
+        "name": name,
+        "split": split,
+        "index": int(index),
+        "num_tokens": int(num_tokens),
+        "num_docs": int(num_docs),
+        "first_doc_continues": bool(continues),
+        "sha256": sha,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ planning
+def split_documents(lengths: np.ndarray, seed: int, val_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Shuffle document ids with ``seed``; return (val ids, train ids), both in shuffled order.
+
+    val = the longest prefix of the shuffled order whose tokens fit in ``val_tokens`` (whole documents);
+    if even the first document does not fit, the first one in shuffled order that does.
+    """
+    order = np.random.Generator(np.random.PCG64(seed)).permutation(len(lengths))
+    if val_tokens <= 0:
+        return order[:0], order
+    cum = np.cumsum(lengths[order])
+    k = int(np.searchsorted(cum, val_tokens, side="right"))
+    if k > 0:
+        return order[:k], order[k:]
+    fits = np.flatnonzero(lengths[order] <= val_tokens)
+    if len(fits) == 0:
+        raise UserError(
+            f"--val-tokens {val_tokens} is smaller than every document (shortest: {int(lengths.min())} tokens); "
+            f"raise it or pass 0 for no validation split"
+        )
+    j = int(fits[0])
+    return order[j : j + 1], np.delete(order, j)
+
+
+def plan_shards(split: str, doc_ids: np.ndarray, lengths: np.ndarray, shard_tokens: int) -> list[dict]:
+    """Cut a split's token stream (documents ``doc_ids`` in order) into ``shard_tokens``-token shards."""
+    doc_len = lengths[doc_ids]
+    ends = np.cumsum(doc_len)
+    begins = ends - doc_len
+    total = int(ends[-1]) if len(ends) else 0
+    shards = []
+    for k in range((total + shard_tokens - 1) // shard_tokens):
+        lo, hi = k * shard_tokens, min((k + 1) * shard_tokens, total)
+        a = int(np.searchsorted(ends, lo, side="right"))
+        b = int(np.searchsorted(ends, hi, side="left"))
+        sel = slice(a, b + 1)
+        shards.append(
+            {
+                "name": shard_name(split, k),
+                "num_tokens": hi - lo,
+                "doc_ids": doc_ids[sel],
+                "piece_lo": np.maximum(0, lo - begins[sel]),
+                "piece_hi": np.minimum(doc_len[sel], hi - begins[sel]),
+                "first_doc_continues": bool(begins[a] < lo),
+            }
+        )
+    return shards
+
+
+def _identity(record: dict) -> dict:
+    return {k: record.get(k) for k in _IDENTITY_KEYS}
+
+
+def _check_same(existing: dict, wanted: dict, where: str) -> None:
+    for key in _IDENTITY_KEYS:
+        if existing.get(key) != wanted.get(key):
+            raise UserError(
+                f"output folder {where} already holds shards prepared with {key}={json.dumps(existing.get(key))} "
+                f"(this run: {key}={json.dumps(wanted.get(key))}); choose another --out or delete that folder"
+            )
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with datasets
+        return None
+    return tqdm(total=total, desc=desc, unit="item", file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+class _Runner:
+    """Runs a phase's work items: in this process when ``workers == 1`` or there is at most one item,
+    else as Ray tasks through one :class:`attnlab.data.parallel.RayPool` kept for both phases."""
+
+    def __init__(self, workers: int | None):
+        self.workers = workers
+        self._pool = None
+
+    def __enter__(self) -> _Runner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.__exit__(*exc)
+
+    def map(self, fn, items):
+        if self.workers == 1 or len(items) <= 1:
+            for i, item in enumerate(items):
+                yield i, fn(item)
+            return
+        if self._pool is None:
+            from attnlab.data.parallel import RayPool
+
+            self._pool = RayPool(self.workers).__enter__()
+            self.workers = self._pool.workers
+        yield from self._pool.map(fn, items)
+
+
+def resolve_workers(workers: int | None) -> int | None:
+    """``None``: every CPU of the Ray cluster (the connected one, or ``RAY_ADDRESS``'s once connected:
+    returns None), else of this machine."""
+    if workers is not None:
+        if int(workers) < 1:
+            raise UserError(f"--workers must be >= 1, got {workers}")
+        return int(workers)
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    except ImportError:  # pragma: no cover
+        pass
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    return max(1, os.cpu_count() or 1)
+
+
+# ------------------------------------------------------------------------------------------------- prepare
+def prepare(
+    source: str | Source,
+    path: str | None = None,
+    out: str | os.PathLike = "data/prepared",
+    *,
+    name: str | None = None,
+    text_column: str = "text",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    val_tokens: int | None = None,
+    seed: int = 0,
+    workers: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Tokenise ``source`` into shards under ``out`` (local folder or pyarrow URI); return a summary.
+
+    ``source``: a kind of :data:`attnlab.data.sources.SOURCE_KINDS` (with ``path``, ``name``,
+    ``text_column``) or a :class:`Source`. ``val_tokens=None`` means 100M tokens capped at 10% of the
+    corpus; 0 means no validation split. ``workers``: parallel tasks (1 = in this process, no Ray;
+    None = every CPU). Returns ``{"manifest", "tokens", "seconds", "tokens_per_s", "skipped_partitions",
+    "skipped_shards", "already_prepared", "summary"}`` (``summary``: the one-line report, printed when
+    ``progress``).
+    """
+    t0 = time.perf_counter()
+    if int(shard_tokens) < 1:
+        raise UserError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    if val_tokens is not None and int(val_tokens) < 0:
+        raise UserError(f"--val-tokens must be >= 0, got {val_tokens}")
+    src = make_source(source, path, name, text_column) if isinstance(source, str) else source
+    loc = resolve(out)
+    work = Location(loc.fs, loc.join(WORK_DIR), loc.uri.rstrip("/") + "/" + WORK_DIR)
+    wanted = {
+        "tokenizer": TOKENIZER_NAME,
+        "vocab_size": GPT2_VOCAB,
+        "eot_id": EOT_ID,
+        "source": src.describe(),
+        "seed": int(seed),
+        "shard_tokens": int(shard_tokens),
+        "val_tokens_requested": None if val_tokens is None else int(val_tokens),
+    }
+
+    # --- refuse a folder prepared differently; detect a finished or interrupted run (nothing written yet)
+    if loc.exists(WORK_DIR + "/" + PLAN):
+        _check_same(json.loads(loc.read_bytes(WORK_DIR + "/" + PLAN)), wanted, loc.uri)
+    if loc.exists(MANIFEST):
+        try:
+            existing = json.loads(loc.read_bytes(MANIFEST))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{loc.join(MANIFEST)} is not valid JSON ({exc.msg}); delete the folder") from exc
+        _check_same(existing, wanted, loc.uri)
+        total = sum(existing["splits"][s]["num_tokens"] for s in SPLITS)
+        return {"manifest": existing, "tokens": total, "seconds": time.perf_counter() - t0, "tokens_per_s": None,
+                "skipped_partitions": None, "skipped_shards": len(existing["shards"]), "already_prepared": True,
+                "summary": f"{loc.uri} is already prepared with these arguments ({total:,} tokens); nothing to do"}
+    if not loc.exists(WORK_DIR + "/" + PLAN):
+        stray = [n for n in loc.list_names() if n.endswith(".arrow") and n.split("-")[0] in SPLITS]
+        if stray:
+            raise UserError(
+                f"output folder {loc.uri} holds shards ({stray[0]}, ...) without a manifest or plan (unknown "
+                f"tokeniser/seed); choose another --out or delete them"
+            )
+
+    partitions = src.partitions()  # validates columns etc. before anything is written
+    if not partitions:
+        raise UserError(f"source {src.describe()} is an empty corpus (no partitions)")
+    workers = resolve_workers(workers)
+    created_out = not loc.is_dir()
+    work.mkdir()
+    created_plan = not loc.exists(WORK_DIR + "/" + PLAN)
+    if created_plan:
+        loc.write_bytes_atomic(WORK_DIR + "/" + PLAN, manifest_bytes(wanted))
+    for stale in loc.list_names() + [WORK_DIR + "/" + n for n in loc.list_names(WORK_DIR)]:
+        if ".tmp-" in stale.rsplit("/", 1)[-1]:
+            loc.delete(stale)
+
+    skipped_shards = 0
+    done_parts = set(loc.list_names(WORK_DIR))
+    todo = [p for p in partitions if _part_name(p.index) not in done_parts]
+    skipped_parts = len(partitions) - len(todo)
+    with _Runner(workers) as pool:
+        # ---- phase 1: tokenise partitions
+        bar = _progress(len(partitions), "tokenise", progress)
+        if bar is not None:
+            bar.update(skipped_parts)
+        jobs = [TokenizeJob(src, p, work) for p in todo]
+        for _, (_docs, toks) in pool.map(tokenize_partition, jobs):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{toks:,} tokens", refresh=False)
+        if bar is not None:
+            bar.close()
+
+        # ---- plan: shuffle documents, split val/train, cut shards
+        part_files = [_PartFile(work, _part_name(p.index)) for p in partitions]
+        lengths = np.concatenate([pf.doc_lengths() for pf in part_files]).astype(np.int64)
+        part_doc_ends = np.cumsum([pf.num_docs for pf in part_files], dtype=np.int64)
+        del part_files
+        def discard(message: str) -> UserError:  # bad input found after tokenising: leave nothing behind
+            loc.delete(WORK_DIR)
+            if created_out and not loc.list_names():
+                loc.fs.delete_dir(loc.path)
+            return UserError(message)
+
+        if len(lengths) == 0:
+            raise discard(f"source {json.dumps(src.describe())} is an empty corpus (no non-empty documents)")
+        total_tokens = int(lengths.sum())
+        budget = min(DEFAULT_VAL_TOKENS, total_tokens // 10) if val_tokens is None else int(val_tokens)
+        try:
+            val_ids, train_ids = split_documents(lengths, int(seed), budget)
+        except UserError as exc:
+            raise discard(str(exc)) from None
+        if len(train_ids) == 0:
+            raise discard(f"--val-tokens {budget} takes every document; lower it so a train split remains")
+        plans = plan_shards("train", train_ids, lengths, int(shard_tokens)) + plan_shards(
+            "val", val_ids, lengths, int(shard_tokens)
+        )
+
+        # ---- phase 2: assemble shards
+        existing_names = set(loc.list_names())
+        entries: dict[str, dict] = {}
+        shard_jobs = []
+        for plan in plans:
+            if plan["name"] in existing_names:
+                data = read_shard(loc, plan["name"])
+                if len(data.tokens) == plan["num_tokens"]:
+                    entries[plan["name"]] = _entry(
+                        plan["name"], file_sha256(loc, plan["name"]), len(data.tokens), len(data.doc_starts),
+                        data.first_doc_continues,
+                    )
+                    skipped_shards += 1
+                    continue
+            shard_jobs.append(ShardJob(work, loc, part_doc_ends=part_doc_ends, **plan))
+        bar = _progress(len(plans), "shards", progress)
+        if bar is not None:
+            bar.update(skipped_shards)
+        for _, entry in pool.map(assemble_shard, shard_jobs):
+            entries[entry["name"]] = entry
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+
+    shards = [entries[p["name"]] for p in plans]
+    splits = {
+        s: {
+            "num_tokens": sum(e["num_tokens"] for e in shards if e["split"] == s),
+            "num_docs": sum(e["num_docs"] for e in shards if e["split"] == s),
+            "num_shards": sum(1 for e in shards if e["split"] == s),
+        }
+        for s in SPLITS
+    }
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        **wanted,
+        "dtype": "uint16",
+        "eot_position": "before every document",
+        "shuffle": "documents in source order, permuted by numpy.random.Generator(PCG64(seed)).permutation",
+        "val_tokens": budget,
+        "val_rule": "longest prefix of the shuffled documents that fits in val_tokens (whole documents)",
+        "splits": splits,
+        "shards": shards,
+    }
+    loc.write_bytes_atomic(MANIFEST, manifest_bytes(manifest))
+    loc.delete(WORK_DIR)
+    seconds = time.perf_counter() - t0
+    result = {
+        "manifest": manifest,
+        "tokens": total_tokens,
+        "seconds": seconds,
+        "tokens_per_s": total_tokens / seconds if seconds > 0 else None,
+        "skipped_partitions": skipped_parts,
+        "skipped_shards": skipped_shards,
+        "already_prepared": False,
+    }
+    result["summary"] = (
+        f"prepared {total_tokens:,} tokens ({splits['train']['num_tokens']:,} train in "
+        f"{splits['train']['num_shards']} shard(s), {splits['val']['num_tokens']:,} val in "
+        f"{splits['val']['num_shards']}) from {len(lengths):,} documents into {loc.uri} in {seconds:.1f} s: "
+        f"{result['tokens_per_s']:,.0f} tokens/s (workers={pool.workers})"
+    )
+    if progress:
+        print(result["summary"], flush=True)
+    return result

@@ -1,0 +1,231 @@
+"""Batch readers over a prepared data folder: the trainer's and the evaluator's only way into the tokens.
+
+- :class:`TokenShards` memory-maps every shard (zero copy) and exposes each split as one token stream, its
+  document start offsets, and :meth:`TokenShards.eval_windows` (non-overlapping evaluation windows).
+- :class:`TrainSampler` draws the training windows of optimizer step ``s`` from ``(seed, s)`` alone, and
+  hands rank ``r`` / micro-step ``m`` its own disjoint rows of them: the global batch does not depend on
+  the worker count, and a run resumed at step ``s`` sees exactly the batches an uninterrupted run would.
+
+No Ray here; torch is imported only by :meth:`TrainSampler.batch`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from attnlab.data.shards import SPLITS, Location, read_manifest, read_shard, resolve, sha256_hex
+from attnlab.errors import UserError
+
+
+class ConcatTokens:
+    """Several shards' uint16 token views seen as one sequence (slicing may cross shard ends)."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = [p for p in parts if len(p)]
+        self.ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)
+        self.starts = self.ends - np.array([len(p) for p in self.parts], dtype=np.int64)
+        self.dtype = np.dtype(np.uint16)
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return self[start:stop][::step]
+            return self.window(start, max(0, stop - start))
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (len(self) if key < 0 else 0)
+            if not 0 <= i < len(self):
+                raise IndexError(key)
+            k = int(np.searchsorted(self.ends, i, side="right"))
+            return self.parts[k][i - self.starts[k]]
+        return np.asarray(self)[key]
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)``: a zero-copy view inside one shard, else a copy."""
+        if length == 0:
+            return np.zeros(0, dtype=np.uint16)
+        k = int(np.searchsorted(self.ends, start, side="right"))
+        local = start - int(self.starts[k])
+        if local + length <= len(self.parts[k]):
+            return self.parts[k][local : local + length]
+        pieces, need = [], length
+        while need > 0:
+            piece = self.parts[k][local : local + need]
+            pieces.append(piece)
+            need -= len(piece)
+            k, local = k + 1, 0
+        return np.concatenate(pieces)
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.uint16)
+        return out if dtype is None else out.astype(dtype)
+
+
+def _gather(tokens, starts: np.ndarray, length: int) -> np.ndarray:
+    """Windows ``tokens[s : s + length]`` for every ``s`` in ``starts`` as an (n, length) int64 array."""
+    starts = np.asarray(starts, dtype=np.int64)
+    out = np.empty((len(starts), length), dtype=np.int64)
+    if isinstance(tokens, np.ndarray):
+        offsets = np.arange(length, dtype=np.int64)[None, :]
+        rows = max(1, (1 << 22) // max(1, length))  # bound the index array to ~32 MB
+        for i in range(0, len(starts), rows):
+            out[i : i + rows] = tokens[starts[i : i + rows, None] + offsets]
+        return out
+    for row, s in enumerate(starts):
+        out[row] = tokens.window(int(s), length)
+    return out
+
+
+class TokenShards:
+    """A prepared data folder opened for reading (every shard memory-mapped where the folder is local)."""
+
+    def __init__(self, location: Location, manifest: dict, manifest_raw: bytes):
+        self.location = location
+        self.manifest = manifest
+        self.manifest_sha256 = sha256_hex(manifest_raw)
+        self.vocab_size = int(manifest["vocab_size"])
+        self.eot_id = int(manifest["eot_id"])
+        self._tokens: dict[str, np.ndarray | ConcatTokens] = {}
+        self._doc_offsets: dict[str, np.ndarray] = {}
+        for split in SPLITS:
+            views, starts, base = [], [], 0
+            for entry in sorted(
+                (e for e in manifest["shards"] if e["split"] == split), key=lambda e: e["index"]
+            ):
+                data = read_shard(location, entry["name"])
+                if len(data.tokens) != entry["num_tokens"]:
+                    raise UserError(
+                        f"shard {entry['name']} holds {len(data.tokens)} tokens but the manifest says "
+                        f"{entry['num_tokens']}; run: attnlab data verify {location.uri}"
+                    )
+                views.append(data.tokens)
+                starts.append(data.doc_starts + base)
+                base += len(data.tokens)
+            self._tokens[split] = views[0] if len(views) == 1 else ConcatTokens(views)
+            self._doc_offsets[split] = (
+                np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, dtype=np.int64)
+            )
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> TokenShards:
+        """Open a folder written by ``attnlab data prepare``; UserError if it is missing or not one."""
+        location = resolve(path)
+        manifest, raw = read_manifest(location)
+        return cls(location, manifest, raw)
+
+    def _split(self, split: str) -> str:
+        if split not in SPLITS:
+            raise UserError(f"split {split!r} is unknown; allowed: {', '.join(SPLITS)}")
+        return split
+
+    def num_tokens(self, split: str) -> int:
+        return len(self._tokens[self._split(split)])
+
+    def tokens(self, split: str):
+        """The split's tokens: a zero-copy uint16 view (one shard) or a :class:`ConcatTokens`."""
+        return self._tokens[self._split(split)]
+
+    def doc_offsets(self, split: str) -> np.ndarray:
+        """int64 offsets (into ``tokens(split)``) where documents start (each at its EOT token)."""
+        return self._doc_offsets[self._split(split)]
+
+    def doc_lengths(self, split: str) -> np.ndarray:
+        starts = self.doc_offsets(split)
+        return np.diff(np.append(starts, self.num_tokens(split)))
+
+    def window(self, split: str, start: int, length: int) -> np.ndarray:
+        tokens = self.tokens(split)
+        if isinstance(tokens, ConcatTokens):
+            return tokens.window(start, length)
+        return tokens[start : start + length]
+
+    def eval_windows(
+        self, split: str = "val", seq_len: int = 1024, max_tokens: int | None = None, long_docs: bool = False
+    ) -> np.ndarray:
+        """Non-overlapping evaluation windows, an (n, seq_len + 1) int64 array.
+
+        Window k covers tokens ``[k*L, k*L + L]``: its last token is the next window's first, so each
+        token after the first is predicted exactly once. ``max_tokens`` caps the predicted tokens (whole
+        windows: ``n <= max_tokens // L``). ``long_docs=True`` keeps only windows lying inside documents
+        of at least ``L + 1`` tokens (windows counted from each such document's start).
+        """
+        split = self._split(split)
+        if seq_len < 1:
+            raise UserError(f"seq_len must be >= 1, got {seq_len}")
+        n_tokens = self.num_tokens(split)
+        if long_docs:
+            starts_list = []
+            for doc_start, doc_len in zip(self.doc_offsets(split), self.doc_lengths(split)):
+                count = (int(doc_len) - 1) // seq_len
+                if count > 0:
+                    starts_list.append(int(doc_start) + seq_len * np.arange(count, dtype=np.int64))
+            starts = np.concatenate(starts_list) if starts_list else np.zeros(0, dtype=np.int64)
+        else:
+            starts = seq_len * np.arange(max(0, (n_tokens - 1) // seq_len), dtype=np.int64)
+        if max_tokens is not None:
+            starts = starts[: max(0, int(max_tokens) // seq_len)]
+        return _gather(self.tokens(split), starts, seq_len + 1)
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenShards({self.location.uri!r}, train={self.num_tokens('train')}, "
+            f"val={self.num_tokens('val')})"
+        )
+
+
+class TrainSampler:
+    """Deterministic distributed sampler of random ``seq_len + 1``-token training windows.
+
+    The ``global_batch`` window starts of step ``s`` come from ``np.random.Generator(PCG64([seed, s]))``
+    alone, uniform over ``[0, N - seq_len - 1]``. Rank ``r`` at micro-step ``m`` takes rows
+    ``[(m * world_size + r) * B, ... + B)`` of them.
+    """
+
+    def __init__(self, shards: TokenShards, seq_len: int, global_batch: int, seed: int = 0, split: str = "train"):
+        self.shards = shards
+        self.split = shards._split(split)
+        self.seq_len = int(seq_len)
+        self.global_batch = int(global_batch)
+        self.seed = int(seed)
+        n = shards.num_tokens(self.split)
+        if self.seq_len < 1 or self.global_batch < 1:
+            raise UserError(f"seq_len and global_batch must be >= 1, got {seq_len} and {global_batch}")
+        if self.seq_len + 1 > n:
+            raise UserError(
+                f"seq_len {self.seq_len} + 1 exceeds the {n} tokens of split {self.split!r} in "
+                f"{shards.location.uri}; use a shorter seq_len or prepare more data"
+            )
+        self._num_starts = n - self.seq_len  # starts 0 .. n - seq_len - 1 inclusive
+
+    def step_starts(self, step: int) -> np.ndarray:
+        """The ``global_batch`` window start offsets of optimizer step ``step``."""
+        rng = np.random.Generator(np.random.PCG64([self.seed, int(step)]))
+        return rng.integers(0, self._num_starts, size=self.global_batch, dtype=np.int64)
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1, micro: int = 0, micro_batch: int | None = None):
+        """``(x, y)`` torch.long tensors of shape (B, seq_len) for this rank and micro-step."""
+        import torch
+
+        if micro_batch is None:
+            micro_batch = self.global_batch // world_size
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} must be in [0, world_size={world_size})")
+        lo = (micro * world_size + rank) * micro_batch
+        hi = lo + micro_batch
+        if micro < 0 or micro_batch < 1 or hi > self.global_batch:
+            raise UserError(
+                f"micro-step {micro} x world_size {world_size} x micro_batch {micro_batch} needs rows "
+                f"[{lo}, {hi}) but global_batch is {self.global_batch}"
+            )
+        windows = _gather(self.shards.tokens(self.split), self.step_starts(step)[lo:hi], self.seq_len + 1)
+        data = torch.from_numpy(windows)
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()

@@ -1,0 +1,292 @@
+"""Synthetic mechanism probes: generated long-context tasks that stand in for text as a data source.
+
+A probe is named in a training config or study as ``data: {synthetic: copy_distractors, vocab: 512, ...}``;
+``open_task(spec)`` returns a :class:`SyntheticData` with the same interface as real text
+(``attnlab.train.data_api.TextData``), so training, validation and ``attnlab eval`` run unchanged. Every
+sequence comes with a mask of its **target positions**: loss and accuracy count those positions only.
+
+Tasks (``SYNTHETIC_TASKS``), each a window of ``L + 1`` tokens (input = first L, targets = last L):
+
+- ``copy_distractors``: ``L + 1 - distance - copy_len`` random distractor tokens, a random block of
+  ``copy_len`` tokens, ``distance - copy_len`` more random tokens, then the block again. Targets: the
+  repeated block. The copy distance stays ``distance`` (default ``copy_len``) at every length; only the
+  number of distractors grows. At ``L = 64, copy_len = 32`` that is 1 distractor, the block, its repeat; at
+  ``L = 1024``, 961 distractors. (research/probe.md's ``inductf``: the probe that separates the variants on
+  a CPU, without NTK.)
+- ``mqar``: multi-query associative recall (Zoology). ``n = min(L // 4, max_pairs)`` key-value pairs (``max_pairs`` defaults to ``vocab // 2``) (distinct
+  keys from ``[0, vocab/2)``, values from ``[vocab/2, vocab)``), then every key once more in random order,
+  each followed by its value. Targets: the values after the queries. Filler value tokens pad the front.
+- ``passkey_tokens``: random filler in ``[2, vocab)``, with ``KEY_MARK`` + a ``key_len``-token key hidden at
+  ``depth`` (0 = the start of the filler, 1 = its end, ``uniform`` = random per sequence); the window ends
+  with ``QUERY_MARK`` + the key. Targets: the key after ``QUERY_MARK``.
+
+Determinism: row ``i`` of training step ``s`` comes from ``PCG64([TRAIN_STREAM, seed, s, i])`` alone, so rank
+``r``, micro-step ``m`` taking rows ``[(m * world + r) * B, ... + B)`` (the ``TrainSampler`` rule) gets the same
+rows whatever the worker count. Evaluation row ``i`` at length ``L`` comes from
+``PCG64([EVAL_STREAM, seed, L, i])``: a fixed set per length, never seen in training, and a longer set
+starts with the shorter one.
+
+Evaluation size (so lengths compare fairly): each length gets about the same number of **target tokens**,
+``eval_targets`` (default 2048): ``n = ceil(eval_targets / targets per sequence)`` sequences, capped by the
+caller's token budget at ``max(1, max_tokens // L)``. A copy probe at 16x thus costs 16x the tokens of 1x,
+but every cell's accuracy rests on the same 2048 targets unless the cap bites.
+
+No Ray and no torch modules here (torch only builds the returned batch tensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Annotated, Any, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from attnlab.errors import UserError
+from attnlab.validation import parse
+
+TRAIN_STREAM = 0x747261696E  # "train": the first word of every training row's seed
+EVAL_STREAM = 0x6576616C  # "eval": the first word of every evaluation row's seed
+DEFAULT_EVAL_TARGETS = 2048
+
+PositiveInt = Annotated[int, Field(strict=True, gt=0)]
+
+
+class SyntheticTask(BaseModel):
+    """One probe's parameters, and how to draw one window of ``L + 1`` tokens with its target mask."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: ClassVar[str]
+
+    vocab: Annotated[int, Field(strict=True, ge=4)] = 512
+    eval_targets: PositiveInt = DEFAULT_EVAL_TARGETS
+
+    def min_length(self) -> int:
+        """The shortest L (input tokens) a window of this task fits in."""
+        raise NotImplementedError
+
+    def targets_per_sequence(self, length: int) -> int:
+        raise NotImplementedError
+
+    def window(self, rng: np.random.Generator, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens (L + 1,) int64, target_mask (L,) bool)``; ``target_mask[t]`` scores predicting ``tokens[t + 1]``."""
+        raise NotImplementedError
+
+    def check_length(self, length: int) -> None:
+        if length < self.min_length():
+            raise UserError(f"seq_len={length} is too short for synthetic {self.name} with {self.params_text()}: "
+                            f"use seq_len >= {self.min_length()}")
+
+    def params_text(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.model_dump().items())
+
+
+class CopyDistractors(SyntheticTask):
+    """Random distractors, a random block, (a gap,) the same block again; the repeat is scored."""
+
+    name: ClassVar[str] = "copy_distractors"
+    copy_len: PositiveInt = 32
+    distance: PositiveInt = 32  # from the block's start to the repeat's start; when not given, copy_len
+
+    @model_validator(mode="before")
+    @classmethod
+    def _distance_defaults_to_copy_len(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "distance" not in data and "copy_len" in data:
+            data = {**data, "distance": data["copy_len"]}
+        return data
+
+    @model_validator(mode="after")
+    def _distance_fits(self) -> "CopyDistractors":
+        if self.distance < self.copy_len:
+            raise ValueError(f"distance={self.distance} must be >= copy_len={self.copy_len} (the repeat may not "
+                             f"overlap the block)")
+        return self
+
+    def min_length(self) -> int:
+        return self.distance + self.copy_len - 1  # L + 1 tokens hold the block, the gap and the repeat
+
+    def num_distractors(self, length: int) -> int:
+        return length + 1 - self.distance - self.copy_len
+
+    def targets_per_sequence(self, length: int) -> int:
+        return self.copy_len
+
+    def window(self, rng, length):
+        tokens = rng.integers(0, self.vocab, size=length + 1, dtype=np.int64)
+        repeat_at = length + 1 - self.copy_len
+        block_at = repeat_at - self.distance
+        tokens[repeat_at:] = tokens[block_at:block_at + self.copy_len]
+        mask = np.zeros(length, dtype=bool)
+        mask[repeat_at - 1:] = True  # position t predicts token t + 1
+        return tokens, mask
+
+
+class MQAR(SyntheticTask):
+    """Key-value pairs, then each key queried once; the value after each query is scored."""
+
+    name: ClassVar[str] = "mqar"
+    max_pairs: PositiveInt = 256  # when not given, vocab // 2 (every key distinct)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_pairs_defaults_to_half_vocab(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_pairs" not in data and isinstance(data.get("vocab"), int):
+            data = {**data, "max_pairs": data["vocab"] // 2}
+        return data
+
+    @model_validator(mode="after")
+    def _enough_keys(self) -> "MQAR":
+        if self.max_pairs > self.vocab // 2:
+            raise ValueError(f"max_pairs={self.max_pairs} needs that many distinct keys but vocab={self.vocab} "
+                             f"has {self.vocab // 2}: use max_pairs <= {self.vocab // 2}")
+        return self
+
+    def num_pairs(self, length: int) -> int:
+        return min(length // 4, self.max_pairs)
+
+    def min_length(self) -> int:
+        return 4
+
+    def targets_per_sequence(self, length: int) -> int:
+        return self.num_pairs(length)
+
+    def window(self, rng, length):
+        n, half = self.num_pairs(length), self.vocab // 2
+        filler = length + 1 - 4 * n
+        keys = rng.choice(half, size=n, replace=False).astype(np.int64)
+        values = rng.integers(half, self.vocab, size=n, dtype=np.int64)
+        order = rng.permutation(n)
+        tokens = np.empty(length + 1, dtype=np.int64)
+        tokens[:filler] = rng.integers(half, self.vocab, size=filler, dtype=np.int64)
+        tokens[filler:filler + 2 * n:2], tokens[filler + 1:filler + 2 * n:2] = keys, values
+        queries = filler + 2 * n
+        tokens[queries::2], tokens[queries + 1::2] = keys[order], values[order]
+        mask = np.zeros(length, dtype=bool)
+        mask[queries::2] = True  # the query position predicts its value
+        return tokens, mask
+
+
+class PasskeyTokens(SyntheticTask):
+    """A key after ``KEY_MARK`` hidden in filler at ``depth``; ``QUERY_MARK`` at the end asks for it back."""
+
+    name: ClassVar[str] = "passkey_tokens"
+    KEY_MARK: ClassVar[int] = 0
+    QUERY_MARK: ClassVar[int] = 1
+    key_len: PositiveInt = 4
+    depth: float | Literal["uniform"] = "uniform"
+
+    @field_validator("depth", mode="before")
+    @classmethod
+    def _depth_allowed(cls, value: Any) -> Any:
+        ok = value == "uniform" or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1)
+        if not ok:
+            raise ValueError("use a number in [0, 1] (0 = start of the filler, 1 = its end) or 'uniform'")
+        return value
+
+    def num_filler(self, length: int) -> int:
+        return length + 1 - 2 * (self.key_len + 1)
+
+    def key_start(self, length: int, rng: np.random.Generator | None = None) -> int:
+        """Where ``KEY_MARK`` sits: ``floor(depth * filler + 1/2)`` filler tokens precede it (``uniform``: 0..filler)."""
+        filler = self.num_filler(length)
+        if self.depth == "uniform":
+            return int(rng.integers(0, filler + 1))
+        return int(math.floor(self.depth * filler + 0.5))
+
+    def min_length(self) -> int:
+        return 2 * (self.key_len + 1) - 1
+
+    def targets_per_sequence(self, length: int) -> int:
+        return self.key_len
+
+    def window(self, rng, length):
+        tokens = rng.integers(2, self.vocab, size=length + 1, dtype=np.int64)
+        key = tokens[-self.key_len:]  # the answer at the end; copy it into the hiding place
+        at = self.key_start(length, rng)
+        tokens[at] = self.KEY_MARK
+        tokens[at + 1:at + 1 + self.key_len] = key
+        tokens[-self.key_len - 1] = self.QUERY_MARK
+        mask = np.zeros(length, dtype=bool)
+        mask[-self.key_len:] = True  # QUERY_MARK and the first key_len - 1 key tokens predict the key
+        return tokens, mask
+
+
+SYNTHETIC_TASKS: dict[str, type[SyntheticTask]] = {t.name: t for t in (CopyDistractors, MQAR, PasskeyTokens)}
+
+
+def _row_rng(*words: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(list(words)))
+
+
+class SyntheticData:
+    """A probe task as a data source (the ``TextData`` interface of ``attnlab.train.data_api``)."""
+
+    def __init__(self, task: SyntheticTask):
+        self.task = task
+        self.vocab_size = task.vocab
+        spec = {"synthetic": task.name, **task.model_dump()}
+        self.spec = spec
+        self.fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+    def describe(self) -> str:
+        return f"synthetic {self.task.name}({self.task.params_text()})"
+
+    def min_tokens(self) -> int:
+        return 2**62  # generated on demand: never runs out
+
+    def windows(self, stream: int, seed: int, key: int, rows: range, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``rows`` of the window set named by ``(stream, seed, key)``: ``(n, L + 1)`` int64, ``(n, L)`` bool."""
+        self.task.check_length(length)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise UserError(f"data_seed={seed!r} is not allowed for synthetic data: use an integer >= 0")
+        tokens = np.empty((len(rows), length + 1), dtype=np.int64)
+        mask = np.empty((len(rows), length), dtype=bool)
+        for out, row in enumerate(rows):
+            tokens[out], mask[out] = self.task.window(_row_rng(stream, int(seed), int(key), row), length)
+        return tokens, mask
+
+    def train_batch(self, step, rank, world_size, micro, micro_batch, *, seq_len, global_batch, seed):
+        """Rank ``rank``'s rows ``[(micro * world_size + rank) * micro_batch, ... + micro_batch)`` of step ``step``."""
+        import torch
+
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} must be in [0, world_size={world_size})")
+        lo = (micro * world_size + rank) * micro_batch
+        hi = lo + micro_batch
+        if micro < 0 or micro_batch < 1 or hi > global_batch:
+            raise UserError(f"micro-step {micro} x world_size {world_size} x micro_batch {micro_batch} needs rows "
+                            f"[{lo}, {hi}) but global_batch is {global_batch}")
+        tokens, mask = self.windows(TRAIN_STREAM, seed, step, range(lo, hi), seq_len)
+        data = torch.from_numpy(tokens)
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous(), torch.from_numpy(mask)
+
+    def eval_size(self, seq_len: int, max_tokens: int | None) -> int:
+        """Sequences at length ``seq_len``: enough for ``eval_targets`` targets, at most ``max_tokens // seq_len``."""
+        wanted = math.ceil(self.task.eval_targets / max(1, self.task.targets_per_sequence(seq_len)))
+        return wanted if max_tokens is None else max(1, min(wanted, max_tokens // seq_len))
+
+    def eval_set(self, seq_len: int, max_tokens: int | None, long_docs: bool = False, seed: int = 0):
+        """``(windows (n, L + 1) int64, target_mask (n, L) bool)``: the fixed evaluation set at this length.
+
+        ``long_docs`` means nothing here (every sequence is exactly ``L + 1`` tokens); it is accepted for the
+        interface's sake.
+        """
+        return self.windows(EVAL_STREAM, seed, seq_len, range(self.eval_size(seq_len, max_tokens)), seq_len)
+
+
+def open_task(spec: dict[str, Any]) -> SyntheticData:
+    """``{synthetic: <task name>, <param>: <value>, ...}`` -> the task as a data source; UserError on bad input."""
+    if not isinstance(spec, dict) or "synthetic" not in spec:
+        raise UserError(f"data={spec!r} is not a synthetic task: use a mapping like "
+                        f"{{synthetic: copy_distractors, vocab: 512}}")
+    params = dict(spec)
+    name = params.pop("synthetic")
+    if name not in SYNTHETIC_TASKS:
+        raise UserError(f"data.synthetic={name!r} is not a known task: use one of {', '.join(SYNTHETIC_TASKS)}")
+    return SyntheticData(parse(SYNTHETIC_TASKS[name], params, prefix="data"))
+
+
+__all__ = ["SYNTHETIC_TASKS", "CopyDistractors", "MQAR", "PasskeyTokens", "SyntheticData", "SyntheticTask",
+           "open_task"]
