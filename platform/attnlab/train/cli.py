@@ -1,0 +1,91 @@
+"""``attnlab train``: pretrain one model with Ray Train (see ``attnlab train --help``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from attnlab.errors import UserError
+
+
+def parse_assignments(items: list[str] | None) -> dict:
+    """``["lr=3e-4", "model.n_layer=4"]`` -> ``{"lr": 3e-4, "model": {"n_layer": 4}}`` (values parsed as YAML)."""
+    out: dict = {}
+    for item in items or []:
+        if "=" not in item:
+            raise UserError(f"--set {item!r} is not KEY=VALUE (e.g. --set lr=3e-4 or --set model.n_layer=4)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw)
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="pretrain a model with Ray Train (DDP workers, checkpoints, metrics)",
+                              description="Pretrain one model with Ray Train. The run folder (--out) receives "
+                              "metrics.jsonl, provenance.json and the checkpoints; re-running with the same --out "
+                              "resumes from the latest checkpoint.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="a YAML file of training config fields (see attnlab.train.TrainConfig)")
+    src.add_argument("--preset", help="a model preset: gpt2-small, gpt2-medium, gpt2-45m, tiny, tiny-4l")
+    p.add_argument("--attention", help="attention variant name (e.g. softmax, lssa, lssar)")
+    p.add_argument("--p-train", type=float, help="sharpening power used in training (default: the variant's)")
+    p.add_argument("--scale", help="scale factor: inv_sqrt_d, log_n, logd_logn or '<coef>*log_n'")
+    p.add_argument("--data", help="a data folder made by `attnlab data prepare`")
+    p.add_argument("--out", required=True, help="the run folder")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, help="training length (default: the preset's)")
+    p.add_argument("--tokens-per-step", type=int, help="tokens per optimizer step (gradient accumulation fills it)")
+    p.add_argument("--micro-batch", type=int, help="sequences per worker per micro-step")
+    p.add_argument("--workers", type=int, help="Ray Train workers (DDP ranks)")
+    p.add_argument("--gpu", action="store_true", default=None, help="one GPU per worker (NCCL)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other config field, repeatable")
+    p.add_argument("--local", action="store_true", help="run in this process without Ray (one worker; debugging)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnlab.train.config import load_train_config
+
+    data = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.exists():
+            raise UserError(f"--config {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"--config {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"--config {path} must hold a mapping of config fields")
+    data.update(parse_assignments(args.set))
+    cfg = load_train_config(data, preset=args.preset, attention=args.attention, p_train=args.p_train,
+                            scale=args.scale, data=args.data, steps=args.steps, seq_len=args.seq_len,
+                            tokens_per_step=args.tokens_per_step, micro_batch=args.micro_batch,
+                            workers=args.workers, gpu=args.gpu)
+    if args.local:
+        from attnlab.train.loop import LocalSession, train_worker
+        from attnlab.train.ray_train import outcome, preflight
+
+        preflight(cfg)
+        train_worker(cfg, LocalSession(args.out, keep=cfg.keep_checkpoints), args.out)
+        result = outcome(args.out)
+    else:
+        from attnlab.train.ray_train import run_training
+
+        result = run_training(cfg, args.out)
+    final = result.final
+    print(f"run folder: {result.run_dir}")
+    print(f"status: {result.status}; step {final.get('step')}; train_loss {final.get('train_loss')}; "
+          f"val_loss {final.get('val_loss')}")
+    print(f"latest checkpoint: {result.checkpoint}")
+    if result.failure:
+        print(f"failure: {result.failure}")
+        return 1
+    return 0

@@ -1,0 +1,122 @@
+"""The one typed training configuration: every knob of a run, validated, with errors naming the field.
+
+Defaults are the paper's recipe (SPEC.md section 6, llm.c's GPT-2 124M): AdamW(0.9, 0.95), lr 6e-4, 700
+warm-up steps then cosine decay to 0, weight decay 0.1 on 2-D weights only, gradient clipping 1.0,
+524,288 tokens per step reached by gradient accumulation whatever the number of workers, bf16 autocast on
+CUDA. A study overrides any field. No Ray here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from attnlab.errors import UserError
+from attnlab.model import PRESETS, GPTConfig, preset
+from attnlab.validation import parse
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # model
+    preset: str = "gpt2-small"
+    model: dict[str, Any] = Field(default_factory=dict)  # overrides of the preset (n_layer, attention, ...)
+    attention: str | None = None
+    p_train: float | None = None
+    scale: str | float | None = None
+    # data
+    data: str | dict[str, Any] = ""  # a prepared folder, or {synthetic: <task>, ...} for a probe
+    seq_len: int | None = Field(default=None, gt=0)  # default: the preset's train_len
+    # budget and batch
+    steps: int = Field(default=18_865, gt=0)
+    tokens_per_step: int = Field(default=524_288, gt=0)
+    micro_batch: int = Field(default=64, gt=0)  # sequences per worker per micro-step
+    # optimiser (llm.c recipe)
+    lr: float = Field(default=6e-4, gt=0)
+    min_lr_frac: float = Field(default=0.0, ge=0, le=1)
+    warmup_steps: int = Field(default=700, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float = Field(default=1.0, ge=0)  # 0 disables clipping
+    seed: int = 1337
+    data_seed: int = 0
+    # reporting and checkpoints
+    log_every: int = Field(default=10, gt=0)
+    val_every: int = Field(default=250, gt=0)
+    val_tokens: int = Field(default=10_485_760, gt=0)  # llm.c/modded-nanogpt's first 10,485,760 val tokens
+    val_batch: int = Field(default=8, gt=0)
+    checkpoint_every: int = Field(default=1000, gt=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+    max_failures: int = Field(default=2, ge=0)  # worker-group restarts from the latest checkpoint
+    # hardware
+    workers: int = Field(default=1, gt=0)
+    gpu: bool = False
+    gpus_per_worker: float = Field(default=1.0, ge=0)
+    cpus_per_worker: float = Field(default=1.0, gt=0)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    compile: bool = False
+    attn_impl: Literal["auto", "dense", "flex"] = "auto"
+    threads_per_worker: int | None = Field(default=None, gt=0)
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown preset; use one of {', '.join(sorted(PRESETS))}")
+        return value
+
+    @model_validator(mode="after")
+    def _model_builds(self) -> "TrainConfig":
+        try:
+            self.gpt_config(vocab_size=self.model.get("vocab_size", 50257))
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        if self.tokens_per_step % self.seq_length:
+            raise ValueError(f"tokens_per_step={self.tokens_per_step} is not a multiple of seq_len={self.seq_length}")
+        return self
+
+    @property
+    def seq_length(self) -> int:
+        return self.seq_len or PRESETS[self.preset]["train_len"]
+
+    def gpt_config(self, vocab_size: int | None = None) -> GPTConfig:
+        """The model config: the preset, its overrides, the attention choice, and the data's vocabulary."""
+        overrides = dict(self.model)
+        for key in ("attention", "p_train", "scale"):
+            if getattr(self, key) is not None:
+                overrides[key] = getattr(self, key)
+        overrides["train_len"] = self.seq_length
+        overrides["attn_impl"] = self.attn_impl
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        return preset(self.preset, **overrides)
+
+    def batch_plan(self, world_size: int) -> tuple[int, int]:
+        """``(global_batch_sequences, grad_accum_steps)`` for ``world_size`` workers; UserError if it doesn't divide."""
+        global_batch = self.tokens_per_step // self.seq_length
+        per_micro = self.micro_batch * world_size
+        if global_batch % per_micro:
+            raise UserError(
+                f"tokens_per_step={self.tokens_per_step} gives {global_batch} sequences of {self.seq_length}, "
+                f"not a multiple of micro_batch={self.micro_batch} x workers={world_size}; adjust one of them")
+        return global_batch, global_batch // per_micro
+
+    def config_hash(self) -> str:
+        """A short hash of the full config (hardware fields included), for provenance and run names."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_train_config(fields: dict[str, Any] | None = None, **overrides) -> TrainConfig:
+    """Build a TrainConfig from a dict (e.g. a YAML file) plus overrides, raising UserError on bad fields."""
+    merged = {**(fields or {}), **{k: v for k, v in overrides.items() if v is not None}}
+    return parse(TrainConfig, merged, prefix="train")
+
+
+__all__ = ["TrainConfig", "load_train_config", "pydantic"]

@@ -1,0 +1,247 @@
+"""The per-worker training loop, independent of Ray.
+
+``train_worker(cfg, session, run_dir)`` runs on every worker. A ``Session`` supplies what differs between
+a plain process and a Ray Train worker: rank and world size, device, DDP wrapping, the latest checkpoint,
+reporting (with an optional checkpoint), and all-reduce. ``LocalSession`` (here) runs one process with no Ray;
+``attnlab.train.ray_train`` provides the Ray Train one. Rank 0 appends to ``run_dir/metrics.jsonl`` and writes
+``provenance.json`` once; a diverged run writes ``failure.json`` with the step and stops cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+
+from attnlab.evaluate.core import autocast_context, mean_window_loss
+from attnlab.model import GPT
+from attnlab.provenance import git_info, hardware, package_versions
+from attnlab.train.checkpoint import find_latest_checkpoint, load_state, restore_rng, save_checkpoint
+from attnlab.train.config import TrainConfig
+from attnlab.train.data_api import open_data
+from attnlab.train.recipe import build_optimizer, lr_at, peak_flops
+
+METRICS_FILE = "metrics.jsonl"
+PROVENANCE_FILE = "provenance.json"
+FAILURE_FILE = "failure.json"
+# Test-only fault injection: rank FAIL_RANK raises at step FAIL_AT_STEP once (the marker file records it).
+FAIL_AT_STEP_ENV, FAIL_RANK_ENV, FAIL_ONCE_FILE_ENV = "ATTNLAB_FAIL_AT_STEP", "ATTNLAB_FAIL_RANK", "ATTNLAB_FAIL_ONCE_FILE"
+
+
+class Session(Protocol):
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
+    def latest_checkpoint(self) -> contextlib.AbstractContextManager[str | None]: ...
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None: ...
+    def all_reduce_sum(self, values: list[float]) -> list[float]: ...
+
+
+class LocalSession:
+    """One plain process, no Ray: checkpoints go to ``run_dir/checkpoints/step_NNNNNNN``."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self, run_dir: str | Path, keep: int = 2, device: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.keep = keep
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.reports: list[dict] = []
+
+    def prepare_model(self, model):
+        return model
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[str | None]:
+        try:
+            yield str(find_latest_checkpoint(self.run_dir))
+        except ValueError:
+            yield None
+
+    def report(self, metrics, checkpoint_dir):
+        self.reports.append(metrics)
+        if checkpoint_dir is not None:
+            dest = self.run_dir / "checkpoints" / f"step_{metrics['step']:07d}"
+            if dest.exists():
+                shutil.rmtree(dest)
+            shutil.copytree(checkpoint_dir, dest)
+            for old in sorted((self.run_dir / "checkpoints").glob("step_*"))[:-self.keep]:
+                shutil.rmtree(old)
+
+    def all_reduce_sum(self, values):
+        return list(values)
+
+
+def _maybe_inject_failure(step: int, rank: int) -> None:
+    if os.environ.get(FAIL_AT_STEP_ENV) is None or int(os.environ[FAIL_AT_STEP_ENV]) != step:
+        return
+    if rank != int(os.environ.get(FAIL_RANK_ENV, "0")):
+        return
+    marker = os.environ.get(FAIL_ONCE_FILE_ENV)
+    if marker:
+        if os.path.exists(marker):
+            return
+        Path(marker).write_text(f"failed at step {step} on rank {rank}\n")
+    raise RuntimeError(f"injected worker failure at step {step} on rank {rank} ({FAIL_AT_STEP_ENV})")
+
+
+def _trim_metrics(path: Path, keep_through_step: int) -> None:
+    """On resume, drop metric lines the lost segment wrote after the checkpoint, so steps never repeat."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) <= keep_through_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def write_provenance(run_dir: Path, cfg: TrainConfig, model: GPT, data, world_size: int,
+                     global_batch: int, accum: int) -> None:
+    path = run_dir / PROVENANCE_FILE
+    if path.exists():
+        return
+    tokens_per_step = global_batch * cfg.seq_length
+    record = {
+        "config": cfg.model_dump(mode="json"),
+        "config_hash": cfg.config_hash(),
+        "model": dataclasses.asdict(model.cfg),
+        "num_params": model.num_params(),
+        "git": git_info(),
+        "versions": package_versions(),
+        "hardware": hardware(),
+        "world_size": world_size,
+        "grad_accum_steps": accum,
+        "data": {"spec": cfg.data, "fingerprint": data.fingerprint, "vocab_size": data.vocab_size},
+        "tokens_per_step": tokens_per_step,
+        "flops_per_token": model.flops_per_token(cfg.seq_length),
+        "flops_per_step": model.flops_per_token(cfg.seq_length) * tokens_per_step,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
+def train_worker(cfg: TrainConfig, session: Session, run_dir: str | Path) -> dict:
+    """Train ``cfg`` on this worker. Returns the last metrics (rank 0's view)."""
+    run_dir = Path(run_dir)
+    rank, world, device = session.rank, session.world_size, session.device
+    if cfg.threads_per_worker:
+        torch.set_num_threads(cfg.threads_per_worker)
+    data = open_data(cfg.data)
+    gpt_cfg = cfg.gpt_config(vocab_size=data.vocab_size)
+    global_batch, accum = cfg.batch_plan(world)
+    T = cfg.seq_length
+    val_windows, val_mask = data.eval_set(T, max_tokens=cfg.val_tokens, seed=cfg.data_seed)
+    val_windows = val_windows[rank::world]
+    val_mask = None if val_mask is None else val_mask[rank::world]
+
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = GPT(gpt_cfg).to(device)
+    optimizer = build_optimizer(model, cfg, device)
+    start = 0
+    with session.latest_checkpoint() as ckpt:
+        if ckpt is not None:
+            state = load_state(ckpt, map_location=device)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            restore_rng(state["rng"])
+            start = state["step"]
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _trim_metrics(run_dir / METRICS_FILE, keep_through_step=start)
+        write_provenance(run_dir, cfg, model, data, world, global_batch, accum)
+    ddp = session.prepare_model(model)
+    flops_per_token = model.flops_per_token(T)
+    peak = peak_flops(device)
+    cfg_json = cfg.model_dump(mode="json")
+    gpt_json = dataclasses.asdict(gpt_cfg)
+
+    last: dict = {"step": start}
+    t_last, tokens_since = time.perf_counter(), 0
+    for step in range(start, cfg.steps):
+        _maybe_inject_failure(step, rank)
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            x, y, mask = data.train_batch(step, rank, world, micro, cfg.micro_batch, seq_len=T,
+                                          global_batch=global_batch, seed=cfg.data_seed)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            mask = None if mask is None else mask.to(device, non_blocking=True)
+            sync = contextlib.nullcontext() if micro == accum - 1 or not hasattr(ddp, "no_sync") else ddp.no_sync()
+            with sync, autocast_context(device, cfg.precision):
+                _, loss = ddp(x, y, loss_mask=mask)
+            (loss / accum).backward()
+            loss_sum += loss.detach().float()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        tokens_since += global_batch * T
+
+        log_now = done % cfg.log_every == 0 or done == cfg.steps
+        val_now = done % cfg.val_every == 0 or done == cfg.steps
+        ckpt_now = done % cfg.checkpoint_every == 0 or done == cfg.steps
+        train_loss = session.all_reduce_sum([float(loss_sum) / accum])[0] / world
+        diverged = not math.isfinite(train_loss)
+        if not (log_now or val_now or ckpt_now or diverged):
+            continue
+
+        elapsed = time.perf_counter() - t_last
+        tokens_per_s = tokens_since / max(elapsed, 1e-9)
+        metrics = {"step": done, "tokens": done * global_batch * T, "train_loss": train_loss, "lr": lr,
+                   "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s,
+                   "tokens_per_s_per_worker": tokens_per_s / world,
+                   "mfu": (flops_per_token * tokens_per_s / world / peak) if peak else "unknown"}
+        if val_now and not diverged:
+            total, count, correct = mean_window_loss(model, val_windows, batch_size=cfg.val_batch, device=device,
+                                                     precision=cfg.precision, target_mask=val_mask)
+            total, count, correct = session.all_reduce_sum([total, float(count), float(correct)])
+            metrics["val_loss"] = total / max(count, 1.0)
+            metrics["val_acc"] = correct / max(count, 1.0)
+            metrics["val_tokens"] = int(count)
+        if diverged:
+            metrics["diverged"] = True
+            reason = f"loss is {train_loss} at step {done} (attention={gpt_cfg.attention}, p_train={gpt_cfg.p_train})"
+            if rank == 0:
+                (run_dir / FAILURE_FILE).write_text(json.dumps({"reason": reason, "step": done, "kind": "diverged"}))
+        if rank == 0:
+            with open(run_dir / METRICS_FILE, "a") as fh:
+                fh.write(json.dumps(metrics) + "\n")
+        checkpoint_dir = None
+        with tempfile.TemporaryDirectory(prefix="attnlab-ckpt-") as tmp:
+            if ckpt_now and not diverged and rank == 0:
+                save_checkpoint(tmp, model=model, optimizer=optimizer, step=done, cfg=cfg_json, gpt_config=gpt_json,
+                                metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+                checkpoint_dir = tmp
+            session.report({k: v for k, v in metrics.items() if not isinstance(v, str)}, checkpoint_dir)
+        last = metrics
+        t_last, tokens_since = time.perf_counter(), 0
+        if diverged:
+            break
+    _write_replica_checksum(run_dir, model, rank)
+    return last
+
+
+def _write_replica_checksum(run_dir: Path, model: torch.nn.Module, rank: int) -> None:
+    """Each rank records a sha256 of its final weights: DDP replicas must end byte-identical."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    folder = run_dir / "replicas"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}.sha256").write_text(digest.hexdigest() + "\n")

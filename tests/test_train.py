@@ -1,0 +1,163 @@
+"""Training: the recipe, the loop without Ray, and real Ray Train runs (DDP, fault injection, resume)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnlab.errors import UserError
+from attnlab.train import load_train_config
+from attnlab.train.recipe import lr_at
+
+
+def _cfg(data, **over):
+    base = dict(preset="tiny", data=str(data), steps=20, tokens_per_step=1024, micro_batch=4, lr=3e-3,
+                warmup_steps=3, log_every=2, val_every=10, val_tokens=4096, checkpoint_every=4, workers=2,
+                cpus_per_worker=0.5, threads_per_worker=1, max_failures=2)
+    base.update(over)
+    return load_train_config(base)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_recipe_defaults_are_the_papers():
+    cfg = load_train_config(dict(data="x"))
+    assert (cfg.lr, cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip) == (6e-4, 0.9, 0.95, 0.1, 1.0)
+    assert (cfg.tokens_per_step, cfg.steps, cfg.warmup_steps, cfg.seq_length) == (524_288, 18_865, 700, 1024)
+    assert cfg.batch_plan(8) == (512, 1)  # 8 GPUs x 64 x 1024
+    assert cfg.batch_plan(1) == (512, 8)  # one GPU reaches the same batch by accumulation
+    assert lr_at(0, cfg) == pytest.approx(6e-4 / 700)
+    assert lr_at(699, cfg) == pytest.approx(6e-4)
+    assert lr_at(700 + (18_865 - 700) // 2, cfg) == pytest.approx(3e-4, rel=1e-3)
+    assert lr_at(18_864, cfg) < 1e-8
+
+
+def test_weight_decay_only_on_2d_weights():
+    import torch
+
+    from attnlab.model import GPT
+    from attnlab.train.recipe import build_optimizer
+
+    cfg = load_train_config(dict(preset="tiny", data="x"))
+    model = GPT(cfg.gpt_config())
+    decay, no_decay = build_optimizer(model, cfg, torch.device("cpu")).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(learning_rate=1e-3), r"train.learning_rate=.*is not a known field"),
+    (dict(lr=-1.0), r"train.lr=-1.0: Input should be greater than 0"),
+    (dict(preset="gpt9"), r"train.preset='gpt9': Value error, unknown preset"),
+    (dict(attention="softmaxx"), r"attention='softmaxx' is unknown"),
+    (dict(tokens_per_step=1000), r"not a multiple of seq_len=64"),
+])
+def test_bad_config_names_the_field(fields, match):
+    with pytest.raises(UserError, match=match):
+        load_train_config({"preset": "tiny", "data": "x", **fields})
+
+
+def test_bad_config_cli_errors_before_any_worker(tmp_path, demo_data_dir):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "attnlab.cli", "train", *args], capture_output=True, text=True,
+                              timeout=120)
+    out = tmp_path / "run"
+    cases = [
+        (["--preset", "tiny", "--data", str(demo_data_dir), "--out", str(out), "--set", "lrate=1"], "lrate"),
+        (["--preset", "tiny", "--data", str(demo_data_dir), "--out", str(out), "--set", "lr=-0.1"], "train.lr"),
+        (["--preset", "tiny", "--data", str(demo_data_dir), "--out", str(out), "--seq-len", "100000000",
+          "--tokens-per-step", "100000000"], "does not fit the data"),
+        (["--preset", "tiny", "--data", str(tmp_path / "nowhere"), "--out", str(out)], "nowhere"),
+    ]
+    for args, needle in cases:
+        res = cli(*args)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("attnlab: error:") and needle in lines[0], res.stderr
+        assert "Traceback" not in res.stderr
+    assert not out.exists()
+
+
+def test_local_loop_resumes_exactly_after_a_crash(tmp_path, demo_data_dir):
+    """A plain-process run killed at step 6 and restarted continues from its step-4 checkpoint with the same
+    losses as an uninterrupted run."""
+    cfg = dict(preset="tiny", data=str(demo_data_dir), steps=8, tokens_per_step=512, micro_batch=4, lr=3e-3,
+               warmup_steps=2, log_every=1, val_every=8, val_tokens=2048, checkpoint_every=4, threads_per_worker=1)
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(cfg))
+    script = ("import json,sys; from attnlab.train import load_train_config; "
+              "from attnlab.train.loop import LocalSession, train_worker; "
+              "cfg = load_train_config(json.load(open(sys.argv[1]))); train_worker(cfg, LocalSession(sys.argv[2]), sys.argv[2])")
+
+    def run(out, env=None):
+        return subprocess.run([sys.executable, "-c", script, str(cfg_file), str(out)], capture_output=True, text=True,
+                              env={**os.environ, **(env or {})}, timeout=300)
+
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    assert run(ref).returncode == 0
+    res = run(crashed, {"ATTNLAB_FAIL_AT_STEP": "6", "ATTNLAB_FAIL_RANK": "0"})
+    assert res.returncode != 0 and "injected worker failure at step 6" in res.stderr
+    assert [m["step"] for m in _metrics(crashed)] == [1, 2, 3, 4, 5, 6]
+    assert run(crashed).returncode == 0
+    a, b = _metrics(ref), _metrics(crashed)
+    assert [m["step"] for m in b] == list(range(1, 9))  # the lost segment (steps 5-6) was replaced, not repeated
+    for x, y in zip(a, b):
+        assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-6, abs=1e-6)
+    assert a[-1]["val_loss"] == pytest.approx(b[-1]["val_loss"], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory, demo_data_dir, ray_session):
+    from attnlab.train.ray_train import run_training
+
+    run_dir = tmp_path_factory.mktemp("ddp") / "reference"
+    return run_training(_cfg(demo_data_dir), run_dir)
+
+
+@pytest.mark.ray
+def test_two_workers_learn_and_stay_identical(ddp_reference):
+    m = _metrics(ddp_reference.run_dir)
+    assert ddp_reference.status == "finished" and m[-1]["step"] == 20
+    start, end = m[0]["train_loss"], m[-1]["train_loss"]
+    assert start > 9.5 and end < start - 2.0, (start, end)  # from ~ln(50257) clearly down
+    assert math.isfinite(m[-1]["val_loss"]) and m[-1]["val_loss"] < start - 2.0
+    sums = {p.read_text() for p in (Path(ddp_reference.run_dir) / "replicas").glob("rank*.sha256")}
+    assert len(list((Path(ddp_reference.run_dir) / "replicas").glob("rank*.sha256"))) == 2 and len(sums) == 1
+    prov = json.loads((Path(ddp_reference.run_dir) / "provenance.json").read_text())
+    assert prov["world_size"] == 2 and prov["grad_accum_steps"] == 2 and prov["tokens_per_step"] == 1024
+    assert prov["config_hash"] and prov["git"]["sha"] and prov["versions"]["torch"]
+    assert prov["flops_per_step"] == pytest.approx(prov["flops_per_token"] * 1024)
+    assert ddp_reference.checkpoint and "checkpoint_" in ddp_reference.checkpoint
+    for key in ("lr", "grad_norm", "tokens_per_s", "mfu"):
+        assert key in m[-1]
+    assert m[-1]["mfu"] == "unknown"  # CPU: no peak-FLOPs figure rather than a wrong one
+
+
+@pytest.mark.ray
+def test_worker_failure_is_retried_and_resumes_exactly(ddp_reference, tmp_path, ray_session, monkeypatch):
+    from attnlab.train.ray_train import run_training
+
+    monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "10")
+    monkeypatch.setenv("ATTNLAB_FAIL_RANK", "1")
+    monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "failed-once"))
+    result = run_training(_cfg(_data_of(ddp_reference)), tmp_path / "faulty")
+    assert (tmp_path / "failed-once").exists(), "the failure was not injected"
+    ref, got = _metrics(ddp_reference.run_dir), _metrics(result.run_dir)
+    assert result.status == "finished" and got[-1]["step"] == 20
+    assert [m["step"] for m in got] == [m["step"] for m in ref]
+    for a, b in zip(ref, got):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-5), (a["step"], a, b)
+    assert got[-1]["val_loss"] == pytest.approx(ref[-1]["val_loss"], rel=1e-5)
+
+
+def _data_of(outcome) -> str:
+    return json.loads((Path(outcome.run_dir) / "provenance.json").read_text())["config"]["data"]
