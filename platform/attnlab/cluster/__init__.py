@@ -1,0 +1,29 @@
+"""Cluster configs: offline validation of the files in ``cluster/`` and the resource-fit check.
+
+``check_fits(request, config_path)`` refuses, before anything is submitted, a study whose trials no
+node type (or allowed multi-node span) of a cluster config can ever schedule. ``validate_config(path)``
+checks a Ray cluster-launcher YAML or a KubeRay manifest the way ``ray up`` / ``kubectl
+--validate=strict`` would, without a cloud account, a Kubernetes cluster or a running Ray.
+
+Nothing in this package starts Ray or contacts a cloud.
+"""
+
+__all__ = [
+    "NodeType",
+    "TrialFit",
+    "check_fits",
+    "load_node_types",
+    "plan_fit",
+    "validate_config",
+    "validate_kuberay_manifest",
+    "validate_launcher_config",
+]
+
+
+def __getattr__(name: str):
+    # Lazy, so ``python -m attnlab.cluster.validate`` does not import the module twice.
+    if name in __all__:
+        from attnlab.cluster import validate
+
+        return getattr(validate, name)
+    raise AttributeError(f"module 'attnlab.cluster' has no attribute {name!r}")

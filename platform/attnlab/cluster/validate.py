@@ -1,0 +1,564 @@
+"""Offline checks of the cluster configs, and the resource-fit check run before a study is submitted.
+
+Three things live here:
+
+- ``validate_launcher_config(path)``: a Ray cluster-launcher YAML is checked against the JSON schema
+  that ships in the installed ray wheel (``ray/autoscaler/ray-schema.json``), then with the same
+  ``prepare_config`` + ``validate_config`` that ``ray up`` runs before it touches a cloud.
+- ``validate_kuberay_manifest(path)``: RayCluster / RayJob manifests are checked against the v1
+  ``openAPIV3Schema`` of the KubeRay v1.7.0 CRDs (vendored, trimmed, in ``cluster/kuberay/schemas/``),
+  "strictified" so that unknown fields are errors, as with ``kubectl --validate=strict``.
+- ``check_fits(request, config_path)``: refuses a study whose trials no node type (or allowed span of
+  nodes) of a config can schedule, with a one-line ``UserError``, instead of letting Ray wait forever.
+
+This module never starts Ray, never contacts a cloud or a Kubernetes API, and holds no credentials;
+the only Ray it touches is the autoscaler's config helpers and schema file.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from attnlab.errors import UserError
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: the CRDs are 2 MB
+
+# The repository's cluster/ folder (platform/attnlab/cluster/validate.py -> repo root).
+REPO_ROOT = Path(__file__).resolve().parents[3]
+KUBERAY_SCHEMA_DIR = REPO_ROOT / "cluster" / "kuberay" / "schemas"
+KUBERAY_KINDS = {"RayCluster": "rayclusters", "RayJob": "rayjobs"}
+
+# The CPUs and GPUs of the cloud machine types the configs use. AWS node types may leave
+# ``resources`` empty (Ray's AWS provider detects them at ``ray up`` time, which needs credentials),
+# so the fit check looks them up here. GCP does not detect them: its configs must declare them, and
+# this table only checks that a declaration does not exceed the machine.
+INSTANCE_TYPES: dict[str, dict[str, dict[str, int]]] = {
+    "aws": {
+        "m5.large": {"CPU": 2, "GPU": 0},
+        "m6i.xlarge": {"CPU": 4, "GPU": 0},
+        "m6i.2xlarge": {"CPU": 8, "GPU": 0},
+        "m6i.4xlarge": {"CPU": 16, "GPU": 0},
+        "m6i.8xlarge": {"CPU": 32, "GPU": 0},
+        "m6i.16xlarge": {"CPU": 64, "GPU": 0},
+        "g5.xlarge": {"CPU": 4, "GPU": 1},  # 1x A10G 24 GB
+        "p4d.24xlarge": {"CPU": 96, "GPU": 8},  # 8x A100 40 GB
+        "p4de.24xlarge": {"CPU": 96, "GPU": 8},  # 8x A100 80 GB
+        "p5.48xlarge": {"CPU": 192, "GPU": 8},  # 8x H100 80 GB
+    },
+    "gcp": {
+        "n2-standard-8": {"CPU": 8, "GPU": 0},
+        "n2-standard-16": {"CPU": 16, "GPU": 0},
+        "n2-standard-32": {"CPU": 32, "GPU": 0},
+        "a2-highgpu-8g": {"CPU": 96, "GPU": 8},  # 8x A100 40 GB
+        "a2-ultragpu-8g": {"CPU": 96, "GPU": 8},  # 8x A100 80 GB
+        "a3-highgpu-8g": {"CPU": 208, "GPU": 8},  # 8x H100 80 GB
+    },
+}
+
+# What a study's ``resources:`` block turns into (see attnlab.study): one trial = a Tune trial driver
+# (1 CPU) that runs a Ray Train job of ``workers`` workers, each ``gpus_per_worker`` GPUs and
+# ``cpus_per_worker`` CPUs; up to ``max_concurrent_trials`` trials at once.
+REQUEST_DEFAULTS = {"workers": 1, "gpus_per_worker": 0.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1}
+TRIAL_DRIVER_CPUS = 1.0
+_EPS = 1e-9
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher YAML (ray up)
+# --------------------------------------------------------------------------------------------
+
+
+def _read_yaml(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"cluster config {str(path)!r} does not exist (give a path to a YAML file)")
+    try:
+        return yaml.load(path.read_text(), Loader=_LOADER)
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"cluster config {str(path)!r} is not valid YAML: {first}") from None
+
+
+def _read_yaml_documents(path: str | Path) -> list[Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"manifest {str(path)!r} does not exist (give a path to a YAML file)")
+    try:
+        return [doc for doc in yaml.load_all(path.read_text(), Loader=_LOADER) if doc is not None]
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"manifest {str(path)!r} is not valid YAML: {first}") from None
+
+
+def _json_path(parts: Iterable[Any]) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _schema_error(path: str | Path, validator, document: Any) -> None:
+    import jsonschema
+
+    errors = sorted(validator.iter_errors(document), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
+    if errors:
+        # A typo'd key shows up as an unknown field plus a missing one: name the typo first.
+        typos = [e for e in errors if e.validator == "additionalProperties"]
+        error = typos[0] if typos else jsonschema.exceptions.best_match(errors)
+        message = error.message.replace("\n", " ")
+        if len(message) > 300:
+            message = message[:300] + "..."
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise UserError(f"{path}: {_json_path(error.absolute_path)}: {message}{more}")
+
+
+def ray_launcher_schema() -> dict:
+    """The cluster-launcher JSON schema of the installed ray wheel (draft-07)."""
+    import ray.autoscaler
+
+    return json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+
+
+def validate_launcher_config(path: str | Path) -> dict:
+    """Check a cluster-launcher YAML as ``ray up`` would before touching the cloud; return the raw config.
+
+    Pure schema first (typos, types: ``resources`` values must be integers), then Ray's own
+    ``prepare_config`` (merges the provider's defaults) and ``validate_config`` (head type exists,
+    ``min_workers`` sum within ``max_workers``, ...). The fake multi-node provider ships no defaults
+    file in the wheel, so a config for it must be complete and is checked without ``prepare_config``.
+    """
+    import jsonschema
+
+    raw = _read_yaml(path)
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a cluster-launcher config must be a YAML mapping, got {type(raw).__name__}")
+    _schema_error(path, jsonschema.Draft7Validator(ray_launcher_schema()), raw)
+
+    from ray.autoscaler._private.util import prepare_config, validate_config as ray_validate_config
+
+    try:
+        config = copy.deepcopy(raw)
+        if raw["provider"].get("type") != "fake_multinode":
+            config = prepare_config(config)
+        ray_validate_config(config)
+    except (ValueError, KeyError, jsonschema.ValidationError) as exc:
+        message = getattr(exc, "message", None) or str(exc)
+        raise UserError(f"{path}: {message.splitlines()[0] if message else type(exc).__name__}") from None
+    return raw
+
+
+# --------------------------------------------------------------------------------------------
+# KubeRay manifests
+# --------------------------------------------------------------------------------------------
+
+
+def strictify(schema: Any) -> Any:
+    """Copy of an OpenAPI v3 schema where objects with ``properties`` refuse unknown fields.
+
+    The API server silently prunes unknown fields; ``kubectl --validate=strict`` rejects them. Objects
+    marked ``x-kubernetes-preserve-unknown-fields`` or with their own ``additionalProperties`` stay open.
+    """
+    if isinstance(schema, list):
+        return [strictify(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "properties" and isinstance(value, dict):
+            out[key] = {name: strictify(sub) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties", "not") and isinstance(value, dict):
+            out[key] = strictify(value)
+        elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list):
+            out[key] = [strictify(sub) for sub in value]
+        else:
+            out[key] = value
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def extract_crd_schema(crd_path: str | Path, version: str = "v1") -> dict:
+    """The trimmed record vendored in ``cluster/kuberay/schemas/``: one version's ``openAPIV3Schema``."""
+    crd = _read_yaml(crd_path)
+    try:
+        spec = crd["spec"]
+        (served,) = [v for v in spec["versions"] if v["name"] == version]
+        schema = served["schema"]["openAPIV3Schema"]
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{crd_path}: not a CustomResourceDefinition with a {version!r} openAPIV3Schema") from None
+    return {
+        "group": spec["group"],
+        "kind": spec["names"]["kind"],
+        "version": version,
+        "source": f"KubeRay v1.7.0 ray-operator/config/crd/bases/{Path(crd_path).name} (Apache-2.0)",
+        "openAPIV3Schema": schema,
+    }
+
+
+def vendored_schema_path(kind: str, schema_dir: str | Path | None = None) -> Path:
+    if kind not in KUBERAY_KINDS:
+        raise UserError(f"kind {kind!r} is not a KubeRay kind this project validates; allowed: {sorted(KUBERAY_KINDS)}")
+    return Path(schema_dir or KUBERAY_SCHEMA_DIR) / f"{KUBERAY_KINDS[kind]}.ray.io-v1.schema.json.gz"
+
+
+def write_vendored_schema(crd_path: str | Path, schema_dir: str | Path | None = None) -> Path:
+    """Extract a CRD's v1 schema into ``cluster/kuberay/schemas/`` (gzip, deterministic bytes)."""
+    record = extract_crd_schema(crd_path)
+    out = vendored_schema_path(record["kind"], schema_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    out.write_bytes(gzip.compress(data, mtime=0))
+    return out
+
+
+def load_kuberay_schema(kind: str, schema_dir: str | Path | None = None) -> dict:
+    """The strictified v1 ``openAPIV3Schema`` of a KubeRay kind, from the vendored extraction."""
+    path = vendored_schema_path(kind, schema_dir)
+    if not path.is_file():
+        raise UserError(f"KubeRay schema {str(path)!r} is missing (regenerate it with 'extract-crd', see cluster/README.md)")
+    record = json.loads(gzip.decompress(path.read_bytes()))
+    return strictify(record["openAPIV3Schema"])
+
+
+def validate_kuberay_manifest(path: str | Path, schema_dir: str | Path | None = None) -> list[dict]:
+    """Validate every RayCluster/RayJob document of a manifest; return the documents.
+
+    Not covered: the CRDs' CEL ``x-kubernetes-validations`` rules (mostly immutability on update)
+    and the operator's own runtime checks.
+    """
+    import jsonschema
+
+    documents = _read_yaml_documents(path)
+    if not documents:
+        raise UserError(f"{path}: no YAML documents found")
+    for index, doc in enumerate(documents):
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        if kind not in KUBERAY_KINDS:
+            raise UserError(f"{path}: document {index} has kind {kind!r}; allowed: {sorted(KUBERAY_KINDS)}")
+        if doc.get("apiVersion") != "ray.io/v1":
+            raise UserError(f"{path}: document {index} has apiVersion {doc.get('apiVersion')!r}; allowed: 'ray.io/v1'")
+        if not (doc.get("metadata") or {}).get("name"):
+            raise UserError(f"{path}: document {index} ({kind}) needs metadata.name")
+        _schema_error(path, jsonschema.Draft7Validator(load_kuberay_schema(kind, schema_dir)), doc)
+    return documents
+
+
+def is_kuberay_manifest(path: str | Path) -> bool:
+    documents = _read_yaml_documents(path)
+    return bool(documents) and all(isinstance(d, dict) and d.get("kind") in KUBERAY_KINDS for d in documents)
+
+
+def validate_config(path: str | Path) -> None:
+    """Validate a launcher YAML or a KubeRay manifest, whichever ``path`` is."""
+    if is_kuberay_manifest(path):
+        validate_kuberay_manifest(path)
+    else:
+        validate_launcher_config(path)
+
+
+# --------------------------------------------------------------------------------------------
+# What each config can supply
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """One kind of node a config can bring up: its CPUs and GPUs, and how many of it at most."""
+
+    name: str
+    cpus: float
+    gpus: float
+    max_nodes: int
+    is_head: bool = False
+
+
+def _launcher_node_types(config: dict, path: str | Path) -> tuple[list[NodeType], int]:
+    provider = config["provider"].get("type", "")
+    table = INSTANCE_TYPES.get(provider, {})
+    global_max = int(config.get("max_workers", 2))
+    head = config["head_node_type"]
+    nodes = []
+    for name, node_type in config["available_node_types"].items():
+        node_config = node_type.get("node_config") or {}
+        machine = node_config.get("InstanceType") or node_config.get("machineType")
+        known = table.get(machine, {})
+        declared = node_type.get("resources") or {}
+        if provider == "aws":  # Ray's AWS provider fills in CPU/GPU it detects; explicit values win.
+            resources = {**known, **declared}
+        else:
+            resources = dict(declared)
+            for key in ("CPU", "GPU"):
+                if known and resources.get(key, 0) > known[key]:
+                    raise UserError(
+                        f"{path}: node type {name!r} declares {key}: {resources[key]} but {machine} has {known[key]}"
+                    )
+        if "CPU" not in resources:
+            raise UserError(
+                f"{path}: node type {name!r}: CPU count unknown (machine {machine!r} is not in "
+                f"attnlab.cluster.validate.INSTANCE_TYPES[{provider!r}]); declare resources: {{CPU: n, GPU: m}}"
+            )
+        max_nodes = 1 if name == head else min(int(node_type.get("max_workers", global_max)), global_max)
+        nodes.append(NodeType(name, float(resources["CPU"]), float(resources.get("GPU", 0)), max_nodes, name == head))
+    return nodes, global_max
+
+
+_QUANTITY = re.compile(r"^([0-9.]+)(m?)$")
+
+
+def _cpu_quantity(value: Any, where: str) -> float:
+    match = _QUANTITY.match(str(value).strip())
+    if not match:
+        raise UserError(f"{where}: CPU quantity {value!r} not understood (use e.g. '8' or '500m')")
+    return float(match.group(1)) / (1000.0 if match.group(2) else 1.0)
+
+
+def _kuberay_group(group: dict, name: str, path: str | Path) -> tuple[float, float]:
+    """CPUs and GPUs Ray sees on a pod: rayStartParams win, else the ray-head/worker container's limits."""
+    params = group.get("rayStartParams") or {}
+    containers = ((group.get("template") or {}).get("spec") or {}).get("containers") or [{}]
+    limits = (containers[0].get("resources") or {}).get("limits") or {}
+    requests = (containers[0].get("resources") or {}).get("requests") or {}
+    where = f"{path}: group {name!r}"
+    if "num-cpus" in params:
+        cpus = _cpu_quantity(params["num-cpus"], where)
+    elif "cpu" in limits or "cpu" in requests:
+        cpus = math.floor(_cpu_quantity(limits.get("cpu", requests.get("cpu")), where))
+    else:
+        raise UserError(f"{where}: CPU count unknown; set resources.limits.cpu or rayStartParams num-cpus")
+    gpus = float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))
+    return float(cpus), gpus
+
+
+def _kuberay_node_types(documents: list[dict], path: str | Path) -> tuple[list[NodeType], int]:
+    specs = []
+    for doc in documents:
+        spec = doc.get("spec") or {}
+        if doc["kind"] == "RayCluster":
+            specs.append(spec)
+        elif "rayClusterSpec" in spec:
+            specs.append(spec["rayClusterSpec"])
+    if len(specs) != 1:
+        raise UserError(f"{path}: the fit check needs exactly one RayCluster spec (a RayCluster, or a RayJob with rayClusterSpec); found {len(specs)}")
+    spec = specs[0]
+    cpus, gpus = _kuberay_group(spec["headGroupSpec"], "head", path)
+    nodes = [NodeType("head", cpus, gpus, 1, True)]
+    for group in spec.get("workerGroupSpecs") or []:
+        cpus, gpus = _kuberay_group(group, group["groupName"], path)
+        max_pods = int(group.get("maxReplicas", 0)) * int(group.get("numOfHosts", 1))
+        nodes.append(NodeType(group["groupName"], cpus, gpus, max_pods))
+    return nodes, sum(n.max_nodes for n in nodes if not n.is_head)
+
+
+def load_node_types(config_path: str | Path) -> tuple[list[NodeType], int]:
+    """The node types of a launcher YAML or KubeRay manifest, and the cap on worker nodes in total."""
+    if is_kuberay_manifest(config_path):
+        return _kuberay_node_types(validate_kuberay_manifest(config_path), config_path)
+    return _launcher_node_types(validate_launcher_config(config_path), config_path)
+
+
+# --------------------------------------------------------------------------------------------
+# Does a study's request fit?
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrialFit:
+    """How one trial is placed on a config, and how many trials can run at once at full scale."""
+
+    workers_per_node: dict[str, int]  # node type -> workers one node of it can hold
+    nodes_per_trial: dict[str, int]  # node type -> nodes one trial uses (the plan picked)
+    gpus_per_trial: float
+    concurrent_trials: int  # trials that can run at once with every node type at its maximum
+
+    @property
+    def spans_nodes(self) -> bool:
+        return sum(self.nodes_per_trial.values()) > 1
+
+
+def normalise_request(request: dict) -> dict:
+    """Fill defaults and check types of a ``resources:`` request; raise ``UserError`` on bad values."""
+    if not isinstance(request, dict):
+        raise UserError(f"resources: expected a mapping with keys {sorted(REQUEST_DEFAULTS)}, got {type(request).__name__}")
+    unknown = sorted(set(request) - set(REQUEST_DEFAULTS))
+    if unknown:
+        raise UserError(f"resources: unknown key(s) {unknown}; allowed: {sorted(REQUEST_DEFAULTS)}")
+    out = {**REQUEST_DEFAULTS, **request}
+    for key in ("workers", "max_concurrent_trials"):
+        value = out[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"resources.{key}: {value!r} is not allowed; use an integer >= 1")
+    for key in ("gpus_per_worker", "cpus_per_worker"):
+        value = out[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise UserError(f"resources.{key}: {value!r} is not allowed; use a number >= 0")
+        out[key] = float(value)
+    return out
+
+
+def _workers_per_node(node: NodeType, gpus: float, cpus: float) -> int:
+    limits = []
+    if gpus > 0:
+        limits.append(math.floor(node.gpus / gpus + _EPS))
+    if cpus > 0:
+        limits.append(math.floor(node.cpus / cpus + _EPS))
+    return min(limits) if limits else 10**6
+
+
+def _describe(nodes: list[NodeType]) -> str:
+    return ", ".join(f"{n.name}: {n.gpus:g} GPU/{n.cpus:g} CPU x{n.max_nodes}" for n in nodes)
+
+
+def plan_fit(request: dict, cluster_config_path: str | Path) -> TrialFit:
+    """Place one trial of ``request`` on the config's node types; raise ``UserError`` if it never fits.
+
+    A Ray Train worker must fit on one node. A trial's workers may span nodes (Ray Train's PACK
+    placement spreads a placement group over nodes when one is not enough), within each node type's
+    ``max_workers`` and the config's global cap on worker nodes. The trial driver needs 1 CPU anywhere.
+    """
+    req = normalise_request(request)
+    name = Path(cluster_config_path).name
+    nodes, worker_cap = load_node_types(cluster_config_path)
+    nodes = [n for n in nodes if n.max_nodes > 0]
+    g, c, workers = req["gpus_per_worker"], req["cpus_per_worker"], req["workers"]
+    per_node = {n.name: _workers_per_node(n, g, c) for n in nodes}
+    usable = [n for n in nodes if per_node[n.name] >= 1]
+    if not usable:
+        raise UserError(
+            f"resources: one worker needs {g:g} GPU + {c:g} CPU but no node type in {name} has that "
+            f"({_describe(nodes)}); lower gpus_per_worker/cpus_per_worker or add a bigger node type"
+        )
+
+    def budget(candidates: list[NodeType]) -> dict[str, int]:
+        """Nodes of each type usable together: head at most once, workers within the global cap."""
+        left, out = worker_cap, {}
+        for n in sorted(candidates, key=lambda n: (not n.is_head, -per_node[n.name])):
+            take = n.max_nodes if n.is_head else min(n.max_nodes, left)
+            left -= 0 if n.is_head else take
+            out[n.name] = take
+        return out
+
+    # Prefer one node type (homogeneous hardware); else span node types.
+    plans = []
+    for n in usable:
+        need = math.ceil(workers / per_node[n.name])
+        if need <= budget([n])[n.name]:
+            plans.append((need, n.gpus, n.cpus, n.name))
+    if plans:  # fewest nodes, then the smallest machine (a CPU-only trial does not take a GPU node)
+        need, _, _, chosen = min(plans)
+        nodes_per_trial = {chosen: need}
+    else:
+        available = budget(usable)
+        capacity = sum(per_node[k] * v for k, v in available.items())
+        if capacity < workers:
+            raise UserError(
+                f"resources: {workers} workers x ({g:g} GPU + {c:g} CPU) need {workers * g:g} GPUs/{workers * c:g} CPUs "
+                f"at once but {name} can place at most {capacity} such workers ({_describe(usable)}); "
+                f"lower resources.workers or raise max_workers"
+            )
+        nodes_per_trial, remaining = {}, workers
+        for n in sorted(usable, key=lambda n: -per_node[n.name]):
+            if remaining <= 0:
+                break
+            take = min(available[n.name], math.ceil(remaining / per_node[n.name]))
+            nodes_per_trial[n.name] = take
+            remaining -= take * per_node[n.name]
+
+    cpu_nodes = [n for n in nodes if n.cpus >= TRIAL_DRIVER_CPUS]
+    if not cpu_nodes:
+        raise UserError(f"resources: the trial driver needs {TRIAL_DRIVER_CPUS:g} CPU but no node type in {name} offers a CPU")
+
+    total = budget(usable)
+    concurrent = sum(per_node[k] * v for k, v in total.items()) // workers
+    return TrialFit(
+        workers_per_node={n.name: per_node[n.name] for n in usable},
+        nodes_per_trial=nodes_per_trial,
+        gpus_per_trial=workers * g,
+        concurrent_trials=concurrent,
+    )
+
+
+def check_fits(request: dict, cluster_config_path: str | Path) -> None:
+    """Raise ``attnlab.errors.UserError`` (one line) if no node type or allowed span can host a trial.
+
+    ``request``: ``{"workers": int, "gpus_per_worker": float, "cpus_per_worker": float,
+    "max_concurrent_trials": int}``, as a study's ``resources:`` block gives it. Running fewer trials
+    at once than ``max_concurrent_trials`` is not an error (Tune queues the rest); see ``plan_fit``.
+    """
+    plan_fit(request, cluster_config_path)
+
+
+def study_resources(study_path: str | Path) -> dict:
+    """The fit request from a study YAML's ``resources:`` block (only that block is read).
+
+    The study spec names the worker count ``workers_per_trial`` (``StudySpec.resource_request()``
+    maps it the same way); keys other than the request's are left to the study spec's validation.
+    """
+    doc = _read_yaml(study_path)
+    if not isinstance(doc, dict):
+        raise UserError(f"{study_path}: a study must be a YAML mapping")
+    block = doc.get("resources") or {}
+    if not isinstance(block, dict):
+        raise UserError(f"{study_path}: resources must be a mapping, got {type(block).__name__}")
+    block = dict(block)
+    if "workers_per_trial" in block:
+        block["workers"] = block.pop("workers_per_trial")
+    return normalise_request({k: v for k, v in block.items() if k in REQUEST_DEFAULTS})
+
+
+# --------------------------------------------------------------------------------------------
+# python -m attnlab.cluster.validate
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m attnlab.cluster.validate",
+        description="Validate cluster configs offline and check that studies fit them.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("config", help="validate launcher YAMLs / KubeRay manifests")
+    p.add_argument("paths", nargs="+")
+    p = sub.add_parser("fits", help="check that each study's resources fit a config")
+    p.add_argument("--config", required=True)
+    p.add_argument("studies", nargs="+")
+    p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into cluster/kuberay/schemas/")
+    p.add_argument("crds", nargs="+")
+    p.add_argument("--out", default=str(KUBERAY_SCHEMA_DIR))
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "config":
+            for path in args.paths:
+                validate_config(path)
+                print(f"ok: {path}")
+        elif args.command == "fits":
+            for study in args.studies:
+                fit = plan_fit(study_resources(study), args.config)
+                print(f"ok: {study} on {args.config}: nodes per trial {fit.nodes_per_trial}, "
+                      f"{fit.concurrent_trials} trial(s) at once")
+        else:
+            for crd in args.crds:
+                print(f"wrote {write_vendored_schema(crd, args.out)}")
+    except UserError as exc:
+        print(f"attnlab: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,473 @@
+"""Cluster configs: launcher YAMLs and KubeRay manifests validate offline, studies fit them, and the
+fake multi-node autoscaler really adds and removes a worker node on this machine.
+
+The autoscaling test starts its OWN Ray cluster (own temp dir, own ports, own process session) and
+stops only the processes of that session; it never touches the session's ``ray_session`` cluster.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from attnlab.cluster import validate as cv
+from attnlab.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "cluster"
+LAUNCHER_CONFIGS = [CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml", CLUSTER / "local-fake.yaml"]
+CLOUD_CONFIGS = [CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml", CLUSTER / "kuberay" / "raycluster.yaml"]
+KUBERAY_MANIFESTS = [CLUSTER / "kuberay" / "raycluster.yaml", CLUSTER / "kuberay" / "rayjob.yaml"]
+SHARED_CRDS = ROOT.parent / "shared" / "kuberay-crds-v1.7.0"
+
+
+def _write_variant(tmp_path: Path, source: Path, old: str, new: str) -> Path:
+    text = source.read_text()
+    assert old in text, f"{old!r} not in {source}"
+    out = tmp_path / source.name
+    out.write_text(text.replace(old, new, 1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher YAMLs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
+def test_launcher_config_validates(path):
+    config = cv.validate_launcher_config(path)
+    assert config["idle_timeout_minutes"] > 0
+    head = config["available_node_types"][config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0  # the head never trains
+
+
+@pytest.mark.parametrize("path", [CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml"], ids=lambda p: p.name)
+def test_cloud_launcher_config_content(path):
+    config = yaml.safe_load(path.read_text())
+    a100 = config["available_node_types"]["gpu.a100"]
+    assert a100["min_workers"] == 0 and a100["max_workers"] >= 1
+    machine = a100["node_config"].get("InstanceType") or a100["node_config"].get("machineType")
+    assert machine in {"p4d.24xlarge", "p4de.24xlarge", "a2-ultragpu-8g"}
+    assert cv.INSTANCE_TYPES[config["provider"]["type"]][machine]["GPU"] == 8
+    # attnlab installed from the working dir on every node
+    assert config["file_mounts"]["~/attnlab"] == "."
+    assert any("pip install" in c and "-e ~/attnlab" in c for c in config["setup_commands"])
+    # storage location set once, in the env, on a bucket
+    scheme = "s3://" if config["provider"]["type"] == "aws" else "gs://"
+    assert any(f"ATTNLAB_STORAGE={scheme}" in c for c in config["setup_commands"])
+    # dashboard/job server bound to the head's loopback, token auth on, token file shipped
+    head_start = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_start and "RAY_AUTH_MODE=token" in head_start
+    assert "RAY_AUTH_MODE=token" in " ".join(config["worker_start_ray_commands"])
+    assert "~/.ray/auth_token" in config["file_mounts"]
+
+
+def test_aws_h100_type_is_optional_and_spot_documented():
+    config = yaml.safe_load((CLUSTER / "aws.yaml").read_text())
+    h100 = config["available_node_types"]["gpu.h100"]
+    assert h100["node_config"]["InstanceType"] == "p5.48xlarge"
+    assert h100["max_workers"] == 0  # off until the user raises it
+    assert "MarketType: spot" in (CLUSTER / "aws.yaml").read_text()
+
+
+def test_schema_catches_typo_key(tmp_path):
+    bad = _write_variant(tmp_path, CLUSTER / "aws.yaml", "idle_timeout_minutes:", "idle_timeout_minute:")
+    with pytest.raises(UserError, match=r"'idle_timeout_minute' was unexpected"):
+        cv.validate_launcher_config(bad)
+
+
+def test_schema_catches_fractional_resource(tmp_path):
+    bad = _write_variant(tmp_path, CLUSTER / "gcp.yaml", '{"CPU": 96, "GPU": 8}', '{"CPU": 96, "GPU": 0.5}')
+    with pytest.raises(UserError, match=r"available_node_types\.gpu\.a100\.resources\.GPU: 0\.5 is not of type 'integer'"):
+        cv.validate_launcher_config(bad)
+
+
+def test_ray_validate_config_catches_min_over_global_max(tmp_path):
+    bad = _write_variant(tmp_path, CLUSTER / "aws.yaml", "    min_workers: 0\n    max_workers: 4\n", "    min_workers: 9\n    max_workers: 9\n")
+    with pytest.raises(UserError, match="max_workers"):
+        cv.validate_launcher_config(bad)
+
+
+def test_gcp_declared_gpus_cannot_exceed_machine(tmp_path):
+    bad = _write_variant(tmp_path, CLUSTER / "gcp.yaml", '{"CPU": 96, "GPU": 8}', '{"CPU": 96, "GPU": 16}')
+    with pytest.raises(UserError, match=r"'gpu\.a100' declares GPU: 16 but a2-ultragpu-8g has 8"):
+        cv.load_node_types(bad)
+
+
+def test_aws_resources_come_from_instance_table():
+    nodes, cap = cv.load_node_types(CLUSTER / "aws.yaml")
+    by_name = {n.name: n for n in nodes}
+    assert (by_name["gpu.a100"].cpus, by_name["gpu.a100"].gpus, by_name["gpu.a100"].max_nodes) == (96, 8, 4)
+    assert (by_name["gpu.h100"].cpus, by_name["gpu.h100"].gpus, by_name["gpu.h100"].max_nodes) == (192, 8, 0)
+    assert (by_name["head.cpu"].cpus, by_name["head.cpu"].is_head) == (4, True)  # explicit wins over 8 vCPU
+    assert cap == 8
+
+
+def test_missing_config_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        cv.check_fits({"workers": 1}, tmp_path / "nope.yaml")
+
+
+# ---------------------------------------------------------------------------------------------
+# KubeRay manifests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", KUBERAY_MANIFESTS, ids=lambda p: p.name)
+def test_kuberay_manifest_validates(path):
+    (doc,) = cv.validate_kuberay_manifest(path)
+    assert doc["apiVersion"] == "ray.io/v1"
+
+
+def test_raycluster_gpu_autoscaling_and_auth():
+    (doc,) = yaml.safe_load_all((CLUSTER / "kuberay" / "raycluster.yaml").read_text())
+    spec = doc["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    assert spec["autoscalerOptions"]["upscalingMode"] in {"Default", "Conservative", "Aggressive"}
+    assert spec["authOptions"]["mode"] == "token"
+    assert spec["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP"
+    head_limits = spec["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert "nvidia.com/gpu" not in head_limits
+    (gpu_group,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "a100"]
+    assert gpu_group["minReplicas"] == 0 and gpu_group["maxReplicas"] >= 1
+    container = gpu_group["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "8"
+    nodes, cap = cv.load_node_types(CLUSTER / "kuberay" / "raycluster.yaml")
+    assert [(n.name, n.cpus, n.gpus, n.max_nodes) for n in nodes] == [("head", 4, 0, 1), ("a100", 88, 8, 4)]
+    assert cap == 4
+
+
+def test_rayjob_runs_an_existing_study_on_the_cluster():
+    (job,) = yaml.safe_load_all((CLUSTER / "kuberay" / "rayjob.yaml").read_text())
+    (cluster,) = yaml.safe_load_all((CLUSTER / "kuberay" / "raycluster.yaml").read_text())
+    assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    entrypoint = job["spec"]["entrypoint"].split()
+    assert entrypoint[:3] == ["attnlab", "study", "run"]
+    study = entrypoint[3]
+    assert study == "studies/paper_table4.yaml"
+    assert "--storage" in entrypoint and "--store" in entrypoint
+    if not (ROOT / study).is_file():
+        pytest.skip(f"{study} is not written yet (the studies issue); the entrypoint names it")
+    assert (ROOT / study).is_file()
+
+
+@pytest.mark.parametrize(
+    "old,new,message",
+    [
+        ("maxReplicas: 4", "maxReplica: 4", r"workerGroupSpecs\[0\]: .*'maxReplica' was unexpected"),
+        ("upscalingMode: Default", "upscalingMode: Fast", r"'Fast' is not one of \['Default', 'Aggressive', 'Conservative'\]"),
+        ('num-cpus: "4"', "num-cpus: 4", r"rayStartParams\.num-cpus: 4 is not of type 'string'"),
+        ("- groupName: a100", "- groupNam: a100", r"'groupNam' was unexpected"),
+        ("authOptions:\n    mode: token", "authOptions:\n    mode: tokens", r"authOptions\.mode: 'tokens' is not one of"),
+    ],
+)
+def test_kuberay_strict_schema_catches(tmp_path, old, new, message):
+    bad = _write_variant(tmp_path, CLUSTER / "kuberay" / "raycluster.yaml", old, new)
+    with pytest.raises(UserError, match=message):
+        cv.validate_kuberay_manifest(bad)
+
+
+def test_rayjob_strict_schema_catches_typo(tmp_path):
+    bad = _write_variant(tmp_path, CLUSTER / "kuberay" / "rayjob.yaml", "submissionMode:", "submisionMode:")
+    with pytest.raises(UserError, match="'submisionMode' was unexpected"):
+        cv.validate_kuberay_manifest(bad)
+
+
+def test_strictify_keeps_preserve_unknown_fields_open():
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"x": {"type": "string"}}},
+            "b": {"type": "object", "properties": {"y": {}}, "x-kubernetes-preserve-unknown-fields": True},
+            "c": {"type": "array", "items": {"type": "object", "properties": {"z": {}}}},
+        },
+    }
+    strict = cv.strictify(schema)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in strict["properties"]["b"]
+    assert strict["properties"]["c"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the input is not modified
+
+
+def test_vendored_schemas_are_the_v1_schemas_of_the_shared_crds():
+    if not SHARED_CRDS.is_dir():
+        pytest.skip(f"{SHARED_CRDS} not present; the vendored copies in cluster/kuberay/schemas/ are used as they are")
+    for kind, plural in cv.KUBERAY_KINDS.items():
+        expected = cv.extract_crd_schema(SHARED_CRDS / f"ray.io_{plural}.yaml")
+        vendored = json.loads(gzip.decompress(cv.vendored_schema_path(kind).read_bytes()))
+        assert vendored == expected
+        assert vendored["kind"] == kind and vendored["version"] == "v1"
+
+
+def test_kuberay_licence_notice_is_kept():
+    notice = (CLUSTER / "kuberay" / "schemas" / "README.md").read_text()
+    assert "Apache" in notice and "KubeRay" in notice and "v1.7.0" in notice
+
+
+# ---------------------------------------------------------------------------------------------
+# Resource fit
+# ---------------------------------------------------------------------------------------------
+
+PAPER_TRIAL = {"workers": 8, "gpus_per_worker": 1, "cpus_per_worker": 8, "max_concurrent_trials": 4}
+
+
+@pytest.mark.parametrize("config", CLOUD_CONFIGS, ids=lambda p: p.name)
+def test_eight_gpu_trial_fits_one_node(config):
+    cv.check_fits(PAPER_TRIAL, config)
+    fit = cv.plan_fit(PAPER_TRIAL, config)
+    assert list(fit.nodes_per_trial.values()) == [1] and not fit.spans_nodes
+    assert fit.gpus_per_trial == 8
+    assert fit.concurrent_trials == 4  # 4 A100 nodes x 8 GPUs / 8 GPUs per trial
+
+
+def test_trial_spans_nodes_when_allowed():
+    fit = cv.plan_fit({"workers": 16, "gpus_per_worker": 1, "cpus_per_worker": 8}, CLUSTER / "aws.yaml")
+    assert fit.nodes_per_trial == {"gpu.a100": 2} and fit.spans_nodes
+    assert fit.concurrent_trials == 2  # 32 GPUs / 16
+    fit = cv.plan_fit({"workers": 32, "gpus_per_worker": 0.5, "cpus_per_worker": 2}, CLUSTER / "gcp.yaml")
+    assert fit.workers_per_node["gpu.a100"] == 16 and fit.nodes_per_trial == {"gpu.a100": 2}
+
+
+def test_cpu_only_trial_prefers_a_cpu_node():
+    fit = cv.plan_fit({"workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}, CLUSTER / "aws.yaml")
+    assert fit.nodes_per_trial == {"head.cpu": 1}
+
+
+def test_worker_too_big_for_any_node_is_refused():
+    with pytest.raises(UserError) as err:
+        cv.check_fits({"workers": 1, "gpus_per_worker": 16, "cpus_per_worker": 8}, CLUSTER / "aws.yaml")
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("resources: one worker needs 16 GPU + 8 CPU but no node type in aws.yaml has that")
+    assert "gpu.a100: 8 GPU/96 CPU x4" in message
+
+
+def test_too_many_workers_is_refused():
+    with pytest.raises(UserError, match=r"64 workers .* need 64 GPUs/512 CPUs at once but raycluster\.yaml can place at most 32"):
+        cv.check_fits({"workers": 64, "gpus_per_worker": 1, "cpus_per_worker": 8}, CLUSTER / "kuberay" / "raycluster.yaml")
+    # CPUs per worker can be the limit too: 88 CPUs per pod / 12 = 7 workers per node.
+    with pytest.raises(UserError, match="at most 28 such workers"):
+        cv.check_fits({"workers": 32, "gpus_per_worker": 1, "cpus_per_worker": 12}, CLUSTER / "kuberay" / "raycluster.yaml")
+
+
+def test_global_max_workers_caps_the_span(tmp_path):
+    capped = _write_variant(tmp_path, CLUSTER / "aws.yaml", "max_workers: 8                 #", "max_workers: 1                 #")
+    cv.check_fits(PAPER_TRIAL, capped)
+    with pytest.raises(UserError, match="at most 8 such workers"):
+        cv.check_fits({"workers": 16, "gpus_per_worker": 1, "cpus_per_worker": 8}, capped)
+
+
+@pytest.mark.parametrize(
+    "request_,message",
+    [
+        ({"workers": 0}, r"resources\.workers: 0 is not allowed"),
+        ({"workers": 2.5}, r"resources\.workers: 2\.5 is not allowed"),
+        ({"gpus_per_worker": -1}, r"resources\.gpus_per_worker: -1 is not allowed"),
+        ({"gpu_per_worker": 1}, r"unknown key\(s\) \['gpu_per_worker'\]"),
+    ],
+)
+def test_malformed_request_is_a_user_error(request_, message):
+    with pytest.raises(UserError, match=message):
+        cv.check_fits(request_, CLUSTER / "aws.yaml")
+
+
+STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
+
+
+@pytest.mark.skipif(not STUDIES, reason="no studies/*.yaml written yet")
+@pytest.mark.parametrize("config", CLOUD_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
+def test_every_study_fits_each_cloud_config(study, config):
+    cv.check_fits(cv.study_resources(study), config)
+
+
+def test_study_resources_reads_only_the_resources_block(tmp_path):
+    study = tmp_path / "s.yaml"
+    study.write_text("name: x\nresources:\n  workers_per_trial: 8\n  gpus_per_worker: 1\n  trial_cpus: 0.5\nsearch: {}\n")
+    assert cv.study_resources(study) == {"workers": 8, "gpus_per_worker": 1.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1}
+
+
+@pytest.mark.skipif(not STUDIES, reason="no studies/*.yaml written yet")
+@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
+def test_study_resources_agree_with_the_study_spec(study):
+    """Reading just the resources block gives what the full study spec hands to check_fits."""
+    spec_module = pytest.importorskip("attnlab.study.spec")
+    if not hasattr(spec_module, "load_spec"):
+        pytest.skip("attnlab.study.spec has no load_spec yet")
+    spec = spec_module.load_spec(study)
+    assert cv.study_resources(study) == cv.normalise_request(spec.resource_request())
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    assert cv.main(["config", str(CLUSTER / "kuberay" / "rayjob.yaml")]) == 0
+    bad = _write_variant(tmp_path, CLUSTER / "kuberay" / "rayjob.yaml", "submissionMode:", "submisionMode:")
+    assert cv.main(["config", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith("attnlab: error: ")
+
+
+def test_no_credentials_in_cluster_files():
+    patterns = [r"AKIA[0-9A-Z]{16}", r"aws_secret_access_key", r"BEGIN [A-Z ]*PRIVATE KEY", r'"private_key"', r"ghp_[A-Za-z0-9]{20,}"]
+    for path in CLUSTER.rglob("*"):
+        if path.is_file() and path.suffix in {".yaml", ".md", ""}:
+            text = path.read_text(errors="replace")
+            for pattern in patterns:
+                assert not re.search(pattern, text), f"{path} matches {pattern}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Autoscaling for real: Ray's fake multi-node provider on this machine
+# ---------------------------------------------------------------------------------------------
+
+# The workload: two Tune trials that each need the worker-only resource {"fake_gpu_node": 1}, as
+# studies' trials need GPUs the head lacks. The driver prints the live node count as it goes.
+# When the study runner exists, a tiny study (resources: fake_gpu_node) plugs in here instead:
+# `attnlab study run studies/smoke.yaml` submitted to this cluster's address.
+_DRIVER = r"""
+import json, sys, time
+import ray
+from ray import tune
+
+ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+
+def alive():
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+def trial(config):
+    import ray, time
+    time.sleep(2)
+    tune.report({"score": config["x"] * 10, "node": ray.get_runtime_context().get_node_id()})
+
+t0 = time.time()
+print(json.dumps({"event": "start", "nodes": alive()}), flush=True)
+tuner = tune.Tuner(
+    tune.with_resources(trial, {"cpu": 1, "fake_gpu_node": 1}),
+    param_space={"x": tune.grid_search([1, 2])},
+    tune_config=tune.TuneConfig(max_concurrent_trials=2),
+    run_config=tune.RunConfig(storage_path=sys.argv[2], name="fake_autoscale", verbose=0),
+)
+results = tuner.fit()
+peak = alive()
+rows = sorted((r.metrics["score"], r.metrics["node"]) for r in results)
+print(json.dumps({"event": "done", "nodes": peak, "scores": [s for s, _ in rows], "trial_nodes": [n for _, n in rows],
+                  "seconds": round(time.time() - t0, 1)}), flush=True)
+deadline = time.time() + 60
+while alive() > 1 and time.time() < deadline:
+    time.sleep(1)
+print(json.dumps({"event": "idle", "nodes": alive(), "seconds": round(time.time() - t0, 1)}), flush=True)
+"""
+
+
+def _free_port() -> int:
+    """A free port outside Ray's default worker-port range (10002-19999), which ray start refuses."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not 10002 <= port <= 19999:
+            return port
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Processes whose session id is ``sid``: exactly what our ``ray start`` (a new session) spawned."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state ppid pgrp session ...
+            pids.append(int(entry.name))
+    return pids
+
+
+class OwnFakeCluster:
+    """A fake multi-node autoscaling cluster in its own temp dir, ports and process session."""
+
+    def __init__(self, config_path: Path):
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="attnlab-fake-", dir="/tmp"))
+        self.port = _free_port()
+        config = yaml.safe_load(config_path.read_text())
+        config["provider"]["gcs_address"] = f"127.0.0.1:{self.port}"
+        self.config_path = self.temp_dir / "autoscaler.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="disabled",
+                        RAY_USAGE_STATS_ENABLED="0")
+        self.sid: int | None = None
+
+    def start(self) -> None:
+        ray_cli = Path(sys.executable).with_name("ray")
+        cmd = [
+            str(ray_cli), "start", "--head", f"--port={self.port}", f"--temp-dir={self.temp_dir}",
+            "--num-cpus=1", "--object-store-memory=100000000", f"--autoscaling-config={self.config_path}",
+            "--include-dashboard=false", f"--dashboard-port={_free_port()}", "--dashboard-agent-listen-port=0",
+            f"--dashboard-agent-grpc-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+        ]
+        proc = subprocess.Popen(cmd, env=self.env, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        self.sid = proc.pid
+        out, _ = proc.communicate(timeout=90)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start failed:\n{out[-3000:]}")
+
+    def stop(self) -> None:
+        if self.sid is not None:
+            for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+                for pid in _session_pids(self.sid):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                deadline = time.time() + wait
+                while _session_pids(self.sid) and time.time() < deadline:
+                    time.sleep(0.2)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_fake_cluster_adds_a_worker_node_on_demand_and_removes_it_when_idle(tmp_path):
+    cluster = OwnFakeCluster(CLUSTER / "local-fake.yaml")
+    try:
+        cluster.start()
+        driver = subprocess.run(
+            [sys.executable, "-c", _DRIVER, f"127.0.0.1:{cluster.port}", str(tmp_path / "tune")],
+            env=cluster.env, capture_output=True, text=True, timeout=180,
+        )
+        events = {e["event"]: e for e in (json.loads(line) for line in driver.stdout.splitlines() if line.startswith("{"))}
+        print("fake cluster:", {k: (v["nodes"], v.get("seconds")) for k, v in events.items()})  # (nodes, s); -s shows it
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        assert events["start"]["nodes"] == 1  # the head alone
+        assert events["done"]["scores"] == [10, 20]  # both trials ran and reported
+        head_id = "f" * 51 + "00000"  # the fake provider's head node id
+        assert all(n != head_id for n in events["done"]["trial_nodes"])  # trials ran on added nodes
+        assert events["done"]["nodes"] >= 2  # the autoscaler added fake.gpu node(s)
+        assert events["idle"]["nodes"] == 1  # and removed them after idle_timeout_minutes
+        monitor_log = next(cluster.temp_dir.glob("session_*/logs/monitor.log")).read_text()
+        assert re.search(r"Adding \d+ node\(s\) of type fake\.gpu", monitor_log)
+        assert re.search(r"Removing \d+ nodes of type fake\.gpu \(idle\)", monitor_log)
+    finally:
+        cluster.stop()
+    assert not _session_pids(cluster.sid)
