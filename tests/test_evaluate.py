@@ -1,0 +1,272 @@
+"""Extrapolation evaluation: windowing arithmetic, bits per byte, agreement with training's validation loss,
+p_eval leaving weights untouched, rows in a real ResultsStore, diagnostics, and one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.errors import UserError
+from attnlab.evaluate import (
+    bits_per_byte,
+    bucket_bounds,
+    evaluate_checkpoint,
+    parse_lengths,
+    parse_p_evals,
+    parse_rope_scalings,
+    plan_token_budget,
+    score_windows,
+)
+from attnlab.evaluate.diagnostics import attention_diagnostics, row_statistics
+from attnlab.evaluate.extrapolation import gpt2_token_bytes
+
+VAL_TOKENS = 2048
+
+
+@pytest.fixture(scope="module")
+def trained_run(demo_data_dir, tmp_path_factory):
+    """A tiny softmax model trained for 10 steps (train_len 64) with the local loop: (run_dir, config)."""
+    from attnlab.train import load_train_config
+    from attnlab.train.loop import LocalSession, train_worker
+
+    run_dir = tmp_path_factory.mktemp("eval-run") / "tiny-run"
+    cfg = load_train_config(dict(preset="tiny", data=str(demo_data_dir), steps=10, tokens_per_step=512,
+                                 micro_batch=8, val_every=10, val_tokens=VAL_TOKENS, log_every=5,
+                                 checkpoint_every=10, warmup_steps=2, lr=3e-3))
+    train_worker(cfg, LocalSession(run_dir, device="cpu"), run_dir)
+    return run_dir, cfg
+
+
+class RecordingModel(torch.nn.Module):
+    """Scores every target token with ``loss = table[token]`` and records the targets it was asked about."""
+
+    def __init__(self, table: dict[int, float] | None = None):
+        super().__init__()
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.table = table
+        self.seen: list[np.ndarray] = []
+
+    def token_stats(self, idx, targets, **kwargs):
+        self.seen.append(targets.numpy().copy())
+        if self.table is None:
+            loss = targets.to(torch.float32)
+        else:
+            loss = torch.tensor([[self.table[int(t)] for t in row] for row in targets.tolist()])
+        return loss, torch.zeros_like(targets, dtype=torch.bool)
+
+
+# ------------------------------------------------------------------------------------------ windows and bpb
+@pytest.fixture(scope="module")
+def hand_corpus(tmp_path_factory):
+    """A prepared folder from 40 short hand-written documents, most of them held out for validation."""
+    from attnlab.data import TokenShards, prepare
+
+    src = tmp_path_factory.mktemp("hand-docs")
+    for i in range(40):
+        (src / f"d{i:02d}.txt").write_text(f"Document {i} says: " + " ".join(f"w{i * j}" for j in range(i + 3)))
+    out = tmp_path_factory.mktemp("hand-prepared") / "prep"
+    prepare("text", path=str(src), out=str(out), val_tokens=600, seed=0, workers=1, progress=False)
+    return out, TokenShards.open(out)
+
+
+def test_windows_score_every_token_exactly_once(hand_corpus):
+    from attnlab.train.data_api import open_data
+
+    folder, shards = hand_corpus
+    stream = np.asarray(shards.tokens("val"), dtype=np.int64)
+    n_val = len(stream)
+    assert n_val >= 400
+    data = open_data(str(folder))
+    lengths = [16, 32, 64]
+    budget = plan_token_budget(data, lengths, None, cap=10**9)
+    assert budget == ((n_val - 1) // 64) * 64  # whole windows of the largest length
+    assert plan_token_budget(data, lengths, None, cap=200) == 192  # capped, rounded down to 64s
+    for length in lengths:
+        windows, mask = data.eval_set(length, max_tokens=budget)
+        assert mask is None and windows.shape == (budget // length, length + 1)
+        model = RecordingModel()
+        scores = score_windows(model, windows, batch_size=3)
+        scored = np.concatenate([s.ravel() for s in model.seen])
+        # targets are exactly stream[1 .. budget], in order, each once; the inputs are stream[0 .. budget-1]
+        np.testing.assert_array_equal(scored, stream[1:budget + 1])
+        np.testing.assert_array_equal(windows[:, :-1].ravel(), stream[:budget])
+        assert scores.count == budget and sum(scores.bucket_count) == budget
+        assert scores.total == float(stream[1:budget + 1].sum())
+
+
+def test_bucket_bounds_are_thirds():
+    assert bucket_bounds(4) == [("early", 0, 1), ("middle", 1, 2), ("late", 2, 4)]
+    assert bucket_bounds(1024) == [("early", 0, 341), ("middle", 341, 682), ("late", 682, 1024)]
+
+
+def test_bits_per_byte_by_hand():
+    from attnlab.data import EOT_ID, get_encoding
+
+    hello, world = get_encoding().encode_ordinary("Hello world")  # "Hello" (5 bytes), " world" (6 bytes)
+    table = gpt2_token_bytes()
+    assert (table[hello], table[world], table[EOT_ID]) == (5, 6, 0)  # the EOT separator is not text
+    windows = np.array([[EOT_ID, hello, world, EOT_ID, hello]])
+    losses = {hello: 1.0, world: 2.0, EOT_ID: 3.0}
+    scores = score_windows(RecordingModel(losses), windows, token_bytes=table)
+    # targets: hello(1 nat, 5 B), world(2, 6 B), EOT(3, 0 B), hello(1, 5 B): 7 nats over 16 bytes
+    assert scores.n_bytes == 16 and scores.total == 7.0 and scores.count == 4
+    assert bits_per_byte(scores.total, scores.n_bytes) == pytest.approx(7.0 / math.log(2) / 16, rel=1e-12)
+    # buckets of L = 4: [0,1) early, [1,2) middle, [2,4) late
+    assert scores.bucket_total == [1.0, 2.0, 4.0] and scores.bucket_count == [1, 1, 2]
+    mask = np.array([[True, False, True, True]])
+    masked = score_windows(RecordingModel(losses), windows, mask, token_bytes=table)
+    assert (masked.total, masked.count, masked.n_bytes) == (5.0, 3, 10)
+
+
+# ------------------------------------------------------------------------------------------ real checkpoint
+def _final_val(run_dir: Path) -> dict:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [m for m in lines if "val_loss" in m][-1]
+
+
+def test_eval_at_1x_equals_training_val_loss_and_lands_in_store(trained_run, tmp_path):
+    from attnlab.results import ResultsStore
+
+    run_dir, cfg = trained_run
+    final = _final_val(run_dir)
+    store = ResultsStore(tmp_path / "store")
+    rows = evaluate_checkpoint(run_dir, multiples=(1, 2), max_tokens=VAL_TOKENS, device="cpu",
+                               context={"study": "evaltest"}, store=store)
+    val = {(r["eval_len"], r["metric"], r.get("bucket")): r for r in rows}
+    one_x = val[(64, "val_loss", None)]
+    assert one_x["value"] == pytest.approx(final["val_loss"], rel=1e-9, abs=1e-12)
+    assert one_x["n_tokens"] == final["val_tokens"] == VAL_TOKENS
+    assert val[(128, "val_loss", None)]["n_tokens"] == VAL_TOKENS  # same budget at every length
+    # bucket losses average back to the window loss
+    for length in (64, 128):
+        buckets = [val[(length, "loss_bucket", b)] for b in ("early", "middle", "late")]
+        assert sum(b["n_tokens"] for b in buckets) == VAL_TOKENS
+        mean = sum(b["value"] * b["n_tokens"] for b in buckets) / VAL_TOKENS
+        assert mean == pytest.approx(val[(length, "val_loss", None)]["value"], rel=1e-9)
+        assert 0 < val[(length, "bpb", None)]["value"] < val[(length, "val_loss", None)]["value"]
+    assert ("acc" not in {r["metric"] for r in rows})  # text data: no target masks
+    for row in rows:
+        assert row["trial"] == "tiny-run" and row["study"] == "evaltest" and row["step"] == 10
+        assert row["tokens"] == 10 * 512 and row["train_len"] == 64 and row["attention"] == "softmax"
+        assert row["scale"] == "inv_sqrt_d" and row["p_eval"] is None and row["rope_scaling"] == "ntk"
+        assert row["config_hash"] == cfg.config_hash() and row["seed"] == cfg.seed
+        assert row["window_mode"] == "nonoverlap"
+    back = store.read(study="evaltest")
+    assert len(back) == len(rows)
+    got = back[(back.metric == "val_loss") & (back.eval_len == 64)]["value"].tolist()
+    assert got == [one_x["value"]]
+    # a retry of the same evaluation replaces its file instead of duplicating rows
+    evaluate_checkpoint(run_dir, multiples=(1, 2), max_tokens=VAL_TOKENS, device="cpu",
+                        context={"study": "evaltest"}, store=str(tmp_path / "store"))
+    assert len(store.read(study="evaltest")) == len(rows)
+
+
+def test_p_eval_sweep_leaves_weights_byte_identical(trained_run):
+    from attnlab.train.checkpoint import STATE_FILE, find_latest_checkpoint, load_model
+
+    run_dir, _ = trained_run
+    state_file = find_latest_checkpoint(run_dir) / STATE_FILE
+    file_digest = hashlib.sha256(state_file.read_bytes()).hexdigest()
+    model, cfg, meta = load_model(run_dir, device="cpu")
+    before = {k: v.detach().clone().numpy().tobytes() for k, v in model.state_dict().items()}
+    rows = evaluate_checkpoint((model, cfg, meta), lengths=[64, 256], p_evals="none,3,15", rope_scalings="both",
+                               max_tokens=256, diagnostics=True, device="cpu")
+    after = {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}
+    assert before.keys() == after.keys() and all(before[k] == after[k] for k in before)
+    assert hashlib.sha256(state_file.read_bytes()).hexdigest() == file_digest
+    loss = {(r["p_eval"], r["rope_scaling"], r["eval_len"]): r["value"] for r in rows if r["metric"] == "val_loss"}
+    assert len(loss) == 3 * 2 * 2
+    assert loss[(15.0, "ntk", 64)] != loss[(None, "ntk", 64)]  # the sharpening really changed the forward
+    assert loss[(None, "ntk", 64)] == loss[(None, "none", 64)]  # NTK is the identity at L <= train_len
+    assert loss[(None, "ntk", 256)] != loss[(None, "none", 256)]
+    # diagnostics: one entropy and sink_mass per layer and configuration; sharpening lowers the entropy
+    ent = {(r["p_eval"], r["rope_scaling"], r["eval_len"], r["layer"]): r["value"] for r in rows
+           if r["metric"] == "entropy"}
+    assert len(ent) == 3 * 2 * 2 * model.cfg.n_layer
+    for layer in range(model.cfg.n_layer):
+        assert 0 < ent[(15.0, "ntk", 256, layer)] < ent[(None, "ntk", 256, layer)] <= math.log(256)
+
+
+def test_passkey_rows_from_a_real_model(trained_run):
+    run_dir, _ = trained_run
+    rows = evaluate_checkpoint(run_dir, lengths=[128], max_tokens=128, passkey=True, passkey_trials=1,
+                               passkey_depths=(0.0, 1.0), device="cpu")
+    pk = [r for r in rows if r["window_mode"] == "passkey"]
+    assert {(r["metric"], r.get("bucket")) for r in pk} == {
+        ("passkey_acc", "depth=0"), ("passkey_acc", "depth=1"), ("passkey_acc", None), ("passkey_rank", None)}
+    for r in pk:
+        assert r["eval_len"] == 128 and 0 <= r["value"] <= 9
+
+
+def test_diagnostics_row_statistics_by_hand():
+    weights = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [-0.5, 0.5, 0.0, 0.0]])
+    entropy, sink = row_statistics(weights)
+    torch.testing.assert_close(entropy, torch.tensor([0.0, math.log(4), math.log(2)]))
+    torch.testing.assert_close(sink, torch.tensor([1.0, 0.25, 0.5]))
+
+
+def test_diagnostics_chunking_is_exact(trained_run):
+    from attnlab.attention import attention_weights
+    from attnlab.train.checkpoint import load_model
+
+    run_dir, _ = trained_run
+    model, _, _ = load_model(run_dir, device="cpu")
+    window = np.arange(1, 98, dtype=np.int64)[None, :]  # L = 96
+    whole = attention_diagnostics(model, window, rope_scaling="ntk")
+    chunked = attention_diagnostics(model, window, rope_scaling="ntk", chunk_bytes=1)  # one row at a time
+    captured = {}
+
+    def capture(layer, q, k):
+        captured[layer] = attention_weights(q, k, model.spec)
+
+    model.hidden_states(torch.as_tensor(window[:, :-1]), rope_scaling="ntk", on_attention=capture)
+    for a, b in zip(whole, chunked):
+        assert a["layer"] == b["layer"] and a["n_tokens"] == b["n_tokens"] == 96
+        assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-5)
+        entropy, sink = row_statistics(captured[a["layer"]])
+        assert a["entropy"] == pytest.approx(float(entropy.mean()), rel=1e-5)
+        assert a["sink_mass"] == pytest.approx(float(sink.mean()), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def test_parsers():
+    assert parse_lengths("1k, 2048,1024") == [1024, 2048]
+    assert parse_p_evals("none,3,15,train,3") == [None, 3.0, 15.0]  # train is an alias of none (as trained)
+    assert parse_rope_scalings("both") == ["ntk", "none"]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(lengths="64,abc"), "lengths: 'abc'"),
+    (dict(lengths=[0]), "lengths: 0"),
+    (dict(rope_scalings="yarn"), "rope: 'yarn'"),
+    (dict(p_evals="0.5"), "p_eval: '0.5'"),
+    (dict(context={"colour": "red"}), "context: 'colour'"),
+    (dict(lengths=[10**7]), "largest length 10000000"),
+    (dict(lengths=[64, 128], max_tokens=100), "max_tokens=100"),
+])
+def test_bad_input_is_one_line(trained_run, kwargs, fragment):
+    run_dir, _ = trained_run
+    with pytest.raises(UserError) as info:
+        evaluate_checkpoint(run_dir, device="cpu", **{"max_tokens": None, **kwargs})
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_errors_and_table(trained_run, tmp_path, capsys):
+    from attnlab.cli import main
+
+    assert main(["eval", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnlab: error: checkpoint path") and "\n" not in err
+    run_dir, _ = trained_run
+    assert main(["eval", str(run_dir), "--rope", "yarn"]) == 2
+    assert capsys.readouterr().err.strip() == "attnlab: error: rope: 'yarn' is not allowed; use ntk, none or both"
+    assert main(["eval", str(run_dir), "--multiples", "1,2", "--max-tokens", "256", "--p-eval", "none,3",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "## val_loss" in out and "| p_eval | 64 (1x) | 128 (2x) |" in out and "## bpb" in out
