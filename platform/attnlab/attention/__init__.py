@@ -7,7 +7,8 @@ Public API (a contract: tests and docs rely on it):
 - :func:`attend` ``(q, k, v, spec, impl="auto") -> (B, H, T, D)``.
 
 ``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
-reference is ``dense.py``. No Ray imports anywhere in this package.
+reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``).
+No Ray imports anywhere in this package.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import torch
 
 from attnlab.attention.dense import attend_dense, weights_for_rows
+from attnlab.attention.flex import attend_flex
 from attnlab.attention.spec import AttentionSpec, parse_scale
 from attnlab.attention.variants import get_variant, variant_names
 
 __all__ = ["AttentionSpec", "attend", "attention_weights", "get_variant", "parse_scale", "variant_names",
            "IMPLS"]
 
-IMPLS = ("auto", "dense")
+IMPLS = ("auto", "dense", "flex")
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -57,10 +59,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
            impl: str = "auto") -> torch.Tensor:
     """Causal attention output ``(B, H, T, D)`` in v's dtype.
 
-    ``impl``: ``dense`` (the reference, chunked over query rows for long sequences) or ``auto``.
+    ``impl``: ``dense`` (the reference, chunked over query rows for long sequences), ``flex`` (FlexAttention
+    in O(T) memory on CUDA; variants without a fused form use the dense reference after a one-time warning)
+    or ``auto``: ``flex`` for CUDA tensors, ``dense`` elsewhere (compiled FlexAttention has no CPU backward).
     """
     check_qkv(q, k, v)
     _check_spec(spec)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not allowed: use one of {', '.join(IMPLS)}")
+    if impl == "flex" or (impl == "auto" and q.is_cuda):
+        return attend_flex(q, k, v, spec)
     return attend_dense(q, k, v, spec)

@@ -1,0 +1,331 @@
+"""The fused path: every normalised non-negative variant, and its sharpening, with FlexAttention in O(T) memory.
+
+The idea (ARCHITECTURE.md, "Fused attention"): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
+the visible keys, so the first stage is one FlexAttention call whose ``score_mod`` returns ``log f(scale_i * s
++ bias_i)`` (``-inf`` where ``f`` is 0; the plain score for softmax), and its log-sum-exp is ``log Z_i``.
+Sharpening (SPEC section 3) is a second call whose ``score_mod`` reads that captured LSE, rebuilds
+``A_ij = exp(log f - log Z_i)`` and returns ``p * log relu(N_i * A_ij - O_i)``: FlexAttention's softmax of it is
+``relu(.)^p / sum relu(.)^p``, the row-max rescaling of the dense form is not needed in log space. The
+all-zero-row fallback of the dense reference (such a row keeps the un-sharpened ``A``) is decided before the
+second call from pass 1's row maximum: ``row i has mass <=> N_i * max_j A_ij > O_i``; for rows without mass the
+second ``score_mod`` returns pass 1's log-score, so FlexAttention itself yields ``A @ v`` there and no row of
+pass 2 is ever all ``-inf``. Gradients flow through both passes, pass 1's LSE included (a captured tensor that
+requires grad; on CPU this file runs FlexAttention's own unfused implementation, which supports that too).
+
+Scores are upcast to float32 (float64 for float64 inputs) inside every ``score_mod``; bf16 inputs are
+allowed. QK-norm is done inside the ``score_mod`` too: FlexAttention gets the raw q and k, and the score is
+multiplied by the inverse norms ``1/|q_i|`` and ``1/|k_j|`` (float32 buffers). Normalising q and k first and
+rounding them back to bf16 would add logit noise of about ``scale * 2^-9`` (LSSA's scale reaches 40, and
+sharpening raises the weights to the power p): measured on CPU, bf16 LSSAR's error went from 14x to 1.8x that of
+the dense path in bf16. The norm buffers carry no gradient; :class:`RadialGradientRemoved` restores the
+gradient through the normalisation exactly (FlexAttention's ``g/|x|`` minus its component along ``x``), so no
+scattered buffer gradient is needed for them.
+
+Variants that cannot be written this way (``f`` that can be negative, no normalisation, post-processing of the
+rows) use the dense reference and say so once per variant name. The causal mask and N_i come from
+``masks.py`` (the one place for them).
+
+On CUDA the compiled FlexAttention kernels are used. On CPU, compiled FlexAttention has no backward and no
+LSE, so the CPU path calls FlexAttention's unfused implementation: it materialises ``(B, H, T, T)`` scores
+and exists for equivalence tests; ``attend(impl="auto")`` uses the dense reference on CPU.
+
+Never change the math here without the dense reference (``dense.py`` is the oracle); no Ray, no model code.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import flex_attention as _flex_module
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+from attnlab.attention.dense import attend_dense, compute_dtype, length_scale
+from attnlab.attention.masks import causal_block_mask, visible_keys
+from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
+
+# f >= 0 everywhere, so l1norm(f) is the softmax of log f ("exp" with l1 is softmax itself).
+NONNEGATIVE_PHIS = ("exp", "relu", "relu2", "relu6", "sigmoid", "softplus")
+# Below this score, log softplus(s) == s to float64 precision (the error is exp(s) / 2 < 5e-14).
+_LOG_SOFTPLUS_LINEAR_BELOW = -30.0
+# QK-norm divides by max(|x|, eps), as F.normalize does.
+_NORM_EPS = 1e-12
+
+_warned_fallback: set[str] = set()
+
+
+# --- which variants have a fused form ----------------------------------------------------------------------
+
+def unfusable_reason(spec: AttentionSpec) -> str | None:
+    """Why ``spec`` has no FlexAttention form (None when it has one: f >= 0, norm l1, no post-processing)."""
+    if spec.norm != "l1":
+        return f"norm={spec.norm!r} leaves rows unnormalised, and FlexAttention always normalises them"
+    if spec.phi not in NONNEGATIVE_PHIS:
+        return f"phi={spec.phi!r} can be negative, so l1norm(f(S)) is not a softmax of log f(S)"
+    if spec.post != "none":
+        return f"post={spec.post!r} changes the rows after normalisation"
+    return None
+
+
+def is_fusable(spec: AttentionSpec) -> bool:
+    """True when :func:`attend_flex` computes ``spec`` with FlexAttention rather than the dense reference."""
+    return unfusable_reason(spec) is None
+
+
+def _warn_fallback(spec: AttentionSpec, reason: str) -> None:
+    if spec.name in _warned_fallback:
+        return
+    _warned_fallback.add(spec.name)
+    warnings.warn(f"attention {spec.name!r} has no fused form ({reason}): using the dense reference",
+                  UserWarning, stacklevel=3)
+
+
+# --- the score_mods, in log space --------------------------------------------------------------------------
+
+def log_positive(x: torch.Tensor) -> torch.Tensor:
+    """``log x`` where ``x > 0``, ``-inf`` elsewhere; its gradient is 0 (never NaN) where ``x <= 0``."""
+    positive = x > 0
+    return torch.where(positive, torch.log(torch.where(positive, x, torch.ones_like(x))), float("-inf"))
+
+
+def log_softplus(s: torch.Tensor) -> torch.Tensor:
+    """``log softplus(s)``, finite for every finite ``s`` (linear below -30, where softplus(s) ~ exp(s))."""
+    linear = s < _LOG_SOFTPLUS_LINEAR_BELOW
+    return torch.where(linear, s, torch.log(F.softplus(torch.where(linear, torch.zeros_like(s), s))))
+
+
+def log_phi(phi: str, s: torch.Tensor) -> torch.Tensor:
+    """``log f(s)`` for a non-negative non-linearity ``f`` (``-inf`` where ``f(s) == 0``)."""
+    if phi == "exp":
+        return s
+    if phi == "softplus":
+        return log_softplus(s)
+    if phi == "sigmoid":
+        return F.logsigmoid(s)
+    if phi == "relu":
+        return log_positive(s)
+    if phi == "relu2":
+        return 2.0 * log_positive(s)
+    if phi == "relu6":
+        return log_positive(torch.clamp(s, max=6.0))
+    raise ValueError(f"phi={phi!r} has no log-space form: use one of {', '.join(NONNEGATIVE_PHIS)}")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes a ``score_mod`` needs: the head dimension d (for the scale) and T (for the ``-ln T`` bias)."""
+
+    head_dim: int
+    seq_len: int
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreMod:
+    """A score_mod ``fn(score, b, h, q_idx, kv_idx, *buffers)`` and the tensors it reads.
+
+    The tensors are passed as explicit buffers, not captured in a closure: FlexAttention's unfused (CPU)
+    implementation only differentiates through tensors given that way; the compiled one gets the closure
+    :meth:`bound` and lifts the captured tensors itself.
+    """
+
+    fn: Callable
+    buffers: tuple[torch.Tensor, ...] = ()
+
+    def bound(self) -> Callable:
+        fn, buffers = self.fn, self.buffers
+        return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx, *buffers)
+
+
+def first_stage_log_score(spec: AttentionSpec, sizes: Sizes, score: torch.Tensor, b, h, q_idx, kv_idx,
+                          inv_q_norm: torch.Tensor | None = None,
+                          inv_k_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """``log f(scale_i * s + bias_i)`` for one raw score ``s = q . k`` (upcast to float32 or float64).
+
+    With QK-norm, ``inv_q_norm``/``inv_k_norm`` are the ``(B, H, T)`` tensors ``1/|q_i|`` and ``1/|k_j|``.
+    """
+    s = score.to(compute_dtype(score.dtype))
+    if inv_q_norm is not None:
+        s = s * inv_q_norm[b, h, q_idx] * inv_k_norm[b, h, kv_idx]
+    n = visible_keys(q_idx, s.dtype)
+    s = length_scale(spec, n, sizes.head_dim) * s
+    if spec.bias == "neg_log_t":
+        s = s - math.log(sizes.seq_len)
+    elif spec.bias == "neg_log_n":
+        s = s - torch.log(n)
+    return log_phi(spec.phi, s)
+
+
+def first_stage_score_mod(spec: AttentionSpec, sizes: Sizes, norms: tuple[torch.Tensor, ...] = ()) -> ScoreMod:
+    """Pass 1: FlexAttention's softmax of this score_mod is the variant's weights ``A``.
+
+    ``norms``: ``(1/|q|, 1/|k|)`` with QK-norm (see :func:`inverse_norm`), else empty.
+    """
+    return ScoreMod(_first_stage_fn(spec, sizes), tuple(norms))
+
+
+# The functions are cached per (variant, sizes) so that the compiled kernel sees the same function each call.
+@functools.lru_cache(maxsize=256)
+def _first_stage_fn(spec: AttentionSpec, sizes: Sizes) -> Callable:
+    def score_mod(score, b, h, q_idx, kv_idx, *norms):
+        return first_stage_log_score(spec, sizes, score, b, h, q_idx, kv_idx, *norms)
+    return score_mod
+
+
+def sharpen_score_mod(spec: AttentionSpec, sizes: Sizes, log_z: torch.Tensor, has_mass: torch.Tensor,
+                      norms: tuple[torch.Tensor, ...] = ()) -> ScoreMod:
+    """Pass 2: ``p * log relu(N_i * A_ij - O_i)`` on rows with mass, pass 1's log-score on the others.
+
+    ``log_z``: ``(B, H, T)`` pass 1's LSE (finite: 0 where a row had no visible weight); its gradient flows.
+    ``has_mass``: ``(B, H, T)`` booleans, True where ``relu(N_i * A_ij - O_i)`` is non-zero for some ``j``.
+    """
+    return ScoreMod(_sharpen_fn(spec, sizes), (log_z, has_mass, *norms))
+
+
+@functools.lru_cache(maxsize=256)
+def _sharpen_fn(spec: AttentionSpec, sizes: Sizes) -> Callable:
+    p = float(spec.p)
+
+    def score_mod(score, b, h, q_idx, kv_idx, log_z, has_mass, *norms):
+        log_a = first_stage_log_score(spec, sizes, score, b, h, q_idx, kv_idx, *norms)
+        n = visible_keys(q_idx, log_a.dtype)
+        offset = (q_idx >= SHARPEN_EXEMPT_ROWS).to(log_a.dtype)
+        x = n * torch.exp(log_a - log_z[b, h, q_idx]) - offset
+        return torch.where(has_mass[b, h, q_idx], p * log_positive(x), log_a)
+    return score_mod
+
+
+def sharpen_rows_with_mass(log_z: torch.Tensor, max_log_score: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T)`` booleans: does ``relu(N_i * A_ij - O_i)`` have a non-zero entry in row ``i``?
+
+    From pass 1's LSE and row maximum: ``max_j A_ij = exp(max_j log f_ij - log Z_i)``. A row with no visible
+    weight at all (LSE ``-inf``) has none.
+    """
+    T = log_z.shape[-1]
+    rows = torch.arange(T, device=log_z.device)
+    n = visible_keys(rows, log_z.dtype)
+    offset = (rows >= SHARPEN_EXEMPT_ROWS).to(log_z.dtype)
+    finite = torch.isfinite(log_z) & torch.isfinite(max_log_score)
+    max_a = torch.exp(torch.where(finite, max_log_score - log_z, torch.full_like(log_z, float("-inf"))))
+    return finite & (n * max_a > offset)
+
+
+class RadialGradientRemoved(torch.autograd.Function):
+    """Identity on ``x`` (``(..., D)``) whose backward removes the gradient's component along ``x``.
+
+    Used on q and k for QK-norm: the score_mod sees ``x`` and a captured, gradient-free ``1/|x|``, so
+    FlexAttention's gradient is ``g/|x|`` with ``g`` the gradient with respect to ``u = x/|x|``; the true
+    gradient through the normalisation is ``(g - (u.g) u)/|x|``, i.e. that with its radial part removed.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        dtype = compute_dtype(x.dtype)
+        xf, gf = x.to(dtype), grad.to(dtype)
+        radial = (xf * gf).sum(-1, keepdim=True) / (xf * xf).sum(-1, keepdim=True).clamp_min(_NORM_EPS**2)
+        return (gf - radial * xf).to(grad.dtype)
+
+
+def inverse_norm(x: torch.Tensor) -> torch.Tensor:
+    """``1 / max(|x|, eps)`` over the last dimension, in float32 (float64 for float64), without gradient."""
+    return 1.0 / torch.linalg.vector_norm(x.detach().to(compute_dtype(x.dtype)), dim=-1).clamp_min(_NORM_EPS)
+
+
+# --- calling FlexAttention ---------------------------------------------------------------------------------
+
+@functools.cache
+def _compiled_flex_attention():
+    # One compiled instance for the process; each (variant, pass, length) is one specialisation of it.
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod, block_mask: BlockMask,
+          with_stats: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(out, lse, max_score)`` of one FlexAttention call with scale 1 (the score_mod scales).
+
+    ``lse`` and ``max_score`` are natural-log ``(B, H, T)`` tensors when ``with_stats``, else None.
+    """
+    if q.device.type == "cuda":
+        aux = AuxRequest(lse=True, max_scores=True) if with_stats else None
+        result = _compiled_flex_attention()(q, k, v, score_mod=score_mod.bound(), block_mask=block_mask,
+                                            scale=1.0, return_aux=aux)
+        if not with_stats:
+            return result, None, None
+        out, stats = result
+        return out, stats.lse, stats.max_scores
+    return _flex_unfused(q, k, v, score_mod, block_mask, with_stats)
+
+
+def _flex_unfused(q, k, v, score_mod: ScoreMod, block_mask: BlockMask, with_stats: bool):
+    """FlexAttention's own unfused implementation (CPU): its higher-order op called eagerly.
+
+    The public ``flex_attention`` refuses tensors that require grad on CPU and cannot return the row
+    maximum there; the op underneath does both (it materialises the scores). This is the CPU path of the
+    equivalence tests, forward and backward.
+    """
+    hop = getattr(_flex_module, "flex_attention_hop", None)
+    apply_options = getattr(_flex_module, "_apply_kernel_options", None)
+    if hop is None or apply_options is None:
+        raise NotImplementedError(f"torch {torch.__version__} has no eager FlexAttention on {q.device.type}: "
+                                  "use impl='dense'")
+    options = apply_options(q, k, v, with_stats, None, AuxRequest(lse=True) if with_stats else None)
+    out, lse, max_score = hop(q, k, v, score_mod.fn, block_mask.as_tuple(), 1.0, options, score_mod.buffers)
+    if not with_stats:
+        return out, None, None
+    ln2 = math.log(2.0) if options.get("BACKEND") != "FLASH" else 1.0  # the op reports base-2 statistics
+    return out, lse * ln2, max_score * ln2
+
+
+# --- the public entry point --------------------------------------------------------------------------------
+
+def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Causal attention ``(B, H, T, Dv)`` in v's dtype, computed with FlexAttention (one pass, two if sharpened).
+
+    Equal to :func:`attnlab.attention.dense.attend_dense` up to rounding; a variant without a fused form
+    (see :func:`unfusable_reason`) is computed by ``attend_dense`` after a one-time warning.
+    """
+    reason = unfusable_reason(spec)
+    if reason is not None:
+        _warn_fallback(spec, reason)
+        return attend_dense(q, k, v, spec)
+
+    out_dtype = v.dtype
+    work = q.dtype if q.dtype == k.dtype == v.dtype else compute_dtype(q.dtype)
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    sizes = Sizes(head_dim=q.shape[-1], seq_len=q.shape[-2])
+    norms: tuple[torch.Tensor, ...] = ()
+    if spec.qk_norm:  # inside the score_mod, in float32 (see the module docstring)
+        norms = (inverse_norm(q), inverse_norm(k))
+        q, k = RadialGradientRemoved.apply(q), RadialGradientRemoved.apply(k)
+    block_mask = causal_block_mask(sizes.seq_len, q.device)
+    first = first_stage_score_mod(spec, sizes, norms)
+
+    if spec.p is None:
+        out, _, _ = _flex(q, k, v, first, block_mask, with_stats=False)
+    else:
+        # Pass 1 only supplies log Z_i and the row maximum: a narrow zero value tensor keeps it cheap.
+        v_stats = q.new_zeros(q.shape[:-1] + (16,))
+        _, log_z, max_log_score = _flex(q, k, v_stats, first, block_mask, with_stats=True)
+        has_mass = sharpen_rows_with_mass(log_z.detach(), max_log_score.detach())
+        log_z = torch.where(torch.isfinite(log_z), log_z, torch.zeros_like(log_z))
+        second = sharpen_score_mod(spec, sizes, log_z, has_mass, norms)
+        out, _, _ = _flex(q, k, v, second, block_mask, with_stats=False)
+
+    if spec.out_norm == "layernorm":
+        out = out.to(compute_dtype(out.dtype))
+        out = F.layer_norm(out, out.shape[-1:])
+    return out.to(out_dtype)

@@ -1,0 +1,257 @@
+"""The fused FlexAttention path against the dense reference: forward (and backward) on CPU in float64, the
+fallback of variants without a fused form, bf16 inputs, and on a CUDA GPU forward and backward at 1K and 4K.
+
+On CPU the fused path runs FlexAttention's own unfused implementation (the compiled one has no CPU backward):
+same score_mods, same two passes, same captured normaliser, so the math is checked here and the kernels on GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask
+
+from attnlab.attention import IMPLS, attend, get_variant, variant_names
+from attnlab.attention import flex
+from attnlab.attention.dense import attend_dense, causal_rows
+from attnlab.attention.flex import (RadialGradientRemoved, Sizes, attend_flex, first_stage_score_mod,
+                                    inverse_norm, is_fusable, sharpen_rows_with_mass, sharpen_score_mod)
+from attnlab.attention.masks import causal_block_mask, causal_mask_mod, visible_keys
+
+# Written out by hand from SPEC.md section 4: f >= 0, l1norm, no post-processing (relu_l1 duplicates relu).
+FUSABLE = ("softmax exp scenario_iv relu relu2 relu6 sigmoid softplus sigmoid_ramapuram_b_l1 sigmoid_l1 relu_l1 "
+           "lssa lssar").split()
+FORWARD_VARIANTS = [n for n in FUSABLE if n not in ("exp", "scenario_iv", "relu_l1")]  # one per distinct spec
+LENGTHS = (1, 2, 3, 4, 17, 64, 130)  # the first-three-rows rule, odd sizes, and past one 128-row block
+POWERS = (None, 1, 3, 15)
+HEAD_DIMS = (16, 64)
+
+
+def _qkv(T, D, dtype=torch.float64, seed=0, B=1, H=2, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+# --- masks and positions --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 5, 130])
+def test_flex_mask_and_counts_are_the_dense_ones(T):
+    rows, visible = causal_rows(0, T, T, "cpu")
+    assert torch.equal(create_mask(causal_mask_mod, 1, 1, T, T, device="cpu")[0, 0], visible)
+    assert torch.equal(visible_keys(torch.arange(T), torch.float64), (rows[:, 0] + 1).double())
+    assert causal_block_mask(T, "cpu") is causal_block_mask(T, torch.device("cpu"))  # built once
+
+
+# --- which variants are fused ----------------------------------------------------------------------------------
+
+def test_fusable_variants_are_the_normalised_non_negative_ones():
+    assert sorted(n for n in variant_names() if is_fusable(get_variant(n))) == sorted(FUSABLE)
+    assert is_fusable(get_variant("softmax", p=3)) and is_fusable(get_variant("sigmoid_l1", scale="log_n"))
+    assert not is_fusable(get_variant("lssa", phi="mish"))
+
+
+# --- forward in float64 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p", POWERS, ids=lambda p: f"p{p}")
+@pytest.mark.parametrize("name", FORWARD_VARIANTS)
+def test_forward_matches_dense_in_float64(name, p):
+    spec = get_variant(name, p=p)
+    worst = 0.0
+    for D in HEAD_DIMS:
+        for T in LENGTHS:
+            q, k, v = _qkv(T, D, seed=T * D)
+            out = attend_flex(q, k, v, spec)
+            assert out.shape == (1, 2, T, D) and out.dtype == torch.float64
+            worst = max(worst, _max_err(out, attend_dense(q, k, v, spec)))
+    assert worst <= 1e-6, f"{name} p={p}: max |flex - dense| = {worst:.2e}"
+
+
+@pytest.mark.parametrize("name, p", [("lssar", 15), ("softmax", 3), ("sigmoid_l1", 1)])
+def test_uniform_rows_keep_the_unsharpened_row(name, p):
+    # q = 0: every score is equal, A is uniform; rows >= 3 have no key above 1/N_i (the all-zero fallback) and
+    # rows 0-2 sharpen a uniform row into itself, so every output row is the running mean of v.
+    T, D = 9, 16
+    _, k, v = _qkv(T, D)
+    q = torch.zeros_like(k)
+    expected = torch.cumsum(v, dim=-2) / torch.arange(1, T + 1, dtype=torch.float64)[:, None]
+    out = attend_flex(q, k, v, get_variant(name, p=p))
+    assert _max_err(out, expected) <= 1e-12
+    assert _max_err(out, attend_dense(q, k, v, get_variant(name, p=p))) <= 1e-12
+
+
+@pytest.mark.parametrize("p", [None, 3])
+def test_relu_rows_with_no_positive_score_give_zero(p):
+    # Every key is +u; rows with q = -u have only negative scores: relu(S) is all zero, l1norm keeps the zero
+    # row, and sharpening keeps it too. Rows with q = +u see equal positive scores: the running mean of v.
+    T, D = 8, 16
+    u = torch.randn(D, dtype=torch.float64)
+    k = u.expand(1, 1, T, D).clone()
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    q = sign[:, None] * u
+    q = q.expand(1, 1, T, D).clone()
+    v = torch.randn(1, 1, T, D, dtype=torch.float64)
+    running_mean = torch.cumsum(v, dim=-2) / torch.arange(1, T + 1, dtype=torch.float64)[:, None]
+    expected = torch.where(sign[:, None] > 0, running_mean, torch.zeros(()))
+    spec = get_variant("relu_l1", p=p)
+    out = attend_flex(q, k, v, spec)
+    assert torch.isfinite(out).all()
+    assert _max_err(out, expected) <= 1e-12
+    assert _max_err(out, attend_dense(q, k, v, spec)) <= 1e-12
+
+
+def test_rows_with_mass_from_lse_and_row_max():
+    # log Z = log 4 and max log f = log 2 give max A = 1/2: N * max A = (i + 1) / 2 > O_i for i = 0..2 (O = 0)
+    # and for i >= 3 (O = 1, N >= 4); a row with LSE -inf (no visible weight) has no mass.
+    log_z = torch.full((1, 1, 6), math.log(4.0), dtype=torch.float64)
+    max_log = torch.full((1, 1, 6), math.log(2.0), dtype=torch.float64)
+    max_log[..., 4] = math.log(0.25 * 4 / 5)  # row 4: N * max A = 5 * 0.2 = 1, not above O = 1
+    log_z[..., 5] = float("-inf")
+    max_log[..., 5] = float("-inf")
+    assert sharpen_rows_with_mass(log_z, max_log)[0, 0].tolist() == [True, True, True, True, False, False]
+
+
+# --- fallback of variants without a fused form ---------------------------------------------------------------
+
+def test_unfusable_variants_fall_back_to_dense_and_warn_once(monkeypatch):
+    monkeypatch.setattr(flex, "_warned_fallback", set())
+    q, k, v = _qkv(11, 16)
+    unfusable = [n for n in variant_names() if n not in FUSABLE]
+    assert "relu_wortsman" in unfusable and "gelu" in unfusable and "softmax_inverse" in unfusable
+    for name in unfusable:
+        spec = get_variant(name)
+        with warnings.catch_warnings(record=True) as first:
+            warnings.simplefilter("always")
+            out = attend_flex(q, k, v, spec)
+        with warnings.catch_warnings(record=True) as second:
+            warnings.simplefilter("always")
+            again = attend(q, k, v, spec, impl="flex")
+        assert torch.equal(out, attend_dense(q, k, v, spec)) and torch.equal(again, out)
+        messages = [str(w.message) for w in first]
+        assert len(messages) == 1 and f"'{name}'" in messages[0] and "dense reference" in messages[0], messages
+        assert not second, [str(w.message) for w in second]
+
+
+# --- dtypes and dispatch -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, p", [("lssar", 15), ("softmax", 3), ("sigmoid_l1", None)])
+def test_bf16_inputs_are_accepted(name, p):
+    spec = get_variant(name, p=p)
+    q, k, v = _qkv(130, 64, dtype=torch.bfloat16)
+    out = attend_flex(q, k, v, spec)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    reference = attend_dense(q.double(), k.double(), v.double(), spec)  # the same bf16 values, exactly
+    flex_err = _max_err(out, reference) / reference.abs().max().item()
+    dense_err = _max_err(attend_dense(q, k, v, spec), reference) / reference.abs().max().item()
+    # Stated tolerance: 3e-2 of the largest output (the dense path in bf16 is at ~2e-3 here).
+    assert flex_err <= 3e-2, f"bf16 flex error {flex_err:.1e} (dense in bf16: {dense_err:.1e})"
+
+
+def test_mixed_dtypes_and_value_head_dim():
+    spec = get_variant("lssar")
+    q, k, _ = _qkv(20, 16, dtype=torch.float32)
+    v = torch.randn(1, 2, 20, 32, dtype=torch.float64)
+    out = attend_flex(q, k, v, spec)
+    assert out.shape == (1, 2, 20, 32) and out.dtype == torch.float64
+    assert _max_err(out, attend_dense(q, k, v, spec)) <= 1e-5
+
+
+def test_attend_dispatches_flex_and_auto():
+    assert IMPLS == ("auto", "dense", "flex")
+    spec = get_variant("lssar", p=3)
+    q, k, v = _qkv(33, 16, dtype=torch.float32)
+    assert torch.equal(attend(q, k, v, spec, impl="flex"), attend_flex(q, k, v, spec))
+    assert torch.equal(attend(q, k, v, spec, impl="auto"), attend_dense(q, k, v, spec))  # CPU: the reference
+    with pytest.raises(ValueError, match="impl='fused'.*auto, dense, flex"):
+        attend(q, k, v, spec, impl="fused")
+
+
+# --- backward (CPU, float64: FlexAttention's unfused implementation differentiates the same score_mods) ---------
+
+def test_radial_gradient_removal_is_the_normalisation_gradient():
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, 16, dtype=torch.float64)
+    (expected,) = torch.autograd.grad((F.normalize(x, dim=-1) * w).sum(), x)
+    (got,) = torch.autograd.grad((RadialGradientRemoved.apply(x) * inverse_norm(x)[..., None] * w).sum(), x)
+    assert _max_err(got, expected) <= 1e-13
+
+
+@pytest.mark.parametrize("name, p, T", [("lssar", 15, 130), ("lssa", None, 17), ("softmax", 3, 17),
+                                        ("relu_l1", 3, 17), ("sigmoid_ramapuram_b_l1", 15, 17)])
+def test_backward_matches_dense_in_float64(name, p, T):
+    spec = get_variant(name, p=p)
+    q, k, v = _qkv(T, 16, requires_grad=True)
+    w = torch.randn(1, 2, T, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad((attend_flex(q, k, v, spec) * w).sum(), (q, k, v))
+    expected = torch.autograd.grad((attend_dense(q, k, v, spec) * w).sum(), (q, k, v))
+    for label, a, b in zip("qkv", got, expected):
+        assert _max_err(a, b) <= 1e-9 * max(1.0, b.abs().max().item()), f"d{label}: {_max_err(a, b):.2e}"
+
+
+def test_backward_needs_the_gradient_of_pass_one_normaliser():
+    # The same two passes with pass 1's LSE detached give a visibly wrong dq: the captured-LSE gradient path
+    # is what makes test_backward_matches_dense_in_float64 pass.
+    spec = get_variant("softmax", p=3)
+    T, D = 17, 16
+    q, k, v = _qkv(T, D, requires_grad=True)
+    sizes, block_mask = Sizes(D, T), causal_block_mask(T, "cpu")
+    first = first_stage_score_mod(spec, sizes)
+    _, log_z, max_log = flex._flex_unfused(q, k, q.new_zeros(1, 2, T, 16), first, block_mask, with_stats=True)
+    has_mass = sharpen_rows_with_mass(log_z.detach(), max_log.detach())
+    second = sharpen_score_mod(spec, sizes, log_z.detach(), has_mass)
+    out, _, _ = flex._flex_unfused(q, k, v, second, block_mask, with_stats=False)
+    (dq_detached,) = torch.autograd.grad(out.sum(), q)
+    (dq_dense,) = torch.autograd.grad(attend_dense(q, k, v, spec).sum(), q)
+    assert _max_err(out, attend_dense(q, k, v, spec)) <= 1e-12  # same forward
+    assert _max_err(dq_detached, dq_dense) > 1e-2
+
+
+# --- CUDA: the compiled kernels (skipped without a GPU) ------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled FlexAttention)")
+# Stated tolerances, as a fraction of the largest |value| of the float64 dense reference on the same inputs.
+CUDA_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
+CUDA_CASES = ([("lssar", 15, T, dt) for T in (1024, 4096) for dt in (torch.float32, torch.bfloat16)]
+              + [(n, p, 1024, dt) for n, p in (("lssa", None), ("softmax", None), ("softmax", 3), ("sigmoid_l1", 3))
+                 for dt in (torch.float32, torch.bfloat16)])
+
+
+@cuda
+@pytest.mark.parametrize("name, p, T, dtype", CUDA_CASES, ids=lambda x: str(x).replace("torch.", ""))
+def test_cuda_forward_and_backward_match_dense(name, p, T, dtype):
+    spec = get_variant(name, p=p)
+    base = [t.to("cuda", dtype) for t in _qkv(T, 64, dtype=torch.float32, B=1, H=4)]
+    w = torch.randn(1, 4, T, 64, device="cuda", dtype=torch.float64)
+
+    def run(fn, tensors):
+        tensors = [t.detach().clone().requires_grad_() for t in tensors]
+        out = fn(*tensors, spec)
+        grads = torch.autograd.grad((out.double() * w).sum(), tensors)
+        return out.detach(), grads
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, grads = run(attend_flex, base)
+    assert not [w for w in caught if "no fused form" in str(w.message)]  # really the fused path
+    ref_out, ref_grads = run(attend_dense, [t.double() for t in base])
+    tol = CUDA_TOLERANCE[dtype]
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert _max_err(out, ref_out) <= tol * ref_out.abs().max().item()
+    for label, g, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(g).all()
+        assert _max_err(g, r) <= tol * r.abs().max().item(), f"d{label}: {_max_err(g, r) / r.abs().max():.2e}"
+
+
+@cuda
+def test_cuda_auto_uses_the_fused_path():
+    spec = get_variant("lssar")
+    q, k, v = (t.to("cuda") for t in _qkv(1024, 64, dtype=torch.float32))
+    assert torch.equal(attend(q, k, v, spec, impl="auto"), attend_flex(q, k, v, spec))
