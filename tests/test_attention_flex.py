@@ -17,7 +17,8 @@ from torch.nn.attention.flex_attention import create_mask
 
 from attnlab.attention import IMPLS, attend, get_variant, variant_names
 from attnlab.attention import flex
-from attnlab.attention.dense import attend_dense, causal_rows
+from attnlab.attention.dense import attend_dense
+from attnlab.attention.masks import causal_rows
 from attnlab.attention.flex import (RadialGradientRemoved, Sizes, attend_flex, first_stage_score_mod,
                                     inverse_norm, is_fusable, sharpen_rows_with_mass, sharpen_score_mod)
 from attnlab.attention.masks import causal_block_mask, causal_mask_mod, visible_keys

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attnlab.attention.masks import causal_rows, visible_keys
 from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
 
 # A peaked unnormalised exp (Table 2, scenario II) would overflow fp32 past e^88; it is clamped here.
@@ -24,16 +25,6 @@ DEFAULT_CHUNK_BYTES = 256 * 1024**2
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Weights are computed in float32, or float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def causal_rows(row_start: int, n_rows: int, n_keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row indices ``i`` (shape ``(R, 1)``) and the causal visibility mask ``j <= i`` (shape ``(R, K)``).
-
-    The single place where the causal mask and the per-row positions are built, for training and eval alike.
-    """
-    rows = torch.arange(row_start, row_start + n_rows, device=device).unsqueeze(-1)
-    cols = torch.arange(n_keys, device=device).unsqueeze(0)
-    return rows, cols <= rows
 
 
 def length_scale(spec: AttentionSpec, n: torch.Tensor, d: int) -> torch.Tensor | float:
@@ -103,7 +94,7 @@ def weights_for_rows(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, row_
     d = q.shape[-1]
     seq_len = k.shape[-2] if seq_len is None else seq_len
     rows, visible = causal_rows(row_start, q.shape[-2], k.shape[-2], q.device)
-    n = (rows + 1).to(dtype)  # N_i: visible keys in row i (causal)
+    n = visible_keys(rows, dtype)  # N_i: the keys row i sees
 
     if spec.qk_norm:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)

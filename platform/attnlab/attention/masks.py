@@ -1,11 +1,10 @@
-"""The causal mask and the per-row key counts N_i for the fused (FlexAttention) path.
+"""The causal mask and the per-row key counts N_i, for the dense reference and the fused path alike.
 
-This is the single place where the fused path builds its mask and its positions; ``attend`` builds them for
-every call, so training and evaluation cannot disagree (a validation pass that forgot its mask was a real bug
-elsewhere). The dense reference builds the same two things as tensors in :func:`attnlab.attention.dense.
-causal_rows` (``cols <= rows`` and ``rows + 1``); ``tests/test_attention_flex.py`` checks that the two agree
-element by element. A new mask (documents, sliding windows) must change both functions together, and
-``visible_keys`` must then count the keys the mask leaves visible, not ``q_idx + 1``.
+This is the single place where masks and positions are built: ``causal_mask_mod`` and ``visible_keys`` serve
+FlexAttention directly and, through :func:`causal_rows`, the dense reference; ``attend`` builds them for every
+call, so training and evaluation cannot disagree (a validation pass that forgot its mask was a real bug
+elsewhere). A new mask (documents, sliding windows) changes ``causal_mask_mod``, and ``visible_keys`` must then
+count the keys the mask leaves visible, not ``q_idx + 1``.
 
 No Ray, no model code, no attention math here.
 """
@@ -26,6 +25,14 @@ def causal_mask_mod(b, h, q_idx, kv_idx):
 def visible_keys(q_idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """N_i, the number of keys row ``i`` sees under :func:`causal_mask_mod`, as a ``dtype`` tensor."""
     return (q_idx + 1).to(dtype)
+
+
+def causal_rows(row_start: int, n_rows: int, n_keys: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices ``i`` (shape ``(R, 1)``) of query rows ``row_start ..`` and their visibility mask over keys
+    ``0 .. n_keys - 1`` (shape ``(R, K)``), as dense tensors for the reference implementation."""
+    rows = torch.arange(row_start, row_start + n_rows, device=device).unsqueeze(-1)
+    cols = torch.arange(n_keys, device=device).unsqueeze(0)
+    return rows, causal_mask_mod(None, None, rows, cols)
 
 
 def causal_block_mask(seq_len: int, device: torch.device | str) -> BlockMask:
