@@ -19,17 +19,18 @@ LOCAL_ENV = {
 }
 
 
-def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboard: bool = True) -> bool:
+def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboard: bool = True,
+               log_to_driver: bool = True) -> bool:
     """Make sure this process is connected to Ray. Returns True if this call started a local cluster."""
     import ray
 
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(configure_logging=False)
+        ray.init(configure_logging=False, log_to_driver=log_to_driver)
         return False
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
-             object_store_memory=object_store_mb * 1024**2, configure_logging=False)
+             object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver)
     return True

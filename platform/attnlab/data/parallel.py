@@ -34,25 +34,13 @@ class RayPool:
         self._started_here = False
 
     def __enter__(self) -> RayPool:
-        import ray
+        from attnlab.raycluster import ensure_ray
 
-        if not ray.is_initialized():
-            for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}.items():
-                os.environ.setdefault(key, value)
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(log_to_driver=False, configure_logging=False)
-            else:
-                ray.init(
-                    address="local",
-                    num_cpus=self.workers or os.cpu_count() or 1,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    configure_logging=False,
-                    object_store_memory=256 * 1024**2,
-                )
-            self._started_here = True
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self._started_here = ensure_ray(num_cpus=self.workers or os.cpu_count() or 1, object_store_mb=256,
+                                        dashboard=False, log_to_driver=False)
         if self.workers is None:
-            self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            self.workers = cluster_cpus() or 1
         return self
 
     def __exit__(self, *exc) -> None:

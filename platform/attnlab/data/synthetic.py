@@ -13,9 +13,10 @@ Tasks (``SYNTHETIC_TASKS``), each a window of ``L + 1`` tokens (input = first L,
   number of distractors grows. At ``L = 64, copy_len = 32`` that is 1 distractor, the block, its repeat; at
   ``L = 1024``, 961 distractors. (research/probe.md's ``inductf``: the probe that separates the variants on
   a CPU, without NTK.)
-- ``mqar``: multi-query associative recall (Zoology). ``n = min(L // 4, max_pairs)`` key-value pairs (``max_pairs`` defaults to ``vocab // 2``) (distinct
-  keys from ``[0, vocab/2)``, values from ``[vocab/2, vocab)``), then every key once more in random order,
-  each followed by its value. Targets: the values after the queries. Filler value tokens pad the front.
+- ``mqar``: multi-query associative recall (Zoology). ``n = min(L // 4, max_pairs)`` key-value pairs
+  (``max_pairs`` defaults to ``vocab // 2``; distinct keys from ``[0, vocab/2)``, values from
+  ``[vocab/2, vocab)``), then every key once more in random order, each followed by its value. Targets: the
+  values after the queries. Random value tokens pad the front (1 token when 4 divides L).
 - ``passkey_tokens``: random filler in ``[2, vocab)``, with ``KEY_MARK`` + a ``key_len``-token key hidden at
   ``depth`` (0 = the start of the filler, 1 = its end, ``uniform`` = random per sequence); the window ends
   with ``QUERY_MARK`` + the key. Targets: the key after ``QUERY_MARK``.
@@ -71,7 +72,8 @@ class SyntheticTask(BaseModel):
         raise NotImplementedError
 
     def window(self, rng: np.random.Generator, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(tokens (L + 1,) int64, target_mask (L,) bool)``; ``target_mask[t]`` scores predicting ``tokens[t + 1]``."""
+        """``(tokens (L + 1,) int64, target_mask (L,) bool)``; ``target_mask[t]`` scores predicting
+        ``tokens[t + 1]``."""
         raise NotImplementedError
 
     def check_length(self, length: int) -> None:
@@ -189,7 +191,8 @@ class PasskeyTokens(SyntheticTask):
         return length + 1 - 2 * (self.key_len + 1)
 
     def key_start(self, length: int, rng: np.random.Generator | None = None) -> int:
-        """Where ``KEY_MARK`` sits: ``floor(depth * filler + 1/2)`` filler tokens precede it (``uniform``: 0..filler)."""
+        """Where ``KEY_MARK`` sits: ``floor(depth * filler + 1/2)`` filler tokens precede it (``uniform``: a
+        random number in 0..filler)."""
         filler = self.num_filler(length)
         if self.depth == "uniform":
             return int(rng.integers(0, filler + 1))
