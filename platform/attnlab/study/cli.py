@@ -1,0 +1,68 @@
+"""``attnlab study run|validate|submit``: run a study YAML as a Ray Tune search, check it, or submit it as a Ray Job.
+
+Thin argument handling only: the spec is ``attnlab.study.spec``, the Tune wiring ``attnlab.study.runner``, the
+job submission ``attnlab.study.submit``. Bad input raises ``UserError`` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "study", help="run a study YAML as a Ray Tune + Optuna search (run, validate, submit)",
+        description="Studies: one YAML file (see studies/) run as a Ray Tune search over attention variants, "
+                    "scale factors and p; every trial trains with Ray Train, evaluates at 1x..16x and writes "
+                    "to the results store.")
+    sub = p.add_subparsers(dest="study_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    run = sub.add_parser(
+        "run", help="run a study on the current Ray cluster (RAY_ADDRESS, or an embedded local one)",
+        description="Run STUDY.yaml. Running it again resumes its Tune state (finished trials are not re-run) "
+                    "and trials whose results are complete in the store are never retrained.")
+    run.add_argument("study", metavar="STUDY.yaml")
+    run.add_argument("--store", help="results store URI (default: the study's store:, else ./results)")
+    run.add_argument("--storage", help="folder for Tune state, runs and the Optuna SQLite file (default ./runs)")
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="require existing Tune state and resume it")
+    mode.add_argument("--fresh", action="store_true",
+                      help="start a new search even if Tune state exists (the old state is moved aside)")
+    run.add_argument("--curves", metavar="DIR", help="where to write the curves (default <storage>/<study>/curves)")
+    run.set_defaults(func=_run)
+
+    val = sub.add_parser("validate", help="check a study file and print its trials and resources",
+                         description="Validate STUDY.yaml: exit 0 and print the resolved trial count and "
+                                     "resources, or exit 2 with a one-line error.")
+    val.add_argument("study", metavar="STUDY.yaml", nargs="+")
+    val.add_argument("--cluster", metavar="CLUSTER.yaml", help="also check the resources fit this cluster config")
+    val.set_defaults(func=_validate)
+
+    from attnlab.study.submit import add_submit_parser
+
+    add_submit_parser(sub)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from attnlab.study.runner import run_study
+    from attnlab.study.spec import load_spec
+
+    spec = load_spec(args.study)
+    resume = True if args.resume else (False if args.fresh else None)
+    summary = run_study(spec, store=args.store, storage=args.storage, resume=resume, curves_dir=args.curves)
+    return 1 if summary.trials and summary.count("failed") == len(summary.trials) else 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from attnlab.study.spec import load_spec
+
+    for path in args.study:
+        spec = load_spec(path)
+        if args.cluster:
+            from attnlab.cluster.validate import check_fits
+
+            check_fits(spec.resource_request(), args.cluster)
+        print(f"{path}: ok")
+        print("  " + spec.describe().replace("\n", "\n  "))
+    return 0

@@ -1,0 +1,711 @@
+"""The study spec: one YAML file in ``studies/``, validated into a typed model (pydantic v2, extra fields refused).
+
+A study names a model preset, the data, a training budget, the resources of one trial, a search engine, a
+search space, an objective, a pruning scheduler and the evaluation to run on each trained checkpoint. Every
+problem is reported as ONE line naming the field, the value and what is allowed (``UserError``), YAML syntax
+errors included. This module also expands the space into trial points (grid, seeded random draws) and turns a
+point into the trial's ``TrainConfig``; the Optuna define-by-run space lives in ``runner.py``.
+
+Never imports Ray or Optuna, never touches the network or the file system beyond reading the YAML file.
+
+Shape (every block but ``name`` optional)::
+
+    name: smoke                       # [A-Za-z0-9][A-Za-z0-9._+-]*
+    model: {preset: tiny, n_layer: 2} # a preset plus any GPTConfig override
+    data: demo                        # demo | a prepared folder | {synthetic: TASK, ...}
+    train: {steps: 40, lr: 1e-3, ...} # any TrainConfig field, or `tokens:` (a budget; steps = tokens / tokens_per_step)
+    resources: {workers_per_trial: 1, gpus_per_worker: 0, cpus_per_worker: 0.5, max_concurrent_trials: 1,
+                trial_cpus: 0.5}
+    search: {engine: grid|random|optuna, num_samples: 8, seed: 0, sampler: tpe|random|nsgaii}
+    space:
+      attention: [softmax, lssa, lssar]
+      scale: [logd_logn, 2.5]                 # or {low: 1.0, high: 8.0} (a coefficient of ln N)
+      p_train: {values: [3, 15], when: [softmax, lssa]}   # or {low: 1, high: 63, when: [...]}
+      seeds: [0, 1]
+      lr: [3e-4, 1e-3]                        # any TrainConfig field; model.<field> for the model
+    objective: val_loss@16x                   # or a list: [val_loss@1x, val_loss@16x] (Pareto front)
+    scheduler: {type: asha, grace_period: 20, reduction_factor: 2}   # or none
+    eval: {multiples: [1, 2, 4, 8, 16], p_eval: [none, 15], rope_scaling: [ntk], max_tokens: 16384}
+    storage: sqlite:////abs/optuna.db         # Optuna RDB URL; default SQLite next to the Tune state
+    store: results                            # results store URI
+
+Axes: a plain list is a choice; a mapping ``{values: [...]}`` or ``{low, high[, log][, step]}`` is a choice or
+a range (int range when both bounds are integers, float otherwise), and ``when: [attention names]`` makes the
+axis conditional: it is only sampled for those attention variants (elsewhere the knob keeps its default).
+
+Objective syntax: ``METRIC@AT[,p_eval=P][,rope=R]`` where ``AT`` is a multiple of the training length (``16x``)
+or a length in tokens (``1024``, ``16k``); ``p_eval`` defaults to ``none`` (no eval-time sharpening) and
+``rope`` to the first ``eval.rope_scaling``. A list entry may be ``{metric: ..., mode: min|max}``; the mode
+defaults to the metric's direction (loss: min, accuracy: max).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import random
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from attnlab.errors import UserError
+from attnlab.validation import describe
+
+STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
+ENGINES = ("grid", "random", "optuna")
+SAMPLERS = ("tpe", "random", "nsgaii")
+ROPE_SCALINGS = ("ntk", "none")
+DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
+# TrainConfig fields a study sets elsewhere: the model block, the data line, or resources.
+_TRAIN_ELSEWHERE = {
+    "preset": "model.preset", "model": "model:", "data": "data:", "workers": "resources.workers_per_trial",
+    "gpu": "resources.gpus_per_worker", "gpus_per_worker": "resources.gpus_per_worker",
+    "cpus_per_worker": "resources.cpus_per_worker",
+}
+# Space axes with their own field; any other key must be a TrainConfig field or model.<field>.
+_NAMED_AXES = ("attention", "scale", "p_train", "rope_scaling", "seeds")
+
+
+def _none_or(value):
+    """YAML's ``none``/``null``/``~`` all mean "no value" where a knob allows it."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "null"):
+        return None
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Axis(_Strict):
+    """One search axis: a choice (``values``) or a range (``low``/``high``), optionally only ``when`` the
+    attention variant is one of a list."""
+
+    values: list[Any] | None = None
+    low: int | float | None = None  # both ints: an int range; otherwise a float range
+    high: int | float | None = None
+    log: bool = False
+    step: int | float | None = None
+    when: list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        if isinstance(data, (list, tuple)):
+            return {"values": list(data)}
+        if isinstance(data, (str, int, float)) or data is None:
+            return {"values": [data]}
+        return data
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "Axis":
+        is_range = self.low is not None or self.high is not None
+        if self.values is not None and is_range:
+            raise ValueError("give either values: [...] or low/high, not both")
+        if self.values is None and not is_range:
+            raise ValueError("give values: [...] (a choice) or low/high (a range)")
+        if self.values is not None:
+            if not self.values:
+                raise ValueError("values must not be empty")
+            object.__setattr__(self, "values", [_none_or(v) for v in self.values])
+        else:
+            if self.low is None or self.high is None:
+                raise ValueError("a range needs both low and high")
+            if not self.low < self.high:
+                raise ValueError(f"low={self.low:g} must be below high={self.high:g}")
+            if self.log and self.low <= 0:
+                raise ValueError("a log range needs low > 0")
+        if self.step is not None and (self.values is not None or self.step <= 0):
+            raise ValueError("step must be > 0 and only goes with a low/high range")
+        if self.when is not None and not self.when:
+            raise ValueError("when must list at least one attention name")
+        return self
+
+    @property
+    def is_range(self) -> bool:
+        return self.values is None
+
+    @property
+    def is_int_range(self) -> bool:
+        return self.is_range and all(isinstance(v, int) for v in (self.low, self.high)) and \
+            (self.step is None or isinstance(self.step, int))
+
+    def applies_to(self, attention: str | None) -> bool:
+        return self.when is None or attention in self.when
+
+    def sample(self, rng: random.Random):
+        """One value drawn with ``rng`` (uniform choice; uniform or log-uniform range, snapped to ``step``)."""
+        if not self.is_range:
+            return rng.choice(self.values)
+        lo, hi = float(self.low), float(self.high)
+        x = math.exp(rng.uniform(math.log(lo), math.log(hi))) if self.log else rng.uniform(lo, hi)
+        if self.is_int_range:
+            step = int(self.step or 1)
+            return int(lo + step * round((x - lo) / step))
+        if self.step:
+            x = lo + self.step * round((x - lo) / self.step)
+        return min(max(x, lo), hi)
+
+
+class Space(BaseModel):
+    """The search space. Named axes plus any TrainConfig field (``lr``) or model field (``model.n_layer``)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    attention: list[str] | None = None
+    scale: Axis | None = None
+    p_train: Axis | None = None
+    rope_scaling: list[Literal["ntk", "none"]] | None = None  # an eval-only axis: merged into eval.rope_scaling
+    seeds: list[int] | None = None
+
+    @field_validator("attention", mode="before")
+    @classmethod
+    def _attention_list(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("attention")
+    @classmethod
+    def _known_attention(cls, value):
+        if value is None:
+            return value
+        if not value:
+            raise ValueError("must list at least one attention variant")
+        from attnlab.attention import variant_names
+
+        names = variant_names()
+        for i, name in enumerate(value):
+            if name not in names:
+                raise ValueError(f"{name!r} (item {i}) is not an attention variant; use one of {', '.join(names)}")
+        if len(set(value)) != len(value):
+            raise ValueError("lists the same variant twice")
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, value):
+        if value is not None and (not value or len(set(value)) != len(value)):
+            raise ValueError("must be a non-empty list of distinct integers")
+        return value
+
+    @model_validator(mode="after")
+    def _extra_knobs(self) -> "Space":
+        from attnlab.model.config import GPTConfig
+        from attnlab.train.config import TrainConfig
+        import dataclasses
+
+        model_fields = {f.name for f in dataclasses.fields(GPTConfig)}
+        parsed = {}
+        for key, raw in (self.model_extra or {}).items():
+            if key.startswith("model."):
+                if key[6:] not in model_fields:
+                    raise ValueError(f"{key} is not a model field; use model.<one of {', '.join(sorted(model_fields))}>")
+            elif key in _TRAIN_ELSEWHERE or key in ("seed", "tokens"):
+                where = "space.seeds" if key == "seed" else _TRAIN_ELSEWHERE.get(key, "train.tokens")
+                raise ValueError(f"{key} cannot be searched here (set {where})")
+            elif key not in TrainConfig.model_fields:
+                raise ValueError(f"{key} is not a search axis: use attention, scale, p_train, rope_scaling, seeds, "
+                                 "a training field (lr, steps, ...) or model.<field>")
+            try:
+                parsed[key] = Axis.model_validate(raw)
+            except pydantic.ValidationError as exc:
+                raise ValueError(describe(exc, key).replace("Value error, ", "")) from None
+        object.__setattr__(self, "__pydantic_extra__", parsed)
+        return self
+
+    def knobs(self) -> dict[str, Axis]:
+        """Every training axis (not attention/seeds/rope), by its point key."""
+        out = {}
+        if self.scale is not None:
+            out["scale"] = self.scale
+        if self.p_train is not None:
+            out["p_train"] = self.p_train
+        out.update(self.model_extra or {})
+        return out
+
+
+class Resources(_Strict):
+    workers_per_trial: int = Field(default=1, ge=1)
+    gpus_per_worker: float = Field(default=0.0, ge=0)
+    cpus_per_worker: float = Field(default=1.0, gt=0)
+    max_concurrent_trials: int = Field(default=1, ge=1)
+    trial_cpus: float = Field(default=0.5, gt=0)  # the Tune trial (the Train driver) itself
+
+
+class Search(_Strict):
+    engine: Literal["grid", "random", "optuna"] = "grid"
+    num_samples: int | None = Field(default=None, ge=1)
+    seed: int = 0
+    sampler: Literal["tpe", "random", "nsgaii"] | None = None
+
+    @model_validator(mode="after")
+    def _fits_engine(self) -> "Search":
+        if self.engine == "grid" and self.num_samples not in (None, 1):
+            raise ValueError(f"num_samples={self.num_samples} does not apply to a grid (every point runs once; "
+                             "use space.seeds for repeats)")
+        if self.sampler is not None and self.engine != "optuna":
+            raise ValueError(f"sampler={self.sampler!r} only applies to engine: optuna")
+        return self
+
+
+class Scheduler(_Strict):
+    type: Literal["asha", "none"] = "none"
+    grace_period: int = Field(default=20, ge=1)  # training steps before a trial can be pruned
+    reduction_factor: float = Field(default=2.0, gt=1)
+    metric: str = "val_loss"  # a metric the training reports along the way (val_loss, train_loss)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        if data is None or (isinstance(data, str) and data.lower() in ("none", "null")):
+            return {"type": "none"}
+        if isinstance(data, str):
+            return {"type": data}
+        return data
+
+    @field_validator("metric")
+    @classmethod
+    def _reported(cls, value):
+        if value not in ("val_loss", "train_loss", "val_acc"):
+            raise ValueError("use val_loss, train_loss or val_acc (what training reports along the way)")
+        return value
+
+
+class EvalSpec(_Strict):
+    multiples: list[float] | None = None
+    lengths: list[int] | None = None
+    p_eval: list[float | None] = Field(default_factory=lambda: [None])
+    rope_scaling: list[Literal["ntk", "none"]] = Field(default_factory=lambda: ["ntk"])
+    max_tokens: int | None = Field(default=None, gt=0)
+    long_docs: bool = False
+    passkey: bool = False
+    diagnostics: bool = False
+
+    @field_validator("p_eval", mode="before")
+    @classmethod
+    def _p_none(cls, value):
+        if not isinstance(value, list):
+            value = [value]
+        return [_none_or(v) for v in value]
+
+    @field_validator("rope_scaling", mode="before")
+    @classmethod
+    def _rope_list(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "EvalSpec":
+        if self.multiples is not None and self.lengths is not None:
+            raise ValueError("give multiples or lengths, not both")
+        for name in ("multiples", "lengths", "p_eval", "rope_scaling"):
+            value = getattr(self, name)
+            if value is not None and not value:
+                raise ValueError(f"{name} must not be empty")
+            if value is not None and len(set(map(str, value))) != len(value):
+                raise ValueError(f"{name}={value} repeats a value")
+        if self.multiples is None and self.lengths is None:
+            object.__setattr__(self, "multiples", [float(m) for m in DEFAULT_MULTIPLES])
+        if any(m <= 0 for m in self.multiples or []) or any(n <= 0 for n in self.lengths or []):
+            raise ValueError("multiples and lengths must be > 0")
+        if any(p is not None and p < 1 for p in self.p_eval):
+            raise ValueError(f"p_eval={self.p_eval}: each must be none or a number >= 1")
+        return self
+
+    def eval_lengths(self, train_len: int) -> list[int]:
+        if self.lengths is not None:
+            return sorted(self.lengths)
+        return sorted(int(round(m * train_len)) for m in self.multiples)
+
+
+class Objective(_Strict):
+    """One objective: ``METRIC@AT[,p_eval=P][,rope=R]`` and a mode."""
+
+    metric: str
+    mode: Literal["min", "max"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        return {"metric": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _parse(self) -> "Objective":
+        parsed = parse_objective(self.metric)  # raises ValueError
+        if self.mode is None:
+            from attnlab.results.schema import METRICS
+
+            object.__setattr__(self, "mode", "max" if METRICS[parsed["metric"]].higher_is_better else "min")
+        return self
+
+    @property
+    def parts(self) -> dict:
+        return parse_objective(self.metric)
+
+    @property
+    def key(self) -> str:
+        """The Tune metric name (canonical spelling)."""
+        return self.parts["key"]
+
+
+_OBJECTIVE = re.compile(r"^(?P<metric>[a-z][a-z0-9_]*)@(?P<at>\d+(?:\.\d+)?x|\d+k?)(?P<opts>(?:,[a-z_]+=[^,]+)*)$")
+
+
+def parse_objective(text: str) -> dict:
+    """``"val_loss@16x,p_eval=15"`` -> ``{"metric", "multiple" | "length", "p_eval", "rope", "key"}``."""
+    from attnlab.results.schema import COMPLETE_METRIC, METRICS
+
+    match = _OBJECTIVE.match(str(text).replace(" ", ""))
+    if not match:
+        raise ValueError("use METRIC@AT[,p_eval=P][,rope=R], e.g. val_loss@16x, val_loss@1024,p_eval=15")
+    metric = match["metric"]
+    if metric not in METRICS or metric == COMPLETE_METRIC:
+        raise ValueError(f"metric {metric!r} is unknown; use one of "
+                         f"{', '.join(sorted(set(METRICS) - {COMPLETE_METRIC}))}")
+    at = match["at"]
+    out: dict = {"metric": metric, "multiple": None, "length": None, "p_eval": None, "rope": None}
+    if at.endswith("x"):
+        out["multiple"] = float(at[:-1])
+        if out["multiple"] <= 0:
+            raise ValueError("the multiple must be > 0")
+    else:
+        out["length"] = int(at[:-1]) * 1024 if at.endswith("k") else int(at)
+    for opt in filter(None, (match["opts"] or "").split(",")):
+        name, value = opt.split("=", 1)
+        if name == "p_eval":
+            value = _none_or(value)
+            try:
+                out["p_eval"] = None if value is None else float(value)
+            except ValueError:
+                raise ValueError(f"p_eval={value!r} must be none or a number") from None
+        elif name == "rope":
+            if value not in ROPE_SCALINGS:
+                raise ValueError(f"rope={value!r} must be one of {', '.join(ROPE_SCALINGS)}")
+            out["rope"] = value
+        else:
+            raise ValueError(f"option {name!r} is unknown; use p_eval=P or rope=R")
+    key = f"{metric}@{at}"
+    if out["p_eval"] is not None:
+        key += f",p_eval={out['p_eval']:g}"
+    if out["rope"] is not None:
+        key += f",rope={out['rope']}"
+    out["key"] = key
+    return out
+
+
+class StudySpec(_Strict):
+    name: str
+    description: str = ""
+    model: dict[str, Any] = Field(default_factory=lambda: {"preset": "tiny"})
+    data: str | dict[str, Any] = "demo"
+    train: dict[str, Any] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=Resources)
+    search: Search = Field(default_factory=Search)
+    space: Space = Field(default_factory=Space)
+    objective: list[Objective] = Field(default_factory=lambda: [Objective(metric="val_loss@1x")])
+    scheduler: Scheduler = Field(default_factory=Scheduler)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    storage: str | None = None  # Optuna RDB URL
+    store: str | None = None  # results store URI
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value):
+        if not STUDY_NAME.match(value):
+            raise ValueError("use letters, digits and . _ + - (it names folders), starting with a letter or digit")
+        return value
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, value):
+        if isinstance(value, str):
+            return {"preset": value}
+        return value
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, value):
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("use demo, a folder made by `attnlab data prepare`, or {synthetic: TASK, ...}")
+        if isinstance(value, dict) and "synthetic" not in value:
+            raise ValueError("a data mapping needs a synthetic: TASK key")
+        return value
+
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _objective_list(cls, value):
+        if isinstance(value, (str, dict)):
+            return [value]
+        return value
+
+    @field_validator("objective")
+    @classmethod
+    def _objective_distinct(cls, value):
+        if not value:
+            raise ValueError("give at least one objective, e.g. val_loss@16x")
+        keys = [o.key for o in value]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{keys} repeats an objective")
+        return value
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, value):
+        if value is not None and "://" not in value:
+            raise ValueError("must be an Optuna RDB URL such as sqlite:////abs/path/optuna.db or "
+                             "postgresql+psycopg2://user@host/db")
+        return value
+
+    # ------------------------------------------------------------------------------------------ checks
+    @model_validator(mode="after")
+    def _coherent(self) -> "StudySpec":
+        for key in self.train:
+            if key in _TRAIN_ELSEWHERE:
+                raise ValueError(f"train.{key} is set elsewhere in a study: use {_TRAIN_ELSEWHERE[key]}")
+        if "tokens" in self.train and "steps" in self.train:
+            raise ValueError("train: give steps or tokens (a budget), not both")
+        if "tokens" in self.train:
+            tokens = self.train["tokens"]
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+                raise ValueError(f"train.tokens={tokens!r} must be a positive integer")
+        if "preset" not in self.model:
+            raise ValueError("model.preset is required (e.g. tiny, gpt2-small)")
+        for axis in ("attention", "scale", "p_train"):
+            if getattr(self.space, axis) is not None and axis in self.train:
+                raise ValueError(f"train.{axis} and space.{axis} are both set: keep one")
+        if self.space.seeds is not None and "seed" in self.train:
+            raise ValueError("train.seed and space.seeds are both set: keep one")
+        for key in self.space.model_extra or {}:
+            if key in self.train or (key.startswith("model.") and key[6:] in self.model):
+                raise ValueError(f"{key} is set both in space and in {'model' if '.' in key else 'train'}: keep one")
+        names = self.attentions()
+        for key, axis in self.space.knobs().items():
+            for name in axis.when or []:
+                if name not in names:
+                    raise ValueError(f"space.{key}.when names {name!r}, which is not among the study's attention "
+                                     f"variants ({', '.join(names)})")
+            if self.search.engine == "grid" and axis.is_range:
+                raise ValueError(f"space.{key} is a low/high range; a grid needs values: [...] (or use engine: "
+                                 "random or optuna)")
+        if self.space.rope_scaling is not None:
+            if "rope_scaling" in self.eval.model_fields_set and \
+                    list(self.eval.rope_scaling) != list(self.space.rope_scaling):
+                raise ValueError("space.rope_scaling and eval.rope_scaling are both set: keep one (it is an "
+                                 "evaluation-only axis; no retraining)")
+            object.__setattr__(self.eval, "rope_scaling", list(self.space.rope_scaling))
+        if len(self.objective) > 1 and self.search.engine != "optuna":
+            raise ValueError(f"objective lists {len(self.objective)} metrics; several objectives (a Pareto front) "
+                             "need search.engine: optuna")
+        if self.search.engine in ("random", "optuna") and self.search.num_samples is None:
+            raise ValueError(f"search.num_samples is required with engine: {self.search.engine}")
+        for obj in self.objective:
+            parts = obj.parts
+            if parts["p_eval"] not in self.eval.p_eval:
+                raise ValueError(f"objective {obj.metric}: p_eval={parts['p_eval']} is not evaluated "
+                                 f"(eval.p_eval: {self.eval.p_eval})")
+            if parts["rope"] is not None and parts["rope"] not in self.eval.rope_scaling:
+                raise ValueError(f"objective {obj.metric}: rope={parts['rope']} is not evaluated "
+                                 f"(eval.rope_scaling: {self.eval.rope_scaling})")
+            if parts["multiple"] is not None and self.eval.multiples is not None and \
+                    parts["multiple"] not in self.eval.multiples:
+                raise ValueError(f"objective {obj.metric}: {parts['multiple']:g}x is not among eval.multiples "
+                                 f"{[f'{m:g}' for m in self.eval.multiples]}")
+            if parts["length"] is not None and self.eval.lengths is not None and \
+                    parts["length"] not in self.eval.lengths:
+                raise ValueError(f"objective {obj.metric}: length {parts['length']} is not among eval.lengths "
+                                 f"{self.eval.lengths}")
+            if parts["metric"].startswith("passkey") and not self.eval.passkey:
+                raise ValueError(f"objective {obj.metric} needs eval.passkey: true")
+        # Every point must make a valid training config (checked on the grid, or axis by axis).
+        self._check_points()
+        if self.scheduler.type == "asha" and self.scheduler.grace_period >= self.scheduler_max_steps():
+            raise ValueError(f"scheduler.grace_period={self.scheduler.grace_period} must be below the training "
+                             f"steps ({self.scheduler_max_steps()}), or ASHA can never prune")
+        return self
+
+    def _check_points(self) -> None:
+        if self.search.engine == "grid" and self.num_trials() <= 4096:
+            points = self.grid_points()
+        else:
+            points = []
+            for name in self.attentions():
+                points.append({"attention": name} if self.space.attention else {})
+            for key, axis in self.space.knobs().items():
+                name = (axis.when or self.attentions())[0]
+                base = {"attention": name} if self.space.attention else {}
+                values = axis.values if not axis.is_range else [axis.low, axis.high]
+                if axis.is_int_range:
+                    values = [int(v) for v in values]
+                points += [{**base, key: v} for v in values]
+        for point in points:
+            try:
+                self.train_config(point, data="")
+            except UserError as exc:
+                shown = ", ".join(f"{k}={v}" for k, v in point.items())
+                raise ValueError(f"the trial ({shown}) is not a valid training config: {exc}") from None
+
+    # --------------------------------------------------------------------------------------- queries
+    def attentions(self) -> list[str]:
+        if self.space.attention:
+            return list(self.space.attention)
+        return [self.train.get("attention") or "softmax"]
+
+    def resource_request(self) -> dict:
+        """The request ``attnlab.cluster.validate.check_fits`` takes."""
+        r = self.resources
+        return {"workers": r.workers_per_trial, "gpus_per_worker": r.gpus_per_worker,
+                "cpus_per_worker": r.cpus_per_worker, "max_concurrent_trials": r.max_concurrent_trials}
+
+    def trial_resources(self) -> dict:
+        """What one running trial holds: the driver plus its Train workers."""
+        r = self.resources
+        return {"CPU": r.trial_cpus + r.workers_per_trial * r.cpus_per_worker,
+                "GPU": r.workers_per_trial * r.gpus_per_worker}
+
+    def num_trials(self) -> int:
+        """Trials the search will run (before any is skipped as already complete)."""
+        if self.search.engine == "grid":
+            return self._grid_size()
+        seeds = len(self.space.seeds or [0]) if self.search.engine == "random" else 1
+        return (self.search.num_samples or 1) * seeds
+
+    def _grid_size(self) -> int:
+        total = 0
+        for name in self.attentions():
+            n = len(self.space.seeds or [0])
+            for axis in self.space.knobs().values():
+                if axis.applies_to(name):
+                    n *= len(axis.values)
+            total += n
+        return total
+
+    def grid_points(self) -> list[dict]:
+        """Every point of the grid (conditional axes only where their ``when`` holds), in a stable order."""
+        points = []
+        knobs = self.space.knobs()
+        for name in self.attentions():
+            keys = [k for k, a in knobs.items() if a.applies_to(name)]
+            for values in itertools.product(*(knobs[k].values for k in keys)):
+                for seed in self.space.seeds or [None]:
+                    point = {"attention": name} if self.space.attention else {}
+                    point.update(zip(keys, values))
+                    if seed is not None:
+                        point["seed"] = seed
+                    points.append(point)
+        return points
+
+    def random_points(self) -> list[dict]:
+        """``num_samples`` points drawn with ``search.seed``, each run with every seed of ``space.seeds``."""
+        rng = random.Random(self.search.seed)
+        points = []
+        for _ in range(self.search.num_samples or 1):
+            point = {}
+            name = self.attentions()[0]
+            if self.space.attention:
+                name = rng.choice(self.space.attention)
+                point["attention"] = name
+            for key, axis in self.space.knobs().items():
+                if axis.applies_to(name):
+                    point[key] = axis.sample(rng)
+            for seed in self.space.seeds or [None]:
+                points.append(point if seed is None else {**point, "seed": seed})
+        return points
+
+    def train_fields(self, point: dict, data: str | dict | None = None) -> dict:
+        """The TrainConfig fields of one trial: the model, data, budget, resources and the point's knobs."""
+        fields = {k: v for k, v in self.train.items() if k != "tokens"}
+        model = {k: v for k, v in self.model.items() if k != "preset"}
+        for key, value in point.items():
+            if key.startswith("model."):
+                model[key[6:]] = value
+            else:
+                fields[key] = value
+        fields.update(preset=self.model["preset"], model=model, data=self.data if data is None else data)
+        r = self.resources
+        fields.update(workers=r.workers_per_trial, gpu=r.gpus_per_worker > 0,
+                      gpus_per_worker=r.gpus_per_worker if r.gpus_per_worker > 0 else 1.0,
+                      cpus_per_worker=r.cpus_per_worker)
+        if "tokens" in self.train:
+            from attnlab.train.config import TrainConfig
+
+            per_step = fields.get("tokens_per_step", TrainConfig.model_fields["tokens_per_step"].default)
+            fields["steps"] = max(1, math.ceil(self.train["tokens"] / per_step))
+        return fields
+
+    def train_config(self, point: dict, data: str | dict | None = None):
+        """The trial's ``TrainConfig`` (raises UserError naming the bad field)."""
+        from attnlab.train.config import load_train_config
+
+        return load_train_config(self.train_fields(point, data))
+
+    def scheduler_max_steps(self) -> int:
+        """The largest training step count any trial can have (ASHA's max_t)."""
+        base = self.train_config({}, data="").steps
+        axis = (self.space.model_extra or {}).get("steps")
+        if axis is None:
+            return base
+        return int(max(axis.values) if not axis.is_range else axis.high)
+
+    def fingerprint(self) -> str:
+        """A hash of the whole spec: a resumed study must be the same study."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """A few lines for ``attnlab study validate``."""
+        req = self.trial_resources()
+        lines = [
+            f"study {self.name}: engine {self.search.engine}, {self.num_trials()} trial(s)"
+            + (f" (num_samples {self.search.num_samples})" if self.search.engine != "grid" else ""),
+            f"model: {self.model}; data: {self.data}",
+            f"attention: {', '.join(self.attentions())}; axes: "
+            + (", ".join(f"{k}{' when ' + '/'.join(a.when) if a.when else ''}" for k, a in self.space.knobs().items())
+               or "none") + (f"; seeds: {self.space.seeds}" if self.space.seeds else ""),
+            f"objective: {', '.join(f'{o.key} ({o.mode})' for o in self.objective)}; scheduler: {self.scheduler.type}",
+            f"eval: lengths {self.eval.lengths or [f'{m:g}x' for m in self.eval.multiples]}, p_eval "
+            f"{['none' if p is None else f'{p:g}' for p in self.eval.p_eval]}, rope {self.eval.rope_scaling}",
+            f"resources per trial: {req['CPU']:g} CPU, {req['GPU']:g} GPU "
+            f"({self.resources.workers_per_trial} worker(s)); at most {self.resources.max_concurrent_trials} "
+            f"trial(s) at once",
+        ]
+        return "\n".join(lines)
+
+
+def load_spec(source: str | Path | dict) -> StudySpec:
+    """Load a study from a YAML file (or an already-parsed mapping). Every error is one ``UserError`` line."""
+    where = "study"
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        where = str(path)
+        if not path.is_file():
+            raise UserError(f"{path}: no such study file")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise UserError(f"{path}: not valid YAML{at}: {problem}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not a UTF-8 text file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: a study must be a YAML mapping with at least `name:`")
+    try:
+        return StudySpec.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise UserError(f"{where}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: pydantic.ValidationError) -> str:
+    """``describe`` without pydantic's "Value error, " noise, and a field-less error said plainly."""
+    text = describe(exc).replace("Value error, ", "").replace("Assertion failed, ", "")
+    return text[2:] if text.startswith(": ") else text
+
+
+__all__ = ["Axis", "EvalSpec", "Objective", "Resources", "Scheduler", "Search", "Space", "StudySpec",
+           "load_spec", "parse_objective"]

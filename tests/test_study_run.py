@@ -1,0 +1,140 @@
+"""Studies on a real local Ray: Optuna + ASHA completes, a re-run trains nothing, a killed study resumes.
+
+Tiny preset on a small synthetic copy probe (vocabulary 64, so a step costs milliseconds), 12 steps of 4 x 64
+tokens, evaluated at 1x and 4x with p_eval none and 15. Uses the session's ``ray_session`` cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from attnlab.results import ResultsStore
+from attnlab.study.runner import run_study, study_dir
+from attnlab.study.spec import load_spec
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[1]
+
+TRAIN = {"steps": 12, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3, "warmup_steps": 2, "log_every": 4,
+         "val_every": 4, "val_tokens": 1024, "checkpoint_every": 12, "keep_checkpoints": 1, "max_failures": 0}
+EVAL = {"multiples": [1, 4], "p_eval": ["none", 15], "max_tokens": 1024}
+DATA = {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16}
+
+
+def _write(tmp_path: Path, study: dict) -> Path:
+    path = tmp_path / f"{study['name']}.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+def _val_rows(store: ResultsStore, study: str, h: str):
+    return store.read(study=study, config_hash=h, metric="val_loss")
+
+
+def _run_dirs(state: Path) -> set[str]:
+    return {p.name for p in (state / "runs").iterdir()} if (state / "runs").exists() else set()
+
+
+def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp_path):
+    import optuna
+
+    train = {k: v for k, v in TRAIN.items() if k != "lr"}
+    study = {"name": "optuna-asha", "model": {"preset": "tiny"}, "data": DATA, "train": train,
+             "resources": {"cpus_per_worker": 0.5, "trial_cpus": 0.5},
+             "search": {"engine": "optuna", "num_samples": 4, "seed": 0},
+             "space": {"attention": ["softmax", "lssa"], "p_train": {"values": [3, 15], "when": ["lssa"]},
+                       "lr": [1.0e-3, 3.0e-3]},
+             "objective": ["val_loss@4x", "val_loss@1x"],
+             "scheduler": {"type": "asha", "grace_period": 4, "reduction_factor": 2}, "eval": EVAL}
+    spec = load_spec(_write(tmp_path, study))
+    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    summary = run_study(spec, store=store_uri, storage=storage, verbose=0)
+    state = study_dir(spec, storage)
+
+    # 4 Tune trials; Optuna may propose one configuration twice: the second finds it complete and trains nothing
+    assert 2 <= len(summary.trials) <= 4
+    assert summary.trained == len(summary.trials)
+    statuses = [t["status"] for t in summary.trials]
+    assert set(statuses) <= {"complete", "pruned"}, summary.trials
+    assert "complete" in statuses  # the first trial always reaches the end (ASHA has nothing to compare yet)
+    store = ResultsStore(store_uri)
+    for trial in summary.trials:
+        rows = _val_rows(store, "optuna-asha", trial["config_hash"])
+        if trial["status"] == "complete":
+            # every length x p_eval, exactly once
+            cells = sorted((int(r.eval_len), -1.0 if r.p_eval != r.p_eval else r.p_eval) for r in rows.itertuples())
+            assert cells == [(64, -1.0), (64, 15.0), (256, -1.0), (256, 15.0)]  # -1: p_eval none
+            assert store.has_complete(trial["config_hash"], study="optuna-asha")
+            assert set(trial["objectives"]) == {"val_loss@4x", "val_loss@1x"}
+            at_4x = rows[(rows.eval_len == 256) & rows.p_eval.isna()].value.iloc[0]
+            assert trial["objectives"]["val_loss@4x"] == pytest.approx(at_4x)
+        else:
+            assert len(rows) == 0 and "stopped by asha at step" in trial["reason"]
+
+    ot = optuna.load_study(study_name="optuna-asha", storage=summary.optuna_url)
+    assert summary.optuna_url == f"sqlite:///{state / 'optuna.db'}"
+    assert len(ot.trials) == 4
+    states = sorted(t.state.name for t in ot.trials)
+    assert set(states) <= {"COMPLETE", "PRUNED"}  # none left RUNNING: stopped trials are PRUNED
+    assert states.count("COMPLETE") >= statuses.count("complete")
+    assert states.count("PRUNED") >= statuses.count("pruned")
+    for t in ot.trials:
+        if t.state.name == "COMPLETE":
+            assert len(t.values) == 2 and all(v > 0 for v in t.values)
+    assert list((state / "tune").rglob("events.out.tfevents.*")), "TensorBoard event files in the storage path"
+    assert Path(summary.curves["png"]).stat().st_size > 0
+
+    rows_before = len(store.read(study="optuna-asha"))
+    runs_before = _run_dirs(state)
+    again = run_study(spec, store=store_uri, storage=storage, verbose=0)
+    assert again.restored and again.trained == 0
+    assert _run_dirs(state) == runs_before
+    assert len(store.read(study="optuna-asha")) == rows_before
+
+
+def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
+    study = {"name": "grid-resume", "model": {"preset": "tiny"}, "data": DATA, "train": TRAIN,
+             "resources": {"cpus_per_worker": 0.5, "trial_cpus": 0.5}, "search": {"engine": "grid"},
+             "space": {"attention": ["softmax", "lssa", "lssar"]}, "objective": "val_loss@4x", "eval": EVAL}
+    path = _write(tmp_path, study)
+    spec = load_spec(path)
+    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    state = study_dir(spec, storage)
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    proc = subprocess.Popen([sys.executable, "-m", "attnlab.cli", "study", "run", str(path), "--store", store_uri,
+                             "--storage", storage], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    first_done = None
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            done = [json.loads(p.read_text()) for p in (state / "trials").glob("*.json")] \
+                if (state / "trials").exists() else []
+            done = [t for t in done if t["status"] == "complete"]
+            if done:
+                first_done = done[0]["config_hash"]
+                break
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver dies mid-study
+        proc.wait()
+    assert first_done is not None, "the first trial never completed"
+
+    summary = run_study(spec, store=store_uri, storage=storage, verbose=0)
+    assert [t["status"] for t in summary.trials] == ["complete"] * 3
+    store = ResultsStore(store_uri)
+    val = store.read(study="grid-resume", metric="val_loss")
+    assert len(val) == 3 * 4  # 3 trials x 2 lengths x 2 p_eval: no duplicates
+    assert val.groupby(["config_hash", "eval_len", "p_eval"], dropna=False).size().max() == 1
+    events = [json.loads(line) for line in (state / "events.jsonl").read_text().splitlines()]
+    assert sum(1 for e in events if e["config_hash"] == first_done) == 1  # the finished trial never retrained
+    assert len(_run_dirs(state)) == 3

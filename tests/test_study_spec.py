@@ -1,0 +1,132 @@
+"""The study spec: shipped studies validate, broken ones give their one-line error, spaces expand as designed.
+
+No Ray here: the spec is plain pydantic.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnlab.errors import UserError
+from attnlab.study.spec import load_spec, parse_objective
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD = sorted((ROOT / "tests" / "studies_bad").glob("*.yaml"))
+SHIPPED = sorted((ROOT / "studies").glob("*.yaml"))
+
+
+def _expected(path: Path) -> str:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# expect: "), f"{path.name} must start with '# expect: <message fragment>'"
+    return first[len("# expect: "):]
+
+
+def test_corpora_are_there():
+    assert len(BAD) >= 20
+    assert {p.name for p in SHIPPED} >= {"smoke.yaml", "paper_table4.yaml", "p_sweep.yaml", "scale_factor.yaml",
+                                         "proxy_table4.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_studies_validate(path):
+    spec = load_spec(path)
+    assert spec.num_trials() >= 1
+    comments = " ".join(line for line in path.read_text().splitlines() if line.lstrip().startswith("#")).lower()
+    assert "cost" in comments or "min" in comments or " h " in comments, \
+        f"{path.name} must carry a comment with its expected cost"
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.name)
+def test_broken_study_gives_its_one_line_error(path):
+    with pytest.raises(UserError) as info:
+        load_spec(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(path) + ": ")
+    assert _expected(path) in message
+
+
+@pytest.mark.parametrize("name", ["unknown_attention.yaml", "yaml_syntax.yaml", "bad_engine.yaml"])
+def test_cli_validate_prints_one_line_and_exits_2(name):
+    path = ROOT / "tests" / "studies_bad" / name
+    proc = subprocess.run([sys.executable, "-m", "attnlab.cli", "study", "validate", str(path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("attnlab: error: ") and _expected(path) in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_cli_validate_good_study_prints_trials_and_resources():
+    proc = subprocess.run([sys.executable, "-m", "attnlab.cli", "study", "validate", "studies/smoke.yaml"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "study smoke: engine grid, 3 trial(s)" in proc.stdout
+    assert "resources per trial: 1.5 CPU, 0 GPU (1 worker(s))" in proc.stdout
+
+
+def _spec(**blocks):
+    return load_spec({"name": "t", **blocks})
+
+
+def test_grid_expands_conditional_axes_only_where_they_apply():
+    spec = _spec(space={"attention": ["softmax", "lssa", "lssar"], "p_train": {"values": [3, 15],
+                                                                              "when": ["softmax", "lssa"]},
+                        "seeds": [0, 1]})
+    points = spec.grid_points()
+    # softmax x {3, 15} x 2 seeds + lssa x {3, 15} x 2 seeds + lssar x 2 seeds = 4 + 4 + 2
+    assert len(points) == spec.num_trials() == 10
+    assert {"attention": "lssar", "seed": 1} in points
+    assert {"attention": "softmax", "p_train": 15, "seed": 0} in points
+    assert not any(p["attention"] == "lssar" and "p_train" in p for p in points)
+    cfg = spec.train_config({"attention": "lssa", "p_train": 15, "seed": 1}, data="")
+    assert (cfg.attention, cfg.p_train, cfg.seed, cfg.preset) == ("lssa", 15.0, 1, "tiny")
+
+
+def test_random_points_are_seeded_and_respect_ranges():
+    blocks = dict(search={"engine": "random", "num_samples": 6, "seed": 3},
+                  space={"attention": ["softmax", "lssa"], "scale": {"low": 1.0, "high": 8.0, "when": ["softmax"]},
+                         "p_train": {"low": 1, "high": 63, "when": ["lssa"]}})
+    a, b = _spec(**blocks).random_points(), _spec(**blocks).random_points()
+    assert a == b and len(a) == 6
+    for p in a:
+        if p["attention"] == "softmax":
+            assert set(p) == {"attention", "scale"} and 1.0 <= p["scale"] <= 8.0 and isinstance(p["scale"], float)
+        else:
+            assert set(p) == {"attention", "p_train"} and 1 <= p["p_train"] <= 63 and isinstance(p["p_train"], int)
+
+
+def test_tokens_budget_becomes_steps_and_resources_reach_the_config():
+    spec = _spec(train={"tokens": 10_000, "tokens_per_step": 1024},
+                 resources={"workers_per_trial": 2, "gpus_per_worker": 1, "cpus_per_worker": 4,
+                            "max_concurrent_trials": 3})
+    cfg = spec.train_config({}, data="")
+    assert cfg.steps == 10  # ceil(10000 / 1024)
+    assert (cfg.workers, cfg.gpu, cfg.gpus_per_worker, cfg.cpus_per_worker) == (2, True, 1.0, 4.0)
+    assert spec.resource_request() == {"workers": 2, "gpus_per_worker": 1.0, "cpus_per_worker": 4.0,
+                                       "max_concurrent_trials": 3}
+
+
+def test_objective_syntax():
+    assert parse_objective("val_loss@16x") == {"metric": "val_loss", "multiple": 16.0, "length": None,
+                                               "p_eval": None, "rope": None, "key": "val_loss@16x"}
+    parsed = parse_objective("val_loss@16k,p_eval=15,rope=none")
+    assert (parsed["length"], parsed["p_eval"], parsed["rope"]) == (16384, 15.0, "none")
+    assert parsed["key"] == "val_loss@16k,p_eval=15,rope=none"
+    spec = _spec(search={"engine": "optuna", "num_samples": 2},
+                 objective=["val_loss@1x", {"metric": "passkey_acc@4x", "mode": "max"}],
+                 eval={"multiples": [1, 4], "passkey": True})
+    assert [(o.key, o.mode) for o in spec.objective] == [("val_loss@1x", "min"), ("passkey_acc@4x", "max")]
+
+
+def test_space_rope_scaling_is_an_eval_axis():
+    spec = _spec(space={"rope_scaling": ["ntk", "none"]})
+    assert spec.eval.rope_scaling == ["ntk", "none"]
+    assert spec.num_trials() == 1
