@@ -130,3 +130,24 @@ def test_space_rope_scaling_is_an_eval_axis():
     spec = _spec(space={"rope_scaling": ["ntk", "none"]})
     assert spec.eval.rope_scaling == ["ntk", "none"]
     assert spec.num_trials() == 1
+
+
+def test_searched_knobs_label_rows_so_reports_never_average_them_as_seeds():
+    import pandas as pd
+
+    from attnlab.results import reports
+    from attnlab.study.runner import knob_label
+
+    spec = load_spec({"name": "t", "model": {"preset": "tiny"}, "data": "demo",
+                      "space": {"attention": ["softmax"], "lr": [1e-3, 3e-3], "seeds": [0, 1]}})
+    labels = sorted({knob_label(spec, p) for p in spec.grid_points()})
+    assert labels == ["lr=0.001", "lr=0.003"]
+    assert knob_label(load_spec({"name": "u", "model": {"preset": "tiny"}, "data": "demo",
+                                 "space": {"attention": ["softmax", "lssa"]}}), {"attention": "lssa"}) is None
+    rows = [dict(study="t", attention="softmax", knobs=k, seed=s, eval_len=64, train_len=64, metric="val_loss", value=v,
+                 step=10, trial=f"{k}-{s}", scale="inv_sqrt_d", p_train=None, p_eval=None, rope_scaling="ntk",
+                 window_mode="nonoverlap", layer=None, bucket=None, preset="tiny", data="demo")
+            for k, s, v in [("lr=0.001", 0, 5.0), ("lr=0.001", 1, 5.2), ("lr=0.003", 0, 4.0), ("lr=0.003", 1, 4.4)]]
+    table = reports.table(pd.DataFrame(rows))
+    assert list(table["knobs"]) == ["lr=0.001", "lr=0.003"]
+    assert list(table["mean@64"]) == pytest.approx([5.1, 4.2])

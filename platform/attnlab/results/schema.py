@@ -71,6 +71,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("n_tokens", "int", False, "number of tokens the metric was computed on"),
     Column("preset", "str", False, "model preset name"),
     Column("data", "str", False, "data set / folder the metric was computed on"),
+    Column("knobs", "str", False, 'other searched settings of the trial, e.g. "lr=0.001,model.n_layer=4"'),
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
@@ -79,7 +80,7 @@ _BY_NAME = {c.name: c for c in COLUMNS}
 
 # Columns that identify a configuration (what reports group by); seeds are averaged over.
 CONFIG_COLUMNS = (
-    "attention", "scale", "p_train", "p_eval", "rope_scaling", "train_len", "preset", "data",
+    "attention", "scale", "p_train", "p_eval", "rope_scaling", "train_len", "preset", "data", "knobs",
     "window_mode", "layer", "bucket",
 )
 

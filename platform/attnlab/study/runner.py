@@ -185,6 +185,14 @@ def _report_callback(final_step: int, config_hash: str):
     return StudyReportCallback()
 
 
+def knob_label(spec: StudySpec, point: dict) -> str | None:
+    """The trial's searched settings other than attention, scale, p_train, seed and RoPE, as one sortable
+    string: reports group by it, so trials differing only in e.g. ``lr`` are never averaged as seeds."""
+    extra = [k for k in (spec.space.model_extra or {}) if k in point]
+    return ",".join(f"{k}={point[k]:g}" if isinstance(point[k], float) else f"{k}={point[k]}"
+                    for k in sorted(extra)) or None
+
+
 def study_trial(config: dict, context: dict) -> None:
     """One Tune trial: skip if complete, else train, evaluate, store, and report the objective(s)."""
     from ray import tune
@@ -215,7 +223,7 @@ def study_trial(config: dict, context: dict) -> None:
     from attnlab.train.ray_train import run_training
 
     context_row = {"study": spec.name, "trial": h, "seed": cfg.seed, "config_hash": h,
-                   "data": context["data_label"]}
+                   "data": context["data_label"], "knobs": knob_label(spec, point)}
     _write_json(status_path, {**status, "status": "running", "started": time.time()})
     _append_event(state, {"event": "train", "config_hash": h, "point": point})
     try:
