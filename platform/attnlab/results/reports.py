@@ -140,7 +140,7 @@ def _constants(rows: pd.DataFrame, columns: list[str], varying: list[str]) -> di
         if c in varying:
             continue
         value = rows[c].iloc[0]
-        if c in ("layer", "bucket", "preset", "data") and (value is None or value is pd.NA or
+        if c in ("layer", "bucket", "preset", "data", "knobs") and (value is None or value is pd.NA or
                                                             (isinstance(value, float) and math.isnan(value))):
             continue  # an all-null optional column says nothing
         out[c] = value
