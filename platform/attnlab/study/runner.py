@@ -238,6 +238,10 @@ def study_trial(config: dict, context: dict) -> None:
             return
         from attnlab.evaluate import evaluate_checkpoint
 
+        if cfg.threads_per_worker:  # evaluation runs here, in the trial driver: give it the workers' threads
+            import torch
+
+            torch.set_num_threads(cfg.threads_per_worker)
         rows = evaluate_checkpoint(
             result.checkpoint, data=context["data"], lengths=lengths, p_evals=tuple(spec.eval.p_eval),
             rope_scalings=tuple(spec.eval.rope_scaling), max_tokens=spec.eval.max_tokens,
@@ -461,15 +465,16 @@ def _report(spec: StudySpec, summary: StudySummary, curves_dir: str) -> None:
     for t in summary.trials:
         if t.get("status") in ("diverged", "failed", "pruned"):
             print(f"  {t['status']}: {t.get('config_hash')} {t.get('point')}: {t.get('reason')}")
-    if len(df) == 0 or not (df["metric"] == "val_loss").any():
+    metric = spec.objective[0].parts["metric"]  # the study's own measure: val_loss, or acc for a probe
+    if len(df) == 0 or not (df["metric"] == metric).any():
         print("no results in the store yet")
         return
     try:
-        summary.table = reports.to_markdown(reports.table(df, metric="val_loss"))
+        summary.table = reports.to_markdown(reports.table(df, metric=metric))
         print("\n" + summary.table + "\n")
-        summary.curves = reports.curves(df, curves_dir, metric="val_loss", by="length")
+        summary.curves = reports.curves(df, curves_dir, metric=metric, by="length")
         if len({str(p) for p in df["p_eval"]}) > 1:
-            summary.curves["by_p"] = reports.curves(df, curves_dir, metric="val_loss", by="p")["png"]
+            summary.curves["by_p"] = reports.curves(df, curves_dir, metric=metric, by="p")["png"]
         print(f"curves: {summary.curves['png']} (and {summary.curves['html']})")
     except UserError as exc:
         print(f"attnlab: could not report: {exc}", file=sys.stderr)
