@@ -190,3 +190,17 @@ def test_cli_reports(store, tmp_path, capsys):
         _run_cli(["results", "table", "--store", str(tmp_path / "missing")])
     with pytest.raises(UserError, match="--where 'eval_len=big'"):
         _run_cli(["results", "table", "--store", root, "--where", "eval_len=big"])
+
+
+def test_position_buckets_are_listed_in_window_order():
+    import pandas as pd
+
+    from attnlab.results import reports
+
+    rows = [dict(study="s", trial="t", attention="lssa", scale="logd_logn", p_train=None, p_eval=None,
+                 rope_scaling="ntk", step=1, tokens=1, eval_len=64, train_len=64, window_mode="nonoverlap",
+                 metric="loss_bucket", value=v, seed=0, config_hash="h", git_sha="x", bucket=b)
+            for b, v in (("late", 3.0), ("early", 1.0), ("middle", 2.0))]
+    table = reports.table(pd.DataFrame(rows), metric="loss_bucket")
+    assert list(table["bucket"]) == ["early", "middle", "late"]
+    assert list(table["mean@64"]) == [1.0, 2.0, 3.0]

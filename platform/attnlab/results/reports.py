@@ -147,13 +147,19 @@ def _constants(rows: pd.DataFrame, columns: list[str], varying: list[str]) -> di
     return out
 
 
+# Position buckets read in window order, not alphabetically.
+_BUCKET_ORDER = {"early": 0, "middle": 1, "late": 2}
+
+
 def _sort_key(value):
-    """Sort nulls first, numbers numerically, text alphabetically."""
+    """Sort nulls first, numbers numerically, position buckets in window order, other text alphabetically."""
     if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
         return (0, 0.0, "")
     if isinstance(value, (int, float, np.integer, np.floating)):
         return (1, float(value), "")
-    return (2, 0.0, str(value))
+    if value in _BUCKET_ORDER:
+        return (2, float(_BUCKET_ORDER[value]), "")
+    return (3, 0.0, str(value))
 
 
 def _stats(values: np.ndarray) -> tuple[float, float, int]:
