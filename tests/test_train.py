@@ -161,3 +161,19 @@ def test_worker_failure_is_retried_and_resumes_exactly(ddp_reference, tmp_path, 
 
 def _data_of(outcome) -> str:
     return json.loads((Path(outcome.run_dir) / "provenance.json").read_text())["config"]["data"]
+
+
+def test_divergence_stops_the_run_with_the_step_recorded(tmp_path, demo_data_dir):
+    """lr = 1e6 makes the loss NaN at step 2: the run stops there, says why, and the CLI exits 1."""
+    out = tmp_path / "diverged"
+    res = subprocess.run([sys.executable, "-m", "attnlab.cli", "train", "--preset", "tiny", "--data", str(demo_data_dir),
+                          "--out", str(out), "--steps", "20", "--tokens-per-step", "256", "--micro-batch", "4",
+                          "--set", "lr=1e6", "--set", "warmup_steps=0", "--set", "log_every=5",
+                          "--set", "val_tokens=256", "--set", "threads_per_worker=1", "--local"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr
+    failure = json.loads((out / "failure.json").read_text())
+    assert failure["kind"] == "diverged" and failure["step"] == 2 and "loss is nan at step 2" in failure["reason"]
+    assert "failure: loss is nan at step 2" in res.stdout
+    last = _metrics(out)[-1]
+    assert last["step"] == 2 and last["diverged"] is True and not math.isfinite(last["train_loss"])
