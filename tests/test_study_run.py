@@ -138,3 +138,31 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
     events = [json.loads(line) for line in (state / "events.jsonl").read_text().splitlines()]
     assert sum(1 for e in events if e["config_hash"] == first_done) == 1  # the finished trial never retrained
     assert len(_run_dirs(state)) == 3
+
+
+def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_session, tmp_path, monkeypatch):
+    """lr = 1e6 makes the loss NaN at step 2 (a real divergence, not a mock); a trial whose worker raises with
+    no retries left fails. Both are recorded with their reason, and the good trial still completes."""
+    monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "3")
+    monkeypatch.setenv("ATTNLAB_FAIL_RANK", "0")
+    train = {**{k: v for k, v in TRAIN.items() if k != "lr"}, "steps": 6, "checkpoint_every": 6}
+    study = {"name": "failures", "model": {"preset": "tiny"}, "data": DATA, "train": train,
+             "resources": {"cpus_per_worker": 0.5, "trial_cpus": 0.5},
+             "search": {"engine": "grid"}, "space": {"attention": ["softmax"], "lr": [1.0e6]},
+             "objective": "val_loss@4x", "scheduler": "none", "eval": EVAL}
+    spec = load_spec(_write(tmp_path, study))
+    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    summary = run_study(spec, store=store_uri, storage=storage, verbose=0)
+    (diverged,) = summary.trials
+    assert diverged["status"] == "diverged" and "loss is nan at step 2" in diverged["reason"]
+    rows = ResultsStore(store_uri).read(study="failures", metric="val_loss")
+    assert len(rows) > 0 and rows["value"].isna().all()  # tables show the diverged run, not a hole
+
+    # a crash beyond the retries (max_failures 0): the injected failure at step 3 is not absorbed
+    study2 = {**study, "name": "crash", "space": {"attention": ["softmax", "lssa"]}, "train": {**train, "lr": 3e-3}}
+    monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "crashed-once"))
+    summary = run_study(load_spec(_write(tmp_path, study2)), store=store_uri, storage=storage, verbose=0)
+    by_status = sorted(t["status"] for t in summary.trials)
+    assert by_status == ["complete", "failed"], summary.trials
+    failed = next(t for t in summary.trials if t["status"] == "failed")
+    assert "injected worker failure at step 3" in failed["reason"]
