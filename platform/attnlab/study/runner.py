@@ -185,6 +185,17 @@ def _report_callback(final_step: int, config_hash: str):
     return StudyReportCallback()
 
 
+def failure_reason(exc: BaseException) -> str:
+    """One line: the exception's first line plus, for wrapped worker errors (whose first line is only
+    "Training failed due to worker errors:"), the root cause, the last ``SomeError: message`` line."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    reason = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    causes = [line for line in lines[1:] if line.split(":", 1)[0].endswith(("Error", "Exception"))]
+    if causes:
+        reason += f" ... {causes[-1]}"
+    return reason[:500]
+
+
 def knob_label(spec: StudySpec, point: dict) -> str | None:
     """The trial's searched settings other than attention, scale, p_train, seed and RoPE, as one sortable
     string: reports group by it, so trials differing only in e.g. ``lr`` are never averaged as seeds."""
@@ -200,6 +211,7 @@ def study_trial(config: dict, context: dict) -> None:
     from attnlab.results import ResultsStore
     from attnlab.study.spec import StudySpec
 
+    os.environ.update(context.get("env", {}))
     spec = StudySpec.model_validate(context["spec"])
     state = Path(context["state_dir"])
     store = ResultsStore(context["store"])
@@ -222,7 +234,9 @@ def study_trial(config: dict, context: dict) -> None:
 
     from attnlab.train.ray_train import run_training
 
-    context_row = {"study": spec.name, "trial": h, "seed": cfg.seed, "config_hash": h,
+    from attnlab.provenance import git_info
+
+    context_row = {"study": spec.name, "trial": h, "seed": cfg.seed, "config_hash": h, "git_sha": git_info()["sha"],
                    "data": context["data_label"], "knobs": knob_label(spec, point)}
     _write_json(status_path, {**status, "status": "running", "started": time.time()})
     _append_event(state, {"event": "train", "config_hash": h, "point": point})
@@ -254,8 +268,7 @@ def study_trial(config: dict, context: dict) -> None:
         tune.report({**base, **objectives, "cached": 0, "diverged": 0,
                      **({"val_loss": final["val_loss"]} if "val_loss" in final else {})})
     except Exception as exc:
-        reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:500]}"
-        _write_json(status_path, {**status, "status": "failed", "reason": reason})
+        _write_json(status_path, {**status, "status": "failed", "reason": failure_reason(exc)})
         raise
 
 
@@ -397,7 +410,9 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
     ensure_ray()
     context = {"spec": spec.model_dump(mode="json"), "state_dir": str(state), "store": store_uri, "data": data,
-               "data_fingerprint": fingerprint, "data_label": label}
+               "data_fingerprint": fingerprint, "data_label": label,
+               # attnlab's own settings (cache dir, test-only fault injection) reach the trial processes too
+               "env": {k: v for k, v in os.environ.items() if k.startswith("ATTNLAB_")}}
     trainable = tune.with_resources(tune.with_parameters(study_trial, context=context),
                                     {"cpu": spec.resources.trial_cpus})
     url = optuna_url(spec, storage) if spec.search.engine == "optuna" else None
