@@ -270,3 +270,17 @@ def test_cli_errors_and_table(trained_run, tmp_path, capsys):
                  "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "## val_loss" in out and "| p_eval | 64 (1x) | 128 (2x) |" in out and "## bpb" in out
+
+
+def test_rows_record_the_power_actually_trained_with(demo_data_dir):
+    """lssar trains with p = 15 by default (no explicit p_train): its rows must say p_train = 15, not none."""
+    import torch
+
+    from attnlab.model import GPT, preset
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", attention="lssar")).eval()
+    cfg = {"preset": "tiny", "attention": "lssar", "data": str(demo_data_dir), "seq_len": 64}
+    rows = evaluate_checkpoint((model, cfg, {"step": 0}), multiples=(1,), max_tokens=128, device="cpu")
+    assert rows and all(r["p_train"] == 15.0 for r in rows)
+    assert {r["p_eval"] for r in rows} == {None}

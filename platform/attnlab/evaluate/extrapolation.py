@@ -370,7 +370,7 @@ def evaluate_checkpoint(checkpoint, *, data=None, lengths=None, multiples=DEFAUL
         "trial": run_dir.name if run_dir is not None else "checkpoint",
         "attention": gpt.attention,
         "scale": spec0.scale_label,
-        "p_train": gpt.p_train,
+        "p_train": gpt.attention_spec().p,  # the power actually trained with (lssar: 15 by default)
         "step": step,
         "tokens": step * int(cfg.get("tokens_per_step", 0)),
         "train_len": train_len,

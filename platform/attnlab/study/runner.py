@@ -134,7 +134,7 @@ def diverged_rows(spec: StudySpec, cfg, context: dict, step: int, lengths: list[
         for rope in spec.eval.rope_scaling:
             for p in spec.eval.p_eval:
                 rows.append({**context, "attention": gpt.attention, "scale": gpt.attention_spec().scale_label,
-                             "p_train": gpt.p_train, "p_eval": p, "rope_scaling": rope, "step": int(step),
+                             "p_train": gpt.attention_spec().p, "p_eval": p, "rope_scaling": rope, "step": int(step),
                              "tokens": int(step) * cfg.tokens_per_step, "eval_len": int(length),
                              "train_len": cfg.seq_length, "window_mode": "nonoverlap", "metric": "val_loss",
                              "value": float("nan"), "preset": cfg.preset})
