@@ -30,10 +30,11 @@ def _default_studies() -> list[str]:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", help="build the demo corpus, run studies/smoke.yaml locally, print the table and curves",
-        description="The main command: prepare the offline demo corpus, run the smoke study (softmax vs LSSA vs "
-                    "LSSAR, tiny GPT, CPU) on an embedded local Ray, and print the extrapolation table and the "
-                    "path of the curves. Everything is written under --out.")
+        "demo", help="build the demo corpus, run the smoke study and the copy probe locally, print tables and curves",
+        description="The main command: prepare the offline demo corpus, then run on an embedded local Ray the smoke "
+                    "study (real text: softmax vs LSSA vs LSSAR, tiny GPT, val loss at 1x..16x) and the demo probe "
+                    "(copy with distractors: softmax vs LSSAR, accuracy at 1x..16x), printing each study's table "
+                    "and the path of its curves. Everything is written under --out.")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     p.add_argument("--study", action="append", default=None,
                    help="a study to run, repeatable (default: studies/smoke.yaml, then studies/demo_probe.yaml)")
