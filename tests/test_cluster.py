@@ -471,3 +471,21 @@ def test_fake_cluster_adds_a_worker_node_on_demand_and_removes_it_when_idle(tmp_
     finally:
         cluster.stop()
     assert not _session_pids(cluster.sid)
+
+
+def test_attnlab_cluster_cli_validates_and_refuses_unschedulable_studies():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "attnlab.cli", "cluster", *args], cwd=root, capture_output=True,
+                              text=True, timeout=120)
+
+    ok = cli("validate", "cluster/aws.yaml", "cluster/kuberay/rayjob.yaml")
+    assert ok.returncode == 0 and "ok: cluster/aws.yaml" in ok.stdout, ok.stderr
+    refused = cli("fits", "--config", "cluster/local-fake.yaml", "studies/paper_table4.yaml")
+    assert refused.returncode == 2
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("attnlab: error:")]
+    assert len(errors) == 1 and "no node type in local-fake.yaml" in errors[0] and "Traceback" not in refused.stderr

@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "attnlab.evaluate.cli",
     "attnlab.study.cli",
     "attnlab.results.cli",
+    "attnlab.cluster.cli",
     "attnlab.demo",
 )
 

@@ -527,37 +527,19 @@ def study_resources(study_path: str | Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from attnlab.cluster.cli import register
+
     parser = argparse.ArgumentParser(
         prog="python -m attnlab.cluster.validate",
-        description="Validate cluster configs offline and check that studies fit them.",
+        description="Validate cluster configs offline and check that studies fit them (also: attnlab cluster).",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("config", help="validate launcher YAMLs / KubeRay manifests")
-    p.add_argument("paths", nargs="+")
-    p = sub.add_parser("fits", help="check that each study's resources fit a config")
-    p.add_argument("--config", required=True)
-    p.add_argument("studies", nargs="+")
-    p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into cluster/kuberay/schemas/")
-    p.add_argument("crds", nargs="+")
-    p.add_argument("--out", default=str(KUBERAY_SCHEMA_DIR))
+    register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:
-        if args.command == "config":
-            for path in args.paths:
-                validate_config(path)
-                print(f"ok: {path}")
-        elif args.command == "fits":
-            for study in args.studies:
-                fit = plan_fit(study_resources(study), args.config)
-                print(f"ok: {study} on {args.config}: nodes per trial {fit.nodes_per_trial}, "
-                      f"{fit.concurrent_trials} trial(s) at once")
-        else:
-            for crd in args.crds:
-                print(f"wrote {write_vendored_schema(crd, args.out)}")
+        return args.func(args)
     except UserError as exc:
         print(f"attnlab: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":
