@@ -63,9 +63,14 @@ def length_label(length: int) -> str:
     return str(length)
 
 
+def is_missing(value) -> bool:
+    """None, pandas' NA or NaN: the three ways rows read back from the store spell "no value"."""
+    return value is None or value is pd.NA or (isinstance(value, (float, np.floating)) and math.isnan(value))
+
+
 def format_value(value) -> str:
     """A label cell: null -> "none", 3.0 -> "3", other values as text."""
-    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+    if is_missing(value):
         return "none"
     if isinstance(value, (float, np.floating)) and float(value).is_integer():
         return str(int(value))
@@ -140,8 +145,7 @@ def _constants(rows: pd.DataFrame, columns: list[str], varying: list[str]) -> di
         if c in varying:
             continue
         value = rows[c].iloc[0]
-        if c in ("layer", "bucket", "preset", "data", "knobs") and (value is None or value is pd.NA or
-                                                            (isinstance(value, float) and math.isnan(value))):
+        if c in ("layer", "bucket", "preset", "data", "knobs") and is_missing(value):
             continue  # an all-null optional column says nothing
         out[c] = value
     return out
@@ -153,7 +157,7 @@ _BUCKET_ORDER = {"early": 0, "middle": 1, "late": 2}
 
 def _sort_key(value):
     """Sort nulls first, numbers numerically, position buckets in window order, other text alphabetically."""
-    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+    if is_missing(value):
         return (0, 0.0, "")
     if isinstance(value, (int, float, np.integer, np.floating)):
         return (1, float(value), "")

@@ -96,13 +96,10 @@ def data_identity(data: str | dict) -> tuple[str, str]:
 
 # ------------------------------------------------------------------------------------------------ objective
 def _missing(value) -> bool:
-    """None, NaN or pandas' NA (rows read back from the store spell "missing" all three ways)."""
-    if value is None:
-        return True
-    try:
-        return bool(value != value) or str(value) == "<NA>"
-    except TypeError:  # pd.NA refuses bool()
-        return True
+    """``reports.is_missing`` (None, NaN or pandas' NA), plus NA already turned into the text "<NA>"."""
+    from attnlab.results.reports import is_missing
+
+    return is_missing(value) or str(value) == "<NA>"
 
 
 def _same_p(a, b) -> bool:
