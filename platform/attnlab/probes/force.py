@@ -1,0 +1,308 @@
+"""The force probe of Vafa et al. 2025: does a model trained on orbits carry the Newtonian force, and which law
+does the force it carries follow?
+
+What it is for: given a trained :class:`attnlab.model.orbit.OrbitGPT` and the orbit source it was trained on,
+
+1. build two-body sequences (``OrbitData.probe_set``: both masses drawn from ``[probe_mass_min,
+   probe_mass_max]``, the true force magnitude, separation and masses at every token);
+2. predict the force magnitude on the body of every **planet** token from the model's hidden state at that
+   token, either
+   - :func:`finetune_force_probe` (Vafa et al.'s "force_magnitude" transfer): a copy of the whole model with a
+     new linear head, fine-tuned on the probe-train sequences (every planet token) plus ``test_shots`` planet
+     tokens of each probe-test sequence (Vafa et al.: 9000 sequences fully, 1000 with 2 tokens each), or
+   - :func:`linear_force_probe` (cheaper): ridge regression from the frozen final hidden states;
+   the regression target is the standardised ``log F`` (Vafa et al. regress ``F`` itself; forces span several
+   decades, so in ``F`` the largest forces would decide everything);
+3. run symbolic regression and a power-law fit (:mod:`attnlab.probes.symbolic`) on the **predicted** forces
+   at the held-out planet tokens against ``(r, m1 = planet mass, m2 = star mass)``.
+
+:func:`probe_rows` turns a result into results-store rows. The model passed in is never modified (the
+fine-tune trains a copy). Unlike Vafa et al., the symbolic regression uses all held-out points (a random
+``n_points`` subsample), not the ones nearest to training states.
+
+It must never: import Ray, the training loop or the study runner; write files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from attnlab.errors import UserError
+from attnlab.probes.symbolic import ForceLaw, fit_force_law
+
+KINDS = ("finetune", "linear")
+
+
+@dataclass
+class ProbeData:
+    """Inputs and planet-token targets for the probe: ``tokens (n, L, 2)`` model inputs (dt token first);
+    ``train_mask``/``test_mask (n, L)`` the planet tokens to fit on / to hold out; per token ``force``, ``r``;
+    per sequence ``m_planet``, ``m_star``."""
+
+    tokens: np.ndarray
+    force: np.ndarray
+    r: np.ndarray
+    m_planet: np.ndarray
+    m_star: np.ndarray
+    train_mask: np.ndarray
+    test_mask: np.ndarray
+
+
+@dataclass
+class ForceProbeResult:
+    """What a force probe found. ``law``: symbolic regression on the predicted forces; ``oracle_law`` (when
+    asked): the same on the true forces at the same points (what a perfect probe would give)."""
+
+    kind: str
+    law: ForceLaw
+    probe_error: float  # mean |log(F_pred / F_true)| over held-out planet tokens (nats)
+    probe_r2: float  # R^2 of log F over the held-out tokens
+    n_train_points: int
+    n_test_points: int
+    seq_len: int
+    seconds: float
+    train_loss: float | None = None  # last fine-tuning loss (standardised log F, MSE); None for the linear probe
+    oracle_law: ForceLaw | None = None
+    points: dict = field(default_factory=dict, repr=False)  # held-out r, m1, m2, f_true, f_pred arrays
+
+
+def probe_data(source, *, seq_len: int, n_train: int, n_test: int, test_shots: int = 2, seed: int = 0) -> ProbeData:
+    """Probe-train sequences (every planet token a target) and probe-test sequences (``test_shots`` planet
+    tokens of each are targets too, the rest held out), of ``seq_len`` input tokens."""
+    for name, value, low in (("n_train", n_train, 1), ("n_test", n_test, 1), ("test_shots", test_shots, 0),
+                             ("seq_len", seq_len, 2)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise UserError(f"{name}={value!r} is not allowed: use an integer >= {low}")
+    train = source.probe_set("train", n_train, seq_len, seed=seed)
+    test = source.probe_set("test", n_test, seq_len, seed=seed)
+    planet_train = train.body[:, :seq_len] == 0
+    planet_test = test.body[:, :seq_len] == 0
+    if test_shots >= planet_test.sum(axis=1).min():
+        raise UserError(f"test_shots={test_shots} leaves no held-out planet token in sequences of {seq_len} tokens: "
+                        f"use test_shots < {int(planet_test.sum(axis=1).min())}")
+    shots = np.zeros_like(planet_test)
+    rng = np.random.default_rng(seed)
+    for i in range(n_test):
+        shots[i, rng.choice(np.nonzero(planet_test[i])[0], test_shots, replace=False)] = True
+    cat = np.concatenate
+    return ProbeData(
+        tokens=cat([train.tokens[:, :seq_len], test.tokens[:, :seq_len]]),
+        force=cat([train.force[:, :seq_len], test.force[:, :seq_len]]),
+        r=cat([train.r[:, :seq_len], test.r[:, :seq_len]]),
+        m_planet=cat([train.m_planet, test.m_planet]), m_star=cat([train.m_star, test.m_star]),
+        train_mask=cat([planet_train, shots]),
+        test_mask=cat([np.zeros_like(planet_train), planet_test & ~shots]))
+
+
+class ForceHead(nn.Module):
+    """A model's final hidden state -> one number per token (the standardised log force)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.head = nn.Linear(model.cfg.n_embd, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.model.hidden_states(idx)).squeeze(-1)
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def _hidden(model, tokens: np.ndarray, device, batch_size: int) -> np.ndarray:
+    out = []
+    for i in range(0, len(tokens), batch_size):
+        x = torch.as_tensor(tokens[i:i + batch_size], device=device)
+        with _autocast(device):
+            out.append(model.hidden_states(x).float().cpu().numpy())
+    return np.concatenate(out)
+
+
+def _finish(kind, data: ProbeData, log_pred: np.ndarray, *, seq_len, started, train_loss, n_points, seed,
+            oracle, sr_kwargs) -> ForceProbeResult:
+    """Held-out points, probe error and the symbolic regression of the predicted forces."""
+    test = data.test_mask
+    rows = np.nonzero(test)[0]
+    f_true = data.force[test]
+    f_pred = np.exp(log_pred[test])
+    r = data.r[test]
+    m1, m2 = data.m_planet[rows], data.m_star[rows]
+    log_true = np.log(f_true)
+    err = np.abs(log_pred[test] - log_true)
+    total = float(np.sum((log_true - log_true.mean()) ** 2))
+    r2 = float(1.0 - np.sum((log_pred[test] - log_true) ** 2) / total) if total > 0 else float("nan")
+    kwargs = dict(n_points=n_points, seed=seed, **(sr_kwargs or {}))
+    law = fit_force_law(r, m1, m2, f_pred, **kwargs)
+    oracle_law = fit_force_law(r, m1, m2, f_true, **kwargs) if oracle else None
+    return ForceProbeResult(
+        kind=kind, law=law, probe_error=float(err.mean()), probe_r2=r2, n_train_points=int(data.train_mask.sum()),
+        n_test_points=int(test.sum()), seq_len=seq_len, seconds=time.perf_counter() - started,
+        train_loss=train_loss, oracle_law=oracle_law,
+        points=dict(r=r, m1=m1, m2=m2, f_true=f_true, f_pred=f_pred))
+
+
+def _standardise(data: ProbeData):
+    logf = np.log(np.where(data.train_mask | data.test_mask, data.force, 1.0))
+    mu, sigma = float(logf[data.train_mask].mean()), float(logf[data.train_mask].std() or 1.0)
+    return logf, mu, sigma
+
+
+def finetune_force_probe(model, source, *, seq_len: int | None = None, n_train: int = 256, n_test: int = 64,
+                         test_shots: int = 2, steps: int = 200, batch_size: int = 16, lr: float = 3e-4,
+                         seed: int = 0, n_points: int = 1000, oracle: bool = False, sr_kwargs: dict | None = None,
+                         device=None) -> ForceProbeResult:
+    """Fine-tune a copy of ``model`` + a linear force head on the probe targets (MSE on standardised log F,
+    AdamW, ``steps`` steps of ``batch_size`` sequences), then symbolic regression of its held-out predictions.
+
+    Vafa et al.: ``n_train = 9000``, ``n_test = 1000``, ``test_shots = 2``, 10k steps at batch 64.
+    """
+    started = time.perf_counter()
+    seq_len = int(seq_len or model.cfg.train_len)
+    for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise UserError(f"{name}={value!r} is not allowed: use an integer >= {low}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise UserError(f"lr={lr!r} is not allowed: use a positive number")
+    data = probe_data(source, seq_len=seq_len, n_train=n_train, n_test=n_test, test_shots=test_shots, seed=seed)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    logf, mu, sigma = _standardise(data)
+    target = torch.as_tensor((logf - mu) / sigma, dtype=torch.float32)
+    mask = torch.as_tensor(data.train_mask)
+    tokens = torch.as_tensor(data.tokens)
+    rows = np.nonzero(data.train_mask.any(axis=1))[0]
+
+    torch.manual_seed(seed)
+    probe = ForceHead(copy.deepcopy(model)).to(device)
+    probe.train()
+    opt = torch.optim.AdamW(probe.parameters(), lr=lr, weight_decay=0.0)
+    rng = np.random.default_rng(seed)
+    loss_value = float("nan")
+    for _ in range(steps):
+        pick = torch.as_tensor(rng.choice(rows, size=min(batch_size, len(rows)), replace=False))
+        x, y, m = tokens[pick].to(device), target[pick].to(device), mask[pick].to(device)
+        with _autocast(device):
+            pred = probe(x).float()
+        loss = ((pred - y) ** 2 * m).sum() / m.sum().clamp_min(1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_value = float(loss.detach())
+    probe.eval()
+    with torch.no_grad():
+        preds = []
+        for i in range(0, len(tokens), batch_size):
+            with _autocast(device):
+                preds.append(probe(tokens[i:i + batch_size].to(device)).float().cpu().numpy())
+    log_pred = np.concatenate(preds) * sigma + mu
+    return _finish("finetune", data, log_pred, seq_len=seq_len, started=started, train_loss=loss_value,
+                   n_points=n_points, seed=seed, oracle=oracle, sr_kwargs=sr_kwargs)
+
+
+def linear_force_probe(model, source, *, seq_len: int | None = None, n_train: int = 256, n_test: int = 64,
+                       test_shots: int = 2, alpha: float = 1.0, seed: int = 0, n_points: int = 1000,
+                       oracle: bool = False, sr_kwargs: dict | None = None, batch_size: int = 16,
+                       device=None) -> ForceProbeResult:
+    """Ridge regression (penalty ``alpha`` on standardised features) from the frozen model's final hidden
+    states to the standardised log force, then symbolic regression of its held-out predictions."""
+    started = time.perf_counter()
+    seq_len = int(seq_len or model.cfg.train_len)
+    if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha >= 0):
+        raise UserError(f"alpha={alpha!r} is not allowed: use a number >= 0")
+    data = probe_data(source, seq_len=seq_len, n_train=n_train, n_test=n_test, test_shots=test_shots, seed=seed)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        hidden = _hidden(model, data.tokens, device, batch_size).astype(np.float64)
+    finally:
+        model.train(was_training)
+    logf, mu, sigma = _standardise(data)
+    H = hidden[data.train_mask]
+    h_mu, h_sd = H.mean(axis=0), H.std(axis=0) + 1e-8
+    Z = (H - h_mu) / h_sd
+    y = (logf[data.train_mask] - mu) / sigma
+    w = np.linalg.solve(Z.T @ Z + alpha * np.eye(Z.shape[1]), Z.T @ (y - y.mean()))
+    log_pred = (((hidden - h_mu) / h_sd) @ w + y.mean()) * sigma + mu
+    return _finish("linear", data, log_pred, seq_len=seq_len, started=started, train_loss=None,
+                   n_points=n_points, seed=seed, oracle=oracle, sr_kwargs=sr_kwargs)
+
+
+# ---------------------------------------------------------------------------------------- results rows
+FORCE_METRICS: dict[str, tuple[bool, str]] = {
+    "force_probe_err": (False, "force probe: mean |log(F_pred / F_true)| over held-out planet tokens (nats)"),
+    "force_probe_r2": (True, "force probe: R^2 of log F over held-out planet tokens"),
+    "force_sr_err": (False, "symbolic regression of the probe's forces: mean |log(f / F_pred)| (nats)"),
+    "force_exp_r": (False, "local exponent d log f / d log r of the recovered law (Newton: -2)"),
+    "force_exp_m1": (True, "local exponent of the recovered law in the planet mass (Newton: 1)"),
+    "force_exp_m2": (True, "local exponent of the recovered law in the star mass (Newton: 1)"),
+    "force_exp_spread": (False, "largest interquartile range of the local exponents (0 = a power law)"),
+    "force_newton_dist": (False, "max |exponent - Newton's| of the recovered law (r, m1, m2)"),
+    "force_is_newton": (True, "1 if the recovered law is Newton's within tolerance (exponents and spread)"),
+    "force_pl_exp_r": (False, "power-law fit of the probe's forces: exponent of r (Newton: -2)"),
+    "force_pl_exp_m1": (True, "power-law fit: exponent of the planet mass (Newton: 1)"),
+    "force_pl_exp_m2": (True, "power-law fit: exponent of the star mass (Newton: 1)"),
+    "force_pl_rmse": (False, "power-law fit: RMS residual of log F (nats)"),
+    "force_pl_newton_dist": (False, "power-law fit: max |exponent - Newton's|"),
+}
+
+
+def register_force_metrics() -> None:
+    """Add :data:`FORCE_METRICS` to the results schema's registry (idempotent)."""
+    from attnlab.results.schema import register_metric
+
+    for name, (higher, doc) in FORCE_METRICS.items():
+        register_metric(name, higher, doc)
+
+
+def probe_rows(result: ForceProbeResult, base_row: dict, *, expression_column: str | None = None) -> list[dict]:
+    """Results rows for one probe result: ``base_row`` (study, trial, attention, scale, p_train, step, tokens,
+    train_len, seed, config_hash, git_sha, ...) plus ``window_mode = "force_<kind>"``, ``eval_len`` = the probe
+    sequence length, ``rope_scaling = "none"``, ``p_eval = None`` and one row per metric of
+    :data:`FORCE_METRICS`. ``expression_column``: the name of a free-text column to carry the recovered
+    expression on the ``force_newton_dist`` row (the schema has none yet; the expression is
+    ``result.law.expression``)."""
+    register_force_metrics()
+    law, pl = result.law, result.law.power_law
+    values = {
+        "force_probe_err": (result.probe_error, result.n_test_points),
+        "force_probe_r2": (result.probe_r2, result.n_test_points),
+        "force_sr_err": (law.sr_error, law.n_points),
+        "force_exp_r": (law.sr_exp_r, law.n_points),
+        "force_exp_m1": (law.sr_exp_m1, law.n_points),
+        "force_exp_m2": (law.sr_exp_m2, law.n_points),
+        "force_exp_spread": (law.sr_exp_spread, law.n_points),
+        "force_newton_dist": (law.newton_distance, law.n_points),
+        "force_is_newton": (float(law.is_newton), law.n_points),
+        "force_pl_exp_r": (pl.exp_r, law.n_points),
+        "force_pl_exp_m1": (pl.exp_m1, law.n_points),
+        "force_pl_exp_m2": (pl.exp_m2, law.n_points),
+        "force_pl_rmse": (pl.rmse_log, law.n_points),
+        "force_pl_newton_dist": (pl.newton_distance, law.n_points),
+    }
+    rows = []
+    for metric, (value, n) in values.items():
+        row = dict(base_row)
+        row.update(window_mode=f"force_{result.kind}", eval_len=result.seq_len, rope_scaling="none", p_eval=None,
+                   metric=metric, value=float(value), n_tokens=int(n))
+        if expression_column and metric == "force_newton_dist":
+            row[expression_column] = law.expression
+        rows.append(row)
+    return rows
+
+
+__all__ = ["FORCE_METRICS", "ForceHead", "ForceProbeResult", "KINDS", "ProbeData", "finetune_force_probe",
+           "linear_force_probe", "probe_data", "probe_rows", "register_force_metrics"]
