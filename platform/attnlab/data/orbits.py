@@ -337,6 +337,37 @@ def obs_needed(n_bodies: np.ndarray, n_tokens: int) -> np.ndarray:
     return np.maximum(1, -(-n_tokens // np.asarray(n_bodies)))
 
 
+@dataclass
+class TokenBlock:
+    """What the source keeps of a simulated block: per system its dt index and its first ``n_tokens`` body
+    tokens ``(B, n_tokens, 2)`` (int32 bins); for force-probe blocks also the force magnitude on each token's
+    body and the distance between the first two bodies at its observation ``(B, n_tokens)``, and the masses."""
+
+    n_tokens: int
+    dt_index: np.ndarray
+    tokens: np.ndarray
+    masses: np.ndarray
+    force: np.ndarray | None = None
+    separation: np.ndarray | None = None
+
+    @classmethod
+    def from_simulation(cls, task: "OrbitTask", sim_block: SimulatedBlock, n_tokens: int,
+                        with_forces: bool) -> "TokenBlock":
+        B = len(sim_block.params)
+        tokens = np.empty((B, n_tokens, 2), dtype=np.int32)
+        force = np.empty((B, n_tokens)) if with_forces else None
+        separation = np.empty((B, n_tokens)) if with_forces else None
+        for s in range(B):
+            tokens[s] = to_bins(interleave(sim_block, s, n_tokens, sim_block.pos), task.n_bins, task.coord_max)
+            if with_forces:
+                force[s] = np.linalg.norm(interleave(sim_block, s, n_tokens, sim_block.force), axis=-1)
+                nb = int(sim_block.n_bodies[s])
+                sep = np.linalg.norm(sim_block.pos[s, :, 0] - sim_block.pos[s, :, 1], axis=-1)
+                separation[s] = np.repeat(sep, nb)[:n_tokens]
+        return cls(n_tokens=n_tokens, dt_index=np.array([p.dt_index for p in sim_block.params]), tokens=tokens,
+                   masses=sim_block.masses.copy(), force=force, separation=separation)
+
+
 # ---------------------------------------------------------------------------------------- the data source
 @dataclass
 class ProbeSet:
@@ -443,17 +474,18 @@ class OrbitData:
             return draw_two_body(self.task, _rng(PROBE_STREAMS[split[6:]], seed, system_id))
         raise UserError(f"split={split!r} is not allowed: use train, val, probe_train or probe_test")
 
-    def block(self, split: str, seed: int, block: int, n_tokens: int) -> SimulatedBlock:
-        """Block ``block`` of ``split`` integrated for at least ``n_tokens`` body tokens per system (cached)."""
+    def block(self, split: str, seed: int, block: int, n_tokens: int) -> "TokenBlock":
+        """Block ``block`` of ``split``: its systems' first ``n_tokens`` (or more) body tokens, cached."""
         key = (split, int(seed), int(block))
         hit = self._cache.get(key)
-        B = self.task.block_systems
-        if hit is not None and np.all(hit.n_obs >= obs_needed(hit.n_bodies, n_tokens)):
+        if hit is not None and hit.n_tokens >= n_tokens:
             self._cache.move_to_end(key)
             return hit
+        B = self.task.block_systems
         params = [self.system_params(split, seed, block * B + i) for i in range(B)]
         n_bodies = np.array([len(p.masses) + 1 for p in params])
-        result = simulate_params(self.task, params, obs_needed(n_bodies, n_tokens))
+        result = TokenBlock.from_simulation(self.task, simulate_params(self.task, params, obs_needed(n_bodies, n_tokens)),
+                                            n_tokens, with_forces=split.startswith("probe_"))
         self._cache[key] = result
         while len(self._cache) > self._cache_blocks:
             self._cache.popitem(last=False)
@@ -461,13 +493,13 @@ class OrbitData:
 
     def windows(self, split: str, seed: int, ids: np.ndarray, seq_len: int) -> np.ndarray:
         """``(len(ids), L + 1, 2)`` int64 windows of the given systems: the dt token, then L body tokens."""
-        task, B = self.task, self.task.block_systems
+        B = self.task.block_systems
         out = np.empty((len(ids), seq_len + 1, 2), dtype=np.int64)
         for k, sid in enumerate(np.asarray(ids, dtype=np.int64)):
             blk = self.block(split, seed, int(sid) // B, seq_len)
             s = int(sid) % B
-            out[k, 0] = self.dt_token(blk.params[s].dt_index)
-            out[k, 1:] = to_bins(interleave(blk, s, seq_len, blk.pos), task.n_bins, task.coord_max)
+            out[k, 0] = self.dt_token(blk.dt_index[s])
+            out[k, 1:] = blk.tokens[s, :seq_len]
         return out
 
     def probe_set(self, split: str, n_sequences: int, seq_len: int, seed: int = 0) -> ProbeSet:
@@ -477,8 +509,7 @@ class OrbitData:
         self._check(seq_len, seed)
         if isinstance(n_sequences, bool) or not isinstance(n_sequences, (int, np.integer)) or n_sequences < 1:
             raise UserError(f"n_sequences={n_sequences!r} is not allowed: use a positive integer")
-        task, B = self.task, self.task.block_systems
-        name = f"probe_{split}"
+        B = self.task.block_systems
         L1 = seq_len + 1
         tokens = np.empty((n_sequences, L1, 2), dtype=np.int64)
         force = np.full((n_sequences, L1), np.nan)
@@ -486,15 +517,13 @@ class OrbitData:
         r = np.full((n_sequences, L1), np.nan)
         m_planet, m_star = np.empty(n_sequences), np.empty(n_sequences)
         for k in range(n_sequences):
-            blk = self.block(name, seed, k // B, seq_len)
+            blk = self.block(f"probe_{split}", seed, k // B, seq_len)
             s = k % B
-            pos = interleave(blk, s, seq_len, blk.pos)
-            tokens[k, 0] = self.dt_token(blk.params[s].dt_index)
-            tokens[k, 1:] = to_bins(pos, task.n_bins, task.coord_max)
-            force[k, 1:] = np.linalg.norm(interleave(blk, s, seq_len, blk.force), axis=-1)
+            tokens[k, 0] = self.dt_token(blk.dt_index[s])
+            tokens[k, 1:] = blk.tokens[s, :seq_len]
+            force[k, 1:] = blk.force[s, :seq_len]
             body[k, 1:] = np.arange(seq_len) % 2  # planet, star, planet, ...
-            sep = np.linalg.norm(blk.pos[s, :, 0] - blk.pos[s, :, 1], axis=-1)  # (T,) per observation
-            r[k, 1:] = np.repeat(sep, 2)[:seq_len]
+            r[k, 1:] = blk.separation[s, :seq_len]
             m_planet[k], m_star[k] = blk.masses[s, 0], blk.masses[s, 1]
         return ProbeSet(tokens=tokens, force=force, body=body, r=r, m_planet=m_planet, m_star=m_star)
 
@@ -523,5 +552,5 @@ def open_orbits(spec: dict[str, Any]) -> OrbitData:
     return OrbitData(parse(OrbitTask, params, prefix="data"))
 
 
-__all__ = ["OrbitData", "OrbitTask", "ProbeSet", "SIZES", "SimulatedBlock", "SystemParams", "draw_system",
+__all__ = ["OrbitData", "OrbitTask", "ProbeSet", "SIZES", "SimulatedBlock", "SystemParams", "TokenBlock", "draw_system",
            "draw_two_body", "from_bins", "open_orbits", "simulate_params", "to_bins"]
