@@ -115,7 +115,8 @@ def main(argv=None) -> None:
     rows = orbit_length_rows(model, data, base_row=base, max_tokens=args.eval_tokens)
 
     def table(metric, bucket=None):
-        return {r["eval_len"]: round(r["value"], 4) for r in rows if r["metric"] == metric and r.get("bucket") == bucket}
+        return {r["eval_len"]: round(r["value"], 4) for r in rows
+                if r["metric"] == metric and r.get("bucket") == bucket}
 
     say({"phase": "eval", **_since(start), "val_loss": table("val_loss"), "acc": table("acc"),
          "coord_err_au": table("coord_err_au"), "coord_err_au_late": table("coord_err_au", "late"),

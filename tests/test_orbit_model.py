@@ -59,6 +59,7 @@ def test_coord_stats_measures_the_distance_of_the_argmax_bins(data):
     torch.testing.assert_close(dist, expect)
     assert torch.equal(correct, (guess == y).all(-1))
     assert torch.equal(correct, dist == 0)
+    torch.testing.assert_close(loss, model.token_stats(x, y)[0])
 
 
 @pytest.mark.parametrize("attention", ["softmax", "lssa", "lssar"])

@@ -13,8 +13,7 @@ import torch
 from attnlab.data.orbits import open_orbits
 from attnlab.errors import UserError
 from attnlab.model.orbit import OrbitGPT, OrbitGPTConfig
-from attnlab.probes.force import (FORCE_METRICS, ForceProbeResult, finetune_force_probe, linear_force_probe,
-                                  probe_rows)
+from attnlab.probes.force import FORCE_METRICS, ForceProbeResult, finetune_force_probe, linear_force_probe, probe_rows
 from attnlab.probes.orbit_eval import orbit_length_rows
 from attnlab.probes.symbolic import G_NEWTON, ForceLaw, fit_force_law, fit_power_law
 from attnlab.results.schema import validate_row

@@ -305,5 +305,5 @@ def simulate(systems: Systems, n_obs) -> Trajectories:
 
 
 __all__ = ["G", "Systems", "Trajectories", "accelerations", "angular_momentum", "elements_to_state", "energy",
-           "from_jacobi", "jacobi_matrices", "kepler_drift", "place_systems", "simulate", "solve_kepler", "substeps_for",
-           "to_jacobi"]
+           "from_jacobi", "jacobi_matrices", "kepler_drift", "place_systems", "simulate", "solve_kepler",
+           "substeps_for", "to_jacobi"]

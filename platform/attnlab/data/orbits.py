@@ -319,7 +319,8 @@ def simulate_params(task: OrbitTask, params: list[SystemParams], n_obs: np.ndarr
     return SimulatedBlock(
         params=params, n_bodies=n_planets + 1,
         n_obs=np.broadcast_to(np.asarray(n_obs, dtype=np.int64), (S,)).copy(),
-        pos=np.take_along_axis(traj.pos, take, axis=2), vel=np.take_along_axis(traj.vel, take, axis=2), force=np.take_along_axis(traj.force, take, axis=2),
+        pos=np.take_along_axis(traj.pos, take, axis=2), vel=np.take_along_axis(traj.vel, take, axis=2),
+        force=np.take_along_axis(traj.force, take, axis=2),
         masses=np.take_along_axis(systems.masses, perm, axis=1), bound=traj.bound)
 
 
@@ -484,8 +485,8 @@ class OrbitData:
         B = self.task.block_systems
         params = [self.system_params(split, seed, block * B + i) for i in range(B)]
         n_bodies = np.array([len(p.masses) + 1 for p in params])
-        result = TokenBlock.from_simulation(self.task, simulate_params(self.task, params, obs_needed(n_bodies, n_tokens)),
-                                            n_tokens, with_forces=split.startswith("probe_"))
+        simulated = simulate_params(self.task, params, obs_needed(n_bodies, n_tokens))
+        result = TokenBlock.from_simulation(self.task, simulated, n_tokens, with_forces=split.startswith("probe_"))
         self._cache[key] = result
         while len(self._cache) > self._cache_blocks:
             self._cache.popitem(last=False)

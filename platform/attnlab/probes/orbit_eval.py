@@ -108,20 +108,20 @@ def orbit_length_rows(model, source, *, base_row: dict, lengths=None, multiples=
                 s = orbit_scores(model, windows, bin_width=source.bin_width, batch_size=batch, device=device,
                                  rope_scaling=rope, attention=spec)
 
-                def emit(metric, value, n, bucket=None):
-                    row = dict(base_row)
-                    row.update(eval_len=length, rope_scaling=rope, p_eval=p, window_mode="nonoverlap",
-                               metric=metric, value=float(value), n_tokens=int(n))
-                    if bucket is not None:
-                        row["bucket"] = bucket
-                    rows.append(row)
-
+                cell = dict(base_row, eval_len=length, rope_scaling=rope, p_eval=p, window_mode="nonoverlap")
                 for metric in ("val_loss", "acc", "coord_bin_err", "coord_err_au"):
-                    emit(metric, s[metric], s["n_tokens"])
+                    rows.append(_row(cell, metric, s[metric], s["n_tokens"]))
                 for name, b in s["buckets"].items():
-                    emit("loss_bucket", b["loss"], b["n_tokens"], name)
-                    emit("coord_err_au", b["coord_err_au"], b["n_tokens"], name)
+                    rows.append(_row(cell, "loss_bucket", b["loss"], b["n_tokens"], name))
+                    rows.append(_row(cell, "coord_err_au", b["coord_err_au"], b["n_tokens"], name))
     return rows
+
+
+def _row(cell: dict, metric: str, value: float, n_tokens: int, bucket: str | None = None) -> dict:
+    row = dict(cell, metric=metric, value=float(value), n_tokens=int(n_tokens))
+    if bucket is not None:
+        row["bucket"] = bucket
+    return row
 
 
 __all__ = ["ORBIT_METRICS", "orbit_length_rows", "orbit_scores", "register_orbit_metrics"]

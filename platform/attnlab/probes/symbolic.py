@@ -149,7 +149,8 @@ def _to_sympy(program, symbols):
 
     ops = {
         "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "div": lambda a, b: a / b,
-        "inv": lambda a: 1 / a, "sin": sympy.sin, "cos": sympy.cos, "exp": sympy.exp, "log": lambda a: sympy.log(abs(a)),
+        "inv": lambda a: 1 / a, "sin": sympy.sin, "cos": sympy.cos, "exp": sympy.exp,
+        "log": lambda a: sympy.log(abs(a)),
         "sqrt": lambda a: sympy.sqrt(abs(a)), "neg": lambda a: -a, "abs": sympy.Abs,
     }
     stack: list = []
