@@ -76,7 +76,7 @@ def hand_corpus(tmp_path_factory):
 
 
 def test_windows_score_every_token_exactly_once(hand_corpus):
-    from attnlab.train.data_api import open_data
+    from attnlab.data.source import open_data
 
     folder, shards = hand_corpus
     stream = np.asarray(shards.tokens("val"), dtype=np.int64)
@@ -168,7 +168,7 @@ def test_eval_at_1x_equals_training_val_loss_and_lands_in_store(trained_run, tmp
 
 
 def test_p_eval_sweep_leaves_weights_byte_identical(trained_run):
-    from attnlab.train.checkpoint import STATE_FILE, find_latest_checkpoint, load_model
+    from attnlab.model.checkpoint import STATE_FILE, find_latest_checkpoint, load_model
 
     run_dir, _ = trained_run
     state_file = find_latest_checkpoint(run_dir) / STATE_FILE
@@ -213,7 +213,7 @@ def test_diagnostics_row_statistics_by_hand():
 
 def test_diagnostics_chunking_is_exact(trained_run):
     from attnlab.attention import attention_weights
-    from attnlab.train.checkpoint import load_model
+    from attnlab.model.checkpoint import load_model
 
     run_dir, _ = trained_run
     model, _, _ = load_model(run_dir, device="cpu")

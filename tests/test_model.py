@@ -131,7 +131,7 @@ def test_gradients_flow_through_sharpened_attention():
     (dict(name="tiny", n_layers=3), "model.n_layers is not a model field"),
     (dict(name="tiny", attention="softmaxx"), "attention='softmaxx' is unknown"),
     (dict(name="tiny", n_head=3), "not divisible"),
-    (dict(name="tiny", p_train=0), "out of range"),
+    (dict(name="tiny", p_train=0), "p_train=0 is not allowed: use default"),
 ])
 def test_bad_model_config(bad, match):
     name = bad.pop("name")

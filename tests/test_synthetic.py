@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from attnlab.data.synthetic import EVAL_STREAM, SYNTHETIC_TASKS, PasskeyTokens, open_task
 from attnlab.errors import UserError
-from attnlab.evaluate.core import mean_window_loss
+from attnlab.model.scoring import mean_window_loss
 from attnlab.model import GPT, preset
-from attnlab.train.data_api import open_data
+from attnlab.data.source import open_data
 
 
 def one_window(spec: dict, length: int, row: int = 0, seed: int = 0):
@@ -270,7 +270,7 @@ def test_gpt_forward_loss_mask_by_hand():
 
 
 def test_tiny_training_on_copy_distractors_reports_target_accuracy(tmp_path):
-    from attnlab.train.checkpoint import load_model
+    from attnlab.model.checkpoint import load_model
     from attnlab.train.config import TrainConfig
     from attnlab.train.loop import LocalSession, train_worker
 

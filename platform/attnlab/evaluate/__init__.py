@@ -8,7 +8,7 @@ Public API:
 - ``passkey``: ``build_prompt``, ``passkey_accuracy``, ``model_logprob``; ``diagnostics``: ``attention_diagnostics``.
 """
 
-from attnlab.evaluate.core import mean_window_loss, window_token_stats
+from attnlab.model.scoring import mean_window_loss, window_token_stats
 from attnlab.evaluate.extrapolation import (
     BUCKETS,
     LoadedCheckpoint,

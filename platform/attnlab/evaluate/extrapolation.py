@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from attnlab.errors import UserError
-from attnlab.evaluate.core import window_token_stats
+from attnlab.model.scoring import window_token_stats
 
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 CPU_MAX_TOKENS = 2**17  # default token budget per length on CPU
@@ -199,7 +199,7 @@ def score_windows(model, windows: np.ndarray, target_mask: np.ndarray | None = N
                   token_bytes: np.ndarray | None = None, batch_size: int = 8, device=None,
                   precision: str = "auto", **forward_kwargs) -> WindowScores:
     """Score windows ``(n, L + 1)`` (inputs ``[:, :-1]``, targets ``[:, 1:]``) with
-    :func:`attnlab.evaluate.core.window_token_stats`, counting only ``target_mask`` positions when given."""
+    :func:`attnlab.model.scoring.window_token_stats`, counting only ``target_mask`` positions when given."""
     windows = np.asarray(windows, dtype=np.int64)
     scores = WindowScores(length=windows.shape[1] - 1)
     for r0, loss, correct in window_token_stats(model, windows, batch_size=batch_size, device=device,
@@ -236,7 +236,7 @@ def plan_token_budget(data, lengths: list[int], max_tokens: int | None, *, long_
 # ---------------------------------------------------------------------------------------- checkpoint identity
 @dataclass
 class LoadedCheckpoint:
-    """A model with the training config it came from, as ``attnlab.train.checkpoint.load_model`` returns it."""
+    """A model with the training config it came from, as ``attnlab.model.checkpoint.load_model`` returns it."""
 
     model: torch.nn.Module
     train_config: dict
@@ -259,7 +259,7 @@ def load_checkpoint(checkpoint, device) -> LoadedCheckpoint:
         return LoadedCheckpoint(*checkpoint)
     if not isinstance(checkpoint, (str, Path)):
         raise UserError(f"checkpoint must be a checkpoint or run folder path, got {type(checkpoint).__name__}")
-    from attnlab.train.checkpoint import load_model
+    from attnlab.model.checkpoint import load_model
 
     model, cfg, meta = load_model(checkpoint, device=device)
     return LoadedCheckpoint(model, cfg, meta)
@@ -314,7 +314,7 @@ def evaluate_checkpoint(checkpoint, *, data=None, lengths=None, multiples=DEFAUL
     """
     from attnlab.provenance import git_info
     from attnlab.results.schema import COLUMN_NAMES, validate_row
-    from attnlab.train.data_api import open_data
+    from attnlab.data.source import open_data
 
     say = log or (lambda message: None)
     dev = _default_device(device)

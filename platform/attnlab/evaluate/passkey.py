@@ -221,7 +221,7 @@ def passkey_accuracy(logprob: LogProb, lengths: Iterable[int], *, depths: Sequen
 def model_logprob(model, *, rope_scaling: str = "none", attention=None, device=None, precision: str = "auto",
                   batch_size: int = 8) -> LogProb:
     """``logprob(tokens (B, T + 1)) -> (B, T)`` log-probabilities of ``tokens[:, 1:]`` under a GPT (no grad)."""
-    from attnlab.evaluate.core import window_token_stats
+    from attnlab.model.scoring import window_token_stats
 
     def logprob(tokens: np.ndarray) -> torch.Tensor:
         parts = [loss for _, loss, _ in window_token_stats(model, np.asarray(tokens), batch_size=batch_size,

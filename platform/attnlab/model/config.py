@@ -11,16 +11,18 @@ import dataclasses
 from dataclasses import dataclass
 
 from attnlab.attention import get_variant
-from attnlab.attention.spec import AttentionSpec
+from attnlab.attention.spec import P_TRAIN_DEFAULT, AttentionSpec, parse_p_train
 from attnlab.errors import UserError
-from attnlab.model.rope import ROPE_SCALINGS
-
-GPT2_VOCAB = 50257
+from attnlab.names import GPT2_VOCAB
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """A GPT-2 style decoder with RoPE. ``attention``/``p_train``/``scale`` select the attention variant."""
+    """A GPT-2 style decoder with RoPE. ``attention``/``p_train``/``scale`` select the attention variant.
+
+    ``p_train``: ``"default"`` (the variant's own sharpening power: 15 for lssar, none for the others), None
+    (no sharpening) or a number >= 1 (docs/attention.md#sharpening).
+    """
 
     n_layer: int = 12
     n_head: int = 12
@@ -29,7 +31,7 @@ class GPTConfig:
     train_len: int = 1024
     rope_base: float = 10000.0
     attention: str = "softmax"
-    p_train: float | None = None
+    p_train: float | str | None = P_TRAIN_DEFAULT
     scale: str | float | None = None  # None: the variant's own scale
     bias: bool = True
     init_std: float = 0.02
@@ -45,6 +47,10 @@ class GPTConfig:
         if self.head_dim % 2:
             raise UserError(f"model head dim {self.head_dim} (n_embd/n_head) must be even for RoPE")
         try:
+            object.__setattr__(self, "p_train", parse_p_train(self.p_train, "model.p_train"))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        try:
             self.attention_spec()
         except ValueError as exc:
             raise UserError(f"model attention: {exc}") from None
@@ -54,14 +60,14 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     def attention_spec(self, p: float | None | str = "train") -> AttentionSpec:
-        """The training-time spec, or (``p=...``) the same variant with another sharpening power."""
+        """The training-time spec (``p="train"``), or the same variant with sharpening power ``p`` (None:
+        no sharpening; ``"default"``: the variant's own)."""
         overrides = {}
         if self.scale is not None:
             overrides["scale"] = self.scale
         if p == "train":
-            if self.p_train is not None:
-                overrides["p"] = self.p_train
-        else:
+            p = self.p_train
+        if p != P_TRAIN_DEFAULT:
             overrides["p"] = p
         return get_variant(self.attention, **overrides)
 
@@ -92,8 +98,3 @@ def preset(name: str, **overrides) -> GPTConfig:
         raise UserError(f"model.{unknown[0]} is not a model field: use one of {', '.join(sorted(fields))}")
     return GPTConfig(**{**PRESETS[name], **overrides})
 
-
-def check_rope_scaling(value: str) -> str:
-    if value not in ROPE_SCALINGS:
-        raise UserError(f"rope_scaling={value!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
-    return value

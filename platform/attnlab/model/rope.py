@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-ROPE_SCALINGS = ("none", "ntk")
+from attnlab.names import ROPE_SCALINGS
 
 
 def ntk_base(base: float, head_dim: int, seq_len: int, train_len: int) -> float:

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from attnlab.errors import UserError
+from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
-ROPE_SCALINGS = ("ntk", "none")
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,6 @@ ARROW_SCHEMA = pa.schema(
     metadata={SCHEMA_VERSION_METADATA_KEY: str(SCHEMA_VERSION).encode()},
 )
 
-_STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 
 
 @dataclass(frozen=True)
@@ -146,22 +145,9 @@ def describe_schema() -> str:
     return "\n".join(lines)
 
 
-def _is_missing(value) -> bool:
-    if value is None:
-        return True
-    try:
-        import pandas as pd
-
-        if value is pd.NA or value is pd.NaT:
-            return True
-    except ImportError:  # pragma: no cover - pandas is a dependency
-        pass
-    return False
-
-
 def _describe_row(index: int, row: dict) -> str:
     parts = [f"row {index}"]
-    ident = [f"{k}={row[k]!r}" for k in ("trial", "metric", "eval_len") if k in row and not _is_missing(row[k])]
+    ident = [f"{k}={row[k]!r}" for k in ("trial", "metric", "eval_len") if k in row and not is_missing(row[k])]
     if ident:
         parts.append("(" + ", ".join(ident) + ")")
     return " ".join(parts)
@@ -170,8 +156,9 @@ def _describe_row(index: int, row: dict) -> str:
 def _coerce(column: Column, value, where: str):
     """Return the stored form of one cell, or raise UserError naming the row and column."""
     name = column.name
-    if _is_missing(value) or (name != "value" and isinstance(value, float) and math.isnan(value)):
-        # Outside ``value``, NaN is how pandas spells "missing" (e.g. p_eval = none, an empty bucket).
+    if is_missing(value) and not (name == "value" and isinstance(value, numbers.Real)):
+        # Outside ``value``, NaN is how pandas spells "missing" (e.g. p_eval = none, an empty bucket);
+        # in ``value`` a NaN is a measured number (a diverged run).
         if column.required:
             raise UserError(f"results {where}: column {name!r} is required ({column.doc}), got a missing value")
         return None
@@ -234,14 +221,14 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
     for column in COLUMNS:
         if column.name == "schema_version":
             given = row.get("schema_version")
-            if not _is_missing(given) and given != SCHEMA_VERSION:
+            if not is_missing(given) and given != SCHEMA_VERSION:
                 raise UserError(
                     f"results {where}: column 'schema_version' is {given!r}; this writer only writes "
                     f"version {SCHEMA_VERSION}"
                 )
             out["schema_version"] = SCHEMA_VERSION
             continue
-        if column.name == "created_at" and _is_missing(row.get("created_at")):
+        if column.name == "created_at" and is_missing(row.get("created_at")):
             out["created_at"] = now or _dt.datetime.now(_dt.timezone.utc)
             continue
         if column.name not in row and column.required:
@@ -257,11 +244,8 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
         raise UserError(
             f"results {where}: column 'rope_scaling' is {out['rope_scaling']!r}; allowed: {', '.join(ROPE_SCALINGS)}"
         )
-    if not _STUDY_NAME.match(out["study"]):
-        raise UserError(
-            f"results {where}: column 'study' is {out['study']!r}; use letters, digits and . _ + - "
-            "(it names a folder), at most 200 characters, starting with a letter or digit"
-        )
+    if not STUDY_NAME.match(out["study"]):
+        raise UserError(f"results {where}: column 'study' is {out['study']!r}; use {STUDY_NAME_RULE}")
     for name in ("step", "tokens", "seed", "n_tokens", "layer"):
         if out[name] is not None and out[name] < 0:
             raise UserError(f"results {where}: column {name!r} must be >= 0, got {out[name]}")

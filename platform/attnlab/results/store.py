@@ -35,8 +35,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from attnlab.errors import UserError
+from attnlab.names import STUDY_NAME
 from attnlab.results.schema import (
-    _STUDY_NAME,
     ARROW_SCHEMA,
     COLUMN_NAMES,
     COMPLETE_METRIC,
@@ -228,7 +228,7 @@ class ResultsStore:
 
     def read_table(self, study: str | None = None, columns: list[str] | None = None, **filters) -> pa.Table:
         """Like :meth:`read`, as an Arrow table."""
-        if isinstance(study, str) and not _STUDY_NAME.match(study):
+        if isinstance(study, str) and not STUDY_NAME.match(study):
             raise UserError(f"study {study!r} is not a valid study name (letters, digits and . _ + -)")
         if study is not None:
             filters = {"study": study, **filters}

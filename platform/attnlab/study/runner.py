@@ -86,7 +86,7 @@ def resolve_data(data: str | dict) -> str | dict:
 
 def data_identity(data: str | dict) -> tuple[str, str]:
     """(content fingerprint for the config hash, a short label for the results' ``data`` column)."""
-    from attnlab.train.data_api import open_data
+    from attnlab.data.source import open_data
 
     source = open_data(data)
     if isinstance(data, dict):

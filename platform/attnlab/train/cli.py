@@ -35,7 +35,8 @@ def add_parser(subparsers) -> None:
     src.add_argument("--config", help="a YAML file of training config fields (see attnlab.train.TrainConfig)")
     src.add_argument("--preset", help="a model preset: gpt2-small, gpt2-medium, gpt2-45m, tiny, tiny-4l")
     p.add_argument("--attention", help="attention variant name (e.g. softmax, lssa, lssar)")
-    p.add_argument("--p-train", type=float, help="sharpening power used in training (default: the variant's)")
+    p.add_argument("--p-train", help="sharpening in training: default (the variant's own: 15 for lssar), off, or a "
+                   "number >= 1")
     p.add_argument("--scale", help="scale factor: inv_sqrt_d, log_n, logd_logn or '<coef>*log_n'")
     p.add_argument("--data", help="a data folder made by `attnlab data prepare`")
     p.add_argument("--out", required=True, help="the run folder")
@@ -44,7 +45,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tokens-per-step", type=int, help="tokens per optimizer step (gradient accumulation fills it)")
     p.add_argument("--micro-batch", type=int, help="sequences per worker per micro-step")
     p.add_argument("--workers", type=int, help="Ray Train workers (DDP ranks)")
-    p.add_argument("--gpu", action="store_true", default=None, help="one GPU per worker (NCCL)")
+    p.add_argument("--gpu", action="store_true", help="one GPU per worker (NCCL); same as --set gpus_per_worker=1")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other config field, repeatable")
     p.add_argument("--local", action="store_true", help="run in this process without Ray (one worker; debugging)")
     p.set_defaults(func=run)
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_train_config(data, preset=args.preset, attention=args.attention, p_train=args.p_train,
                             scale=args.scale, data=args.data, steps=args.steps, seq_len=args.seq_len,
                             tokens_per_step=args.tokens_per_step, micro_batch=args.micro_batch,
-                            workers=args.workers, gpu=args.gpu)
+                            workers=args.workers, gpus_per_worker=1.0 if args.gpu else None)
     if args.local:
         from attnlab.train.loop import LocalSession, train_worker
         from attnlab.train.ray_train import outcome, preflight

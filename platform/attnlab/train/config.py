@@ -1,6 +1,9 @@
 """The one typed training configuration: every knob of a run, validated, with errors naming the field.
 
-Defaults are the paper's recipe (SPEC.md section 6, llm.c's GPT-2 124M): AdamW(0.9, 0.95), lr 6e-4, 700
+A study embeds it (a study file's ``train:`` block is a ``TrainConfig`` whose searched fields each trial
+sets), ``attnlab train --config FILE`` reads the same fields, and a checkpoint stores it.
+
+Defaults are the paper's recipe (docs/protocol.md#training, llm.c's GPT-2 124M): AdamW(0.9, 0.95), lr 6e-4, 700
 warm-up steps then cosine decay to 0, weight decay 0.1 on 2-D weights only, gradient clipping 1.0,
 524,288 tokens per step reached by gradient accumulation whatever the number of workers, bf16 autocast on
 CUDA. A study overrides any field. No Ray here.
@@ -16,7 +19,9 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attnlab.errors import UserError
+from attnlab.attention.spec import P_TRAIN_DEFAULT, parse_p_train
 from attnlab.model import PRESETS, GPTConfig, preset
+from attnlab.names import GPT2_VOCAB
 from attnlab.validation import parse
 
 
@@ -25,10 +30,11 @@ class TrainConfig(BaseModel):
 
     # model
     preset: str = "gpt2-small"
-    model: dict[str, Any] = Field(default_factory=dict)  # overrides of the preset (n_layer, attention, ...)
-    attention: str | None = None
-    p_train: float | None = None
-    scale: str | float | None = None
+    model: dict[str, Any] = Field(default_factory=dict)  # overrides of the preset (n_layer, n_embd, ...)
+    attention: str | None = None  # None: the preset's (softmax)
+    # default: the variant's own sharpening (lssar: p = 15); off (or none): no sharpening; or a number >= 1
+    p_train: float | str | None = P_TRAIN_DEFAULT
+    scale: str | float | None = None  # None: the variant's own scale
     # data
     data: str | dict[str, Any] = ""  # a prepared folder, or {synthetic: <task>, ...} for a probe
     seq_len: int | None = Field(default=None, gt=0)  # default: the preset's train_len
@@ -57,8 +63,7 @@ class TrainConfig(BaseModel):
     max_failures: int = Field(default=2, ge=0)  # worker-group restarts from the latest checkpoint
     # hardware
     workers: int = Field(default=1, gt=0)
-    gpu: bool = False
-    gpus_per_worker: float = Field(default=1.0, ge=0)
+    gpus_per_worker: float = Field(default=0.0, ge=0)  # 0: CPU workers (gloo); > 0: GPU workers (NCCL)
     cpus_per_worker: float = Field(default=1.0, gt=0)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     compile: bool = False
@@ -72,10 +77,29 @@ class TrainConfig(BaseModel):
             raise ValueError(f"unknown preset; use one of {', '.join(sorted(PRESETS))}")
         return value
 
+    @field_validator("p_train", mode="before")
+    @classmethod
+    def _p_train(cls, value):
+        return parse_p_train(value)
+
+    @field_validator("model")
+    @classmethod
+    def _no_attention_in_model(cls, value: dict) -> dict:
+        for key in ("attention", "p_train", "scale", "train_len", "attn_impl"):
+            if key in value:
+                where = "seq_len" if key == "train_len" else key
+                raise ValueError(f"model.{key} is set by the training config's own field: use {where}")
+        return value
+
+    @property
+    def gpu(self) -> bool:
+        """Whether the workers use GPUs (``gpus_per_worker > 0``)."""
+        return self.gpus_per_worker > 0
+
     @model_validator(mode="after")
     def _model_builds(self) -> "TrainConfig":
         try:
-            self.gpt_config(vocab_size=self.model.get("vocab_size", 50257))
+            self.gpt_config(vocab_size=self.model.get("vocab_size", GPT2_VOCAB))
         except UserError as exc:
             raise ValueError(str(exc)) from None
         if self.tokens_per_step % self.seq_length:
@@ -89,9 +113,11 @@ class TrainConfig(BaseModel):
     def gpt_config(self, vocab_size: int | None = None) -> GPTConfig:
         """The model config: the preset, its overrides, the attention choice, and the data's vocabulary."""
         overrides = dict(self.model)
-        for key in ("attention", "p_train", "scale"):
-            if getattr(self, key) is not None:
-                overrides[key] = getattr(self, key)
+        if self.attention is not None:
+            overrides["attention"] = self.attention
+        if self.scale is not None:
+            overrides["scale"] = self.scale
+        overrides["p_train"] = self.p_train
         overrides["train_len"] = self.seq_length
         overrides["attn_impl"] = self.attn_impl
         if vocab_size is not None:

@@ -23,12 +23,12 @@ from typing import Iterator, Protocol
 
 import torch
 
-from attnlab.evaluate.core import autocast_context, mean_window_loss
+from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.model import GPT
 from attnlab.provenance import git_info, hardware, package_versions
-from attnlab.train.checkpoint import find_latest_checkpoint, load_state, restore_rng, save_checkpoint
+from attnlab.model.checkpoint import find_latest_checkpoint, load_state, restore_rng, save_checkpoint
 from attnlab.train.config import TrainConfig
-from attnlab.train.data_api import open_data
+from attnlab.data.source import open_data
 from attnlab.train.recipe import build_optimizer, lr_at, peak_flops
 
 METRICS_FILE = "metrics.jsonl"

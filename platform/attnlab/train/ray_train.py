@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnlab.errors import UserError
-from attnlab.train.checkpoint import find_latest_checkpoint
+from attnlab.model.checkpoint import find_latest_checkpoint
 from attnlab.train.config import TrainConfig
 from attnlab.train.loop import FAILURE_FILE, METRICS_FILE, train_worker
 
@@ -80,7 +80,7 @@ def _worker(config: dict) -> None:
 
 def preflight(cfg: TrainConfig):
     """Check what can be checked before any worker starts: the data, and that seq_len fits it."""
-    from attnlab.train.data_api import open_data
+    from attnlab.data.source import open_data
 
     if not cfg.data:
         raise UserError("train.data is required: a folder made by `attnlab data prepare`, or {synthetic: TASK}")
