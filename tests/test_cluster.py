@@ -31,7 +31,7 @@ CLUSTER = ROOT / "cluster"
 LAUNCHER_CONFIGS = [CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml", CLUSTER / "local-fake.yaml"]
 CLOUD_CONFIGS = [CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml", CLUSTER / "kuberay" / "raycluster.yaml"]
 KUBERAY_MANIFESTS = [CLUSTER / "kuberay" / "raycluster.yaml", CLUSTER / "kuberay" / "rayjob.yaml"]
-SHARED_CRDS = ROOT.parent / "shared" / "kuberay-crds-v1.7.0"
+STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
 
 
 def _write_variant(tmp_path: Path, source: Path, old: str, new: str) -> Path:
@@ -162,9 +162,7 @@ def test_rayjob_runs_an_existing_study_on_the_cluster():
     study = entrypoint[3]
     assert study == "studies/paper_table4.yaml"
     assert "--storage" in entrypoint and "--store" in entrypoint
-    if not (ROOT / study).is_file():
-        pytest.skip(f"{study} is not written yet (the studies issue); the entrypoint names it")
-    assert (ROOT / study).is_file()
+    assert (ROOT / study).is_file(), f"the RayJob runs {study}, which does not exist"
 
 
 @pytest.mark.parametrize(
@@ -206,13 +204,23 @@ def test_strictify_keeps_preserve_unknown_fields_open():
     assert "additionalProperties" not in schema  # the input is not modified
 
 
-def test_vendored_schemas_are_the_v1_schemas_of_the_shared_crds():
-    if not SHARED_CRDS.is_dir():
-        pytest.skip(f"{SHARED_CRDS} not present; the vendored copies in cluster/kuberay/schemas/ are used as they are")
-    for kind, plural in cv.KUBERAY_KINDS.items():
-        expected = cv.extract_crd_schema(SHARED_CRDS / f"ray.io_{plural}.yaml")
+def test_vendored_schemas_are_v1_kuberay_schemas_and_extraction_round_trips(tmp_path):
+    """The vendored files are KubeRay v1 schemas of both kinds, and `extract-crd` on a CRD made from one gives
+    back exactly that file (the regeneration path of cluster/kuberay/schemas/README.md)."""
+    for kind in cv.KUBERAY_KINDS:
         vendored = json.loads(gzip.decompress(cv.vendored_schema_path(kind).read_bytes()))
-        assert vendored == expected
+        assert (vendored["group"], vendored["kind"], vendored["version"]) == ("ray.io", kind, "v1")
+        assert "v1.7.0" in vendored["source"]
+        assert vendored["openAPIV3Schema"]["properties"]["spec"]["type"] == "object"
+        crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+               "spec": {"group": "ray.io", "names": {"kind": kind},
+                        "versions": [{"name": "v1alpha1", "schema": {"openAPIV3Schema": {"type": "object"}}},
+                                     {"name": "v1", "schema": {"openAPIV3Schema": vendored["openAPIV3Schema"]}}]}}
+        source = tmp_path / f"{kind}.yaml"
+        source.write_text(yaml.safe_dump(crd))
+        extracted = cv.extract_crd_schema(source)
+        assert extracted["openAPIV3Schema"] == vendored["openAPIV3Schema"]
+        assert (extracted["kind"], extracted["version"]) == (kind, "v1")
         assert vendored["kind"] == kind and vendored["version"] == "v1"
 
 
@@ -288,38 +296,43 @@ def test_malformed_request_is_a_user_error(request_, message):
         cv.check_fits(request_, CLUSTER / "aws.yaml")
 
 
-STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
+def test_the_shipped_studies_are_there():
+    names = {p.name for p in STUDIES}
+    assert {"smoke.yaml", "demo_probe.yaml", "probe_copy.yaml", "paper_table4.yaml"} <= names, names
 
 
-@pytest.mark.skipif(not STUDIES, reason="no studies/*.yaml written yet")
 @pytest.mark.parametrize("config", CLOUD_CONFIGS, ids=lambda p: p.name)
 @pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
 def test_every_study_fits_each_cloud_config(study, config):
-    cv.check_fits(cv.study_resources(study), config)
+    from attnlab.study.spec import load_spec
+
+    cv.check_fits(load_spec(study).resource_request(), config)
 
 
-def test_study_resources_reads_only_the_resources_block(tmp_path):
+def test_a_study_resource_request_is_the_one_request_shape(tmp_path):
+    from attnlab.study.spec import load_spec
+
     study = tmp_path / "s.yaml"
-    study.write_text("name: x\nresources:\n  workers_per_trial: 8\n  gpus_per_worker: 1\n  trial_cpus: 0.5\nsearch: {}\n")
-    assert cv.study_resources(study) == {"workers": 8, "gpus_per_worker": 1.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1}
+    study.write_text("name: x\ntrain: {preset: tiny, workers: 8, gpus_per_worker: 1}\nresources: {trial_cpus: 0.5}\n")
+    request = load_spec(study).resource_request()
+    assert request == cv.normalise_request(request)
+    assert request == {"workers": 8, "gpus_per_worker": 1.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1,
+                       "trial_cpus": 0.5}
 
 
-@pytest.mark.skipif(not STUDIES, reason="no studies/*.yaml written yet")
-@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
-def test_study_resources_agree_with_the_study_spec(study):
-    """Reading just the resources block gives what the full study spec hands to check_fits."""
-    spec_module = pytest.importorskip("attnlab.study.spec")
-    if not hasattr(spec_module, "load_spec"):
-        pytest.skip("attnlab.study.spec has no load_spec yet")
-    spec = spec_module.load_spec(study)
-    assert cv.study_resources(study) == cv.normalise_request(spec.resource_request())
+def test_a_trial_driver_bigger_than_every_node_is_refused():
+    with pytest.raises(UserError, match=r"trial driver needs 500 CPU"):
+        cv.check_fits({"workers": 1, "trial_cpus": 500}, CLUSTER / "aws.yaml")
 
 
 def test_cli_exit_codes(tmp_path, capsys):
-    assert cv.main(["config", str(CLUSTER / "kuberay" / "rayjob.yaml")]) == 0
+    from attnlab.cli import main
+
+    assert main(["cluster", "validate", str(CLUSTER / "kuberay" / "rayjob.yaml")]) == 0
     bad = _write_variant(tmp_path, CLUSTER / "kuberay" / "rayjob.yaml", "submissionMode:", "submisionMode:")
-    assert cv.main(["config", str(bad)]) == 2
+    assert main(["cluster", "validate", str(bad)]) == 2
     assert capsys.readouterr().err.startswith("attnlab: error: ")
+    assert main(["cluster", "fits", "--config", str(CLUSTER / "aws.yaml"), str(ROOT / "studies" / "smoke.yaml")]) == 0
 
 
 def test_no_credentials_in_cluster_files():
