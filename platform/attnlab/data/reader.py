@@ -17,8 +17,9 @@ import os
 import numpy as np
 
 from attnlab.data.batching import micro_batch_rows
-from attnlab.data.shards import SPLITS, Location, read_manifest, read_shard, resolve, sha256_hex
+from attnlab.data.shards import SPLITS, read_manifest, read_shard, sha256_hex
 from attnlab.errors import UserError
+from attnlab.location import Location
 
 
 class ConcatTokens:
@@ -120,7 +121,7 @@ class TokenShards:
     @classmethod
     def open(cls, path: str | os.PathLike) -> TokenShards:
         """Open a folder written by ``attnlab data prepare``; UserError if it is missing or not one."""
-        location = resolve(path)
+        location = Location.parse(path, field="data")
         manifest, raw = read_manifest(location)
         return cls(location, manifest, raw)
 

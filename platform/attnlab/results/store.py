@@ -35,6 +35,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from attnlab.errors import UserError
+from attnlab.location import Location
 from attnlab.names import STUDY_NAME
 from attnlab.results.schema import (
     ARROW_SCHEMA,
@@ -49,23 +50,6 @@ DEFAULT_STORE_URI = "results"
 _STUDY_PREFIX = "study="
 _NULLABLE_INT_COLUMNS = ("layer", "n_tokens")
 _SORT_COLUMNS = ("study", "trial", "step", "metric", "eval_len", "p_eval", "layer", "bucket")
-
-
-def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    """Split a store URI into (filesystem, root path); a plain path is a local folder."""
-    if not isinstance(uri, (str, os.PathLike)) or not str(uri):
-        raise UserError(f"results store URI must be a non-empty path or URI, got {uri!r}")
-    uri = os.fspath(uri)
-    if "://" not in uri:
-        uri = os.path.abspath(os.path.expanduser(uri))
-    try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
-        raise UserError(
-            f"results store URI {uri!r} is not usable: {str(exc).splitlines()[0]} "
-            "(use a local folder, file://, s3:// or gs://)"
-        ) from None
-    return fs, path.rstrip("/") or "/"
 
 
 def _key_parts(key) -> list:
@@ -130,10 +114,11 @@ class ResultsStore:
     >>> df = store.read(study="table4", metric="val_loss", eval_len=[1024, 2048])
     """
 
-    def __init__(self, uri: str | os.PathLike = DEFAULT_STORE_URI):
-        self.uri = os.fspath(uri)
-        self.filesystem, self.root = _resolve(self.uri)
-        self._local = isinstance(self.filesystem, pafs.LocalFileSystem)
+    def __init__(self, uri: str | os.PathLike | Location = DEFAULT_STORE_URI):
+        self.location = Location.parse(uri, field="store")
+        self.uri = self.location.uri
+        self.filesystem, self.root = self.location.fs, self.location.path.rstrip("/") or "/"
+        self._local = self.location.is_local
 
     def __repr__(self) -> str:
         return f"ResultsStore({self.uri!r})"
