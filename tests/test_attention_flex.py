@@ -23,7 +23,7 @@ from attnlab.attention.flex import (RadialGradientRemoved, Sizes, attend_flex, f
                                     inverse_norm, is_fusable, sharpen_rows_with_mass, sharpen_score_mod)
 from attnlab.attention.masks import causal_block_mask, causal_mask_mod, visible_keys
 
-# Written out by hand from SPEC.md section 4: f >= 0, l1norm, no post-processing (relu_l1 duplicates relu).
+# Written out by hand from docs/attention.md#which-variants-are-fused: f >= 0, l1norm, no post-processing (relu_l1 duplicates relu).
 FUSABLE = ("softmax exp scenario_iv relu relu2 relu6 sigmoid softplus sigmoid_ramapuram_b_l1 sigmoid_l1 relu_l1 "
            "lssa lssar").split()
 FORWARD_VARIANTS = [n for n in FUSABLE if n not in ("exp", "scenario_iv", "relu_l1")]  # one per distinct spec

@@ -1,4 +1,4 @@
-"""Attention variants for length-extrapolation studies (SPEC.md sections 1-4).
+"""Attention variants for length-extrapolation studies (docs/attention.md).
 
 Public API (a contract: tests and docs rely on it):
 

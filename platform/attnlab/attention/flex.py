@@ -1,9 +1,9 @@
 """The fused path: every normalised non-negative variant, and its sharpening, with FlexAttention in O(T) memory.
 
-The idea (ARCHITECTURE.md, "Fused attention"): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
+The idea (docs/attention.md#the-identity): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
 the visible keys, so the first stage is one FlexAttention call whose ``score_mod`` returns ``log f(scale_i * s
 + bias_i)`` (``-inf`` where ``f`` is 0; the plain score for softmax), and its log-sum-exp is ``log Z_i``.
-Sharpening (SPEC section 3) is a second call whose ``score_mod`` reads that captured LSE, rebuilds
+Sharpening (docs/attention.md#the-two-pass-sharpening) is a second call whose ``score_mod`` reads that captured LSE, rebuilds
 ``A_ij = exp(log f - log Z_i)`` and returns ``p * log relu(N_i * A_ij - O_i)``: FlexAttention's softmax of it is
 ``relu(.)^p / sum relu(.)^p``, the row-max rescaling of the dense form is not needed in log space. The
 all-zero-row fallback of the dense reference (such a row keeps the un-sharpened ``A``) is decided before the

@@ -11,7 +11,7 @@ Tasks (``SYNTHETIC_TASKS``), each a window of ``L + 1`` tokens (input = first L,
   ``copy_len`` tokens, ``distance - copy_len`` more random tokens, then the block again. Targets: the
   repeated block. The copy distance stays ``distance`` (default ``copy_len``) at every length; only the
   number of distractors grows. At ``L = 64, copy_len = 32`` that is 1 distractor, the block, its repeat; at
-  ``L = 1024``, 961 distractors. (research/probe.md's ``inductf``: the probe that separates the variants on
+  ``L = 1024``, 961 distractors. (docs/protocol.md#copy_distractors: the probe that separates the variants on
   a CPU, without NTK.)
 - ``mqar``: multi-query associative recall (Zoology). ``n = min(L // 4, max_pairs)`` key-value pairs
   (``max_pairs`` defaults to ``vocab // 2``; distinct keys from ``[0, vocab/2)``, values from

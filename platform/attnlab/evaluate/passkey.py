@@ -1,6 +1,6 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attention"), in GPT-2 tokens, scored by likelihood.
 
-Prompt (the reference generator's format, research/data.md section 5)::
+Prompt (the reference generator's format, docs/protocol.md#passkey-retrieval)::
 
     <TASK>\\n<filler ...>\\nThe pass key is 12345. Remember it. 12345 is the pass key.\\n<filler ...>
     \\nWhat is the pass key? The pass key is    (one line)

@@ -1,4 +1,4 @@
-"""The model configuration and its presets (SPEC.md section 5).
+"""The model configuration and its presets (docs/protocol.md#presets).
 
 ``GPTConfig`` is a small frozen dataclass; presets are plain functions of the data's vocabulary. The
 ``tiny`` presets keep head dim 64 (it enters LSSA's ln(d)) so CPU proxies stay faithful.

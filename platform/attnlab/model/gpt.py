@@ -1,4 +1,4 @@
-"""GPT-2 with RoPE + NTK scaling and any attention variant (SPEC.md section 5), read top to bottom.
+"""GPT-2 with RoPE + NTK scaling and any attention variant (docs/protocol.md#blocks), read top to bottom.
 
 Blocks as in llm.c's GPT-2: pre-LayerNorm with biases, tanh-GELU MLP (4x), tied input/output embeddings,
 init N(0, 0.02) with residual projections at 0.02/sqrt(2 * n_layer). The learned position table is replaced
