@@ -3,11 +3,18 @@
 ``ensure_ray()`` joins the cluster ``RAY_ADDRESS`` names (a ``ray job submit`` driver gets it set), or the one
 this process already joined, or starts an embedded local Ray. Local clusters get auth disabled and usage stats
 off unless the user chose otherwise.
+
+Several embedded clusters on one machine (two studies at once, or a study and a ``train``): Ray's own helpers
+that find "the" cluster without being told (the State API behind Train's placement-group cleaner) would see
+several and fail with ``Found multiple active Ray instances``. So an embedded cluster's dashboard port is
+chosen here, and ``RAY_API_SERVER_ADDRESS`` points at it before the cluster starts: every process of that
+cluster inherits it and talks to its own cluster only.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 
 LOCAL_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -17,6 +24,13 @@ LOCAL_ENV = {
     "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
     "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
 }
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboard: bool = True,
@@ -31,6 +45,12 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
         return False
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
+    kwargs = {}
+    if dashboard:
+        port = _free_port()
+        kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
+        os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"  # inherited by this cluster's processes only
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
-             object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver)
+             object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
+             **kwargs)
     return True

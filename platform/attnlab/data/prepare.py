@@ -296,13 +296,11 @@ def resolve_workers(workers: int | None) -> int | None:
         if int(workers) < 1:
             raise UserError(f"--workers must be >= 1, got {workers}")
         return int(workers)
-    try:
-        import ray
+    from attnlab.data.parallel import cluster_cpus
 
-        if ray.is_initialized():
-            return max(1, int(ray.cluster_resources().get("CPU", 1)))
-    except ImportError:  # pragma: no cover
-        pass
+    connected = cluster_cpus()
+    if connected is not None:
+        return connected
     if os.environ.get("RAY_ADDRESS"):
         return None
     return max(1, os.cpu_count() or 1)

@@ -240,10 +240,6 @@ class TextData:
     def describe(self) -> str:
         return str(self.path)
 
-    def label(self) -> str:
-        """A short name for the results' ``data`` column: the folder's last path component."""
-        return str(self.path).rstrip("/").rsplit("/", 1)[-1]
-
     def min_tokens(self) -> int:
         return min(self.shards.num_tokens("train"), self.shards.num_tokens("val"))
 

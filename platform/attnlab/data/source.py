@@ -40,6 +40,43 @@ class DataSource(Protocol):
     def eval_set(self, seq_len: int, max_tokens: int | None, long_docs: bool = False, seed: int = 0): ...
 
 
+DEMO = "demo"  # the offline demo corpus, prepared once into the attnlab cache
+
+
+def demo_data_location() -> str:
+    from attnlab.data.demo import cache_dir
+
+    return str(cache_dir() / "prepared" / "demo-v1")
+
+
+def resolve_data(spec: str | dict[str, Any], *, log=print) -> str | dict[str, Any]:
+    """What a user wrote for ``data`` as what every worker can open: ``demo`` -> the prepared demo folder (built on
+    first use); a relative path -> absolute (against the current directory, see :mod:`attnlab.location`); a URI
+    as it is; a probe mapping as it is."""
+    if isinstance(spec, dict):
+        return spec
+    if spec == DEMO:
+        out = demo_data_location()
+        from attnlab.location import Location
+
+        if not Location.parse(out).exists("manifest.json"):
+            from attnlab.data.prepare import prepare
+
+            log(f"attnlab: building the demo corpus into {out} (once)")
+            prepare("demo", out=out, val_tokens=200_000, seed=0, workers=1, progress=False)
+        return out
+    from attnlab.location import Location
+
+    return Location.parse(spec, field="data").uri
+
+
+def data_label(spec: str | dict[str, Any]) -> str:
+    """A short name for the results' ``data`` column: ``synthetic:TASK``, or a folder's last component."""
+    if isinstance(spec, dict):
+        return f"synthetic:{spec.get('synthetic')}"
+    return str(spec).rstrip("/").rsplit("/", 1)[-1]
+
+
 def open_data(spec: str | dict[str, Any]) -> DataSource:
     """A prepared folder (path or URI) -> :class:`TextData`; ``{synthetic: TASK, ...}`` -> the probe task."""
     if isinstance(spec, dict):
@@ -54,4 +91,4 @@ def open_data(spec: str | dict[str, Any]) -> DataSource:
     return TextData(spec)
 
 
-__all__ = ["DataSource", "open_data"]
+__all__ = ["DEMO", "DataSource", "data_label", "open_data", "resolve_data"]

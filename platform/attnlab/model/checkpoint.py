@@ -1,18 +1,23 @@
 """Checkpoints: what one holds (model, optimiser, step, data position, RNG states, config) and how to find
-the latest one in a run folder. Both Ray Train's ``checkpoint_*`` folders and plain-process
-``checkpoints/step_*`` folders are understood. No Ray here.
+the latest one in a run folder, local or on object storage. Both Ray Train's ``checkpoint_*`` folders and
+plain-process ``checkpoints/step_*`` folders are understood. Training writes them and evaluation reads them;
+this module is below both. No Ray here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from attnlab.errors import UserError
+from attnlab.location import Location
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
@@ -57,35 +62,59 @@ def restore_rng(rng: dict) -> None:
     random.setstate(rng["python"])
 
 
-def checkpoint_step(directory: Path) -> int | None:
+def _meta_step(loc: Location, name: str) -> int | None:
     try:
-        return int(json.loads((directory / META_FILE).read_text())["step"])
-    except (OSError, ValueError, KeyError):
+        return int(json.loads(loc.read_bytes(f"{name}/{META_FILE}"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def find_latest_checkpoint(path: str | Path) -> Path:
-    """``path`` itself if it is a checkpoint, else the checkpoint with the highest step inside a run folder."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"checkpoint path {path} does not exist: give a run folder or a checkpoint folder")
-    if (path / STATE_FILE).exists():
-        return path
-    candidates = [d for d in [*path.glob("checkpoint_*"), *path.glob("checkpoints/step_*")] if d.is_dir()]
-    stepped = [(s, d) for d in candidates if (s := checkpoint_step(d)) is not None and (d / STATE_FILE).exists()]
+def find_latest_checkpoint(path: str | Path | Location) -> Location:
+    """``path`` itself if it is a checkpoint, else the checkpoint with the highest step inside a run folder
+    (local or on object storage): Ray Train's ``checkpoint_*`` folders and plain-process ``checkpoints/step_*``."""
+    loc = Location.parse(path, field="checkpoint")
+    if not loc.exists():
+        raise UserError(f"checkpoint path {loc.uri} does not exist: give a run folder or a checkpoint folder")
+    if loc.is_file(STATE_FILE):
+        return loc
+    candidates = [n for n in loc.list_names(hidden=False) if n.startswith("checkpoint_")]
+    candidates += [f"checkpoints/{n}" for n in loc.list_names("checkpoints", hidden=False) if n.startswith("step_")]
+    stepped = [(step, name) for name in candidates
+               if (step := _meta_step(loc, name)) is not None and loc.is_file(f"{name}/{STATE_FILE}")]
     if not stepped:
-        raise UserError(f"{path} holds no checkpoint (no checkpoint_*/ or checkpoints/step_*/ with {STATE_FILE})")
-    return max(stepped, key=lambda item: (item[0], item[1].name))[1]
+        raise UserError(f"{loc.uri} holds no checkpoint (no checkpoint_*/ or checkpoints/step_*/ with {STATE_FILE})")
+    return loc.child(max(stepped)[1])
 
 
-def load_model(path: str | Path, device="cpu"):
-    """``(model, train_config_dict, meta)`` from a checkpoint or a run folder's latest checkpoint."""
+@contextlib.contextmanager
+def local_checkpoint(path: str | Path | Location) -> Iterator[Path]:
+    """The latest checkpoint under ``path`` as a local folder (downloaded to a temporary one from object storage)."""
+    loc = find_latest_checkpoint(path)
+    if loc.is_local:
+        yield Path(loc.path)
+        return
+    with tempfile.TemporaryDirectory(prefix="attnlab-ckpt-") as tmp:
+        yield Path(loc.download("", tmp))
+
+
+def load_model(path: str | Path | Location, device="cpu"):
+    """``(model, train_config_dict, meta)`` from a checkpoint or a run folder's latest checkpoint.
+
+    ``meta``: ``{"step", "checkpoint"}`` (the checkpoint's canonical location, a path or a URI).
+    """
     from attnlab.model import GPT, GPTConfig
 
-    directory = find_latest_checkpoint(path)
-    state = load_state(directory, map_location=device)
+    loc = find_latest_checkpoint(path)
+    with local_checkpoint(loc) as directory:
+        state = load_state(directory, map_location=device)
     model = GPT(GPTConfig(**state["gpt_config"])).to(device)
     model.load_state_dict(state["model"])
     model.eval()
-    meta = {"step": state["step"], "checkpoint": str(directory)}
+    meta = {"step": state["step"], "checkpoint": loc.uri}
     return model, state["config"], meta
+
+
+def run_of_checkpoint(checkpoint: Location) -> Location:
+    """The run folder a checkpoint belongs to (``RUN/checkpoint_*`` or ``RUN/checkpoints/step_*``)."""
+    parent = checkpoint.parent
+    return parent.parent if parent.name == "checkpoints" else parent

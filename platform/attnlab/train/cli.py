@@ -38,8 +38,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--p-train", help="sharpening in training: default (the variant's own: 15 for lssar), off, or a "
                    "number >= 1")
     p.add_argument("--scale", help="scale factor: inv_sqrt_d, log_n, logd_logn or '<coef>*log_n'")
-    p.add_argument("--data", help="a data folder made by `attnlab data prepare`")
-    p.add_argument("--out", required=True, help="the run folder")
+    p.add_argument("--data", help="a data folder made by `attnlab data prepare` (a path or an s3://, gs:// URI), or "
+                   "demo (the offline demo corpus, prepared on first use)")
+    p.add_argument("--out", required=True, help="the run folder (a path or an s3://, gs:// URI)")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--seq-len", type=int, help="training length (default: the preset's)")
     p.add_argument("--tokens-per-step", type=int, help="tokens per optimizer step (gradient accumulation fills it)")
@@ -66,21 +67,30 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(data, dict):
             raise UserError(f"--config {path} must hold a mapping of config fields")
     data.update(parse_assignments(args.set))
+    from attnlab.data.source import resolve_data
+    from attnlab.location import Location
+
+    if args.data:
+        data["data"] = args.data
+    if data.get("data"):
+        data["data"] = resolve_data(data["data"])  # workers run elsewhere: never hand them a relative path
+    run = Location.parse(args.out, field="--out")
     cfg = load_train_config(data, preset=args.preset, attention=args.attention, p_train=args.p_train,
-                            scale=args.scale, data=args.data, steps=args.steps, seq_len=args.seq_len,
+                            scale=args.scale, steps=args.steps, seq_len=args.seq_len,
                             tokens_per_step=args.tokens_per_step, micro_batch=args.micro_batch,
                             workers=args.workers, gpus_per_worker=1.0 if args.gpu else None)
     if args.local:
         from attnlab.train.loop import LocalSession, train_worker
-        from attnlab.train.ray_train import outcome, preflight
+        from attnlab.train.ray_train import preflight
+        from attnlab.train.run import outcome
 
         preflight(cfg)
-        train_worker(cfg, LocalSession(args.out, keep=cfg.keep_checkpoints), args.out)
-        result = outcome(args.out)
+        train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run)
+        result = outcome(run, steps=cfg.steps)
     else:
         from attnlab.train.ray_train import run_training
 
-        result = run_training(cfg, args.out)
+        result = run_training(cfg, run)
     final = result.final
     print(f"run folder: {result.run_dir}")
     print(f"status: {result.status}; step {final.get('step')}; train_loss {final.get('train_loss')}; "

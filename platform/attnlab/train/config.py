@@ -11,18 +11,30 @@ CUDA. A study overrides any field. No Ray here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attnlab.errors import UserError
+from attnlab.attention import get_variant
 from attnlab.attention.spec import P_TRAIN_DEFAULT, parse_p_train
 from attnlab.model import PRESETS, GPTConfig, preset
 from attnlab.names import GPT2_VOCAB
 from attnlab.validation import parse
+
+
+# Fields that do not change the trained weights: how a run is executed, logged and checkpointed. A training
+# run's identity (``train_key``) leaves them out, so e.g. more workers or another log cadence reuse a run.
+RUN_SETTINGS = frozenset({
+    "workers", "gpus_per_worker", "cpus_per_worker", "worker_resources", "threads_per_worker", "micro_batch",
+    "log_every", "val_every", "val_tokens", "val_batch", "checkpoint_every", "keep_checkpoints", "max_failures",
+    "compile", "attn_impl",
+})
 
 
 class TrainConfig(BaseModel):
@@ -65,10 +77,28 @@ class TrainConfig(BaseModel):
     workers: int = Field(default=1, gt=0)
     gpus_per_worker: float = Field(default=0.0, ge=0)  # 0: CPU workers (gloo); > 0: GPU workers (NCCL)
     cpus_per_worker: float = Field(default=1.0, gt=0)
+    # Ray custom resources each worker (and the evaluation of the trained model) also asks for, e.g.
+    # {accelerator_type:H100: 0.001} or a node label resource; empty: none.
+    worker_resources: dict[str, float] = Field(default_factory=dict)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     compile: bool = False
     attn_impl: Literal["auto", "dense", "flex"] = "auto"
     threads_per_worker: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokens_budget(cls, data):
+        """``tokens: N`` is a training budget: ``steps = ceil(N / tokens_per_step)``."""
+        if isinstance(data, dict) and "tokens" in data:
+            data = dict(data)
+            tokens = data.pop("tokens")
+            if "steps" in data:
+                raise ValueError("give steps or tokens (a budget), not both")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+                raise ValueError(f"tokens={tokens!r} must be a positive integer (a budget of training tokens)")
+            per_step = data.get("tokens_per_step", cls.model_fields["tokens_per_step"].default)
+            data["steps"] = max(1, math.ceil(tokens / per_step)) if isinstance(per_step, int) and per_step > 0 else 1
+        return data
 
     @field_validator("preset")
     @classmethod
@@ -134,9 +164,25 @@ class TrainConfig(BaseModel):
                 f"not a multiple of micro_batch={self.micro_batch} x workers={world_size}; adjust one of them")
         return global_batch, global_batch // per_micro
 
-    def config_hash(self) -> str:
-        """A short hash of the full config (hardware fields included), for provenance and run names."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+    def identity(self, data_fingerprint: str, vocab_size: int | None = None) -> dict:
+        """What determines the trained weights: the resolved model (attention spec included), the data by its
+        content fingerprint, and the recipe. Execution settings (:data:`RUN_SETTINGS`) are left out."""
+        gpt = self.gpt_config(vocab_size=vocab_size)
+        spec = gpt.attention_spec()
+        model = dataclasses.asdict(gpt)
+        for key in ("attention", "p_train", "scale", "attn_impl"):
+            model.pop(key)
+        model["attention"] = {"variant": get_variant(spec.name).name, "scale": spec.scale_label, "p": spec.p}
+        recipe = {k: v for k, v in self.model_dump(mode="json").items()
+                  if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
+                                                         "seq_len")}
+        return {"model": model, "data": str(data_fingerprint), "recipe": recipe}
+
+    def train_key(self, data_fingerprint: str, vocab_size: int | None = None) -> str:
+        """The training run's identity (16 hex digits): names its run folder, goes into its provenance and into
+        every results row (``config_hash``). Two configs with the same key train the same weights."""
+        payload = json.dumps(self.identity(data_fingerprint, vocab_size), sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def load_train_config(fields: dict[str, Any] | None = None, **overrides) -> TrainConfig:
