@@ -1,8 +1,8 @@
 """The results store (immutable Parquet files of long-format rows) and the reports read from it.
 
 Public API:
-- ``ResultsStore(uri)``: ``write(rows, key)``, ``read(study=None, **filters)``, ``mark_complete(row, n_rows)``,
-  ``has_complete(config_hash, expected=None)``, ``studies()``.
+- ``ResultsStore(uri)``: ``write(rows, key)``, ``read(study=None, **filters)``,
+  ``stored_eval_keys(study, config_hash)``, ``studies()``.
 - ``reports``: ``table`` / ``to_markdown`` / ``to_csv``, ``curves``, ``best``, ``export``,
   ``format_reference_table``.
 - ``schema``: the columns, ``SCHEMA_VERSION``, the metric registry (``register_metric``).

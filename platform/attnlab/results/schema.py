@@ -13,8 +13,9 @@ Conventions:
 - ``value`` may be NaN or infinite: a diverged run must still be recordable.
 - ``metric`` must be a registered name (:data:`METRICS`); typos would otherwise vanish silently from
   tables. Add new metrics with :func:`register_metric`.
-- The marker row ``metric="complete"`` says a trial finished writing its results (see
-  ``ResultsStore.mark_complete``); reports ignore it.
+- ``config_hash`` is the training run's key (``TrainConfig.train_key``) and ``eval_key`` the evaluation
+  cell's (``attnlab.evaluate.plan.EvalCell.key``): a study re-run measures only cells whose key has no rows.
+- ``metric="complete"`` marker rows (written by stores of schema version 1) are read and ignored by reports.
 
 This module is pure Python + pyarrow: no Ray, no pandas-only logic, no file I/O.
 """
@@ -32,7 +33,7 @@ import pyarrow as pa
 from attnlab.errors import UserError
 from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: eval_key (rows of version 1 read it as null)
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
@@ -72,6 +73,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("preset", "str", False, "model preset name"),
     Column("data", "str", False, "data set / folder the metric was computed on"),
     Column("knobs", "str", False, 'other searched settings of the trial, e.g. "lr=0.001,model.n_layer=4"'),
+    Column("eval_key", "str", False, "identity of the evaluation cell the row belongs to (see attnlab.evaluate.plan)"),
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
@@ -131,7 +133,7 @@ for _name, _higher, _doc in (
     ("passkey_rank", False, "mean rank of the true passkey among distractors (0 = first)"),
     ("entropy", False, "mean attention-row entropy (nats), per layer"),
     ("sink_mass", False, "mean attention weight on the first token, per layer"),
-    (COMPLETE_METRIC, True, "marker: the trial finished writing its results; value = rows written"),
+    (COMPLETE_METRIC, True, "marker of schema version 1 stores: a trial had written its results (ignored)"),
 ):
     register_metric(_name, _higher, _doc)
 
