@@ -26,11 +26,12 @@ from attnlab.results import ResultsStore
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-STUDY = {"name": "job-tiny", "model": {"preset": "tiny"},
-         "data": {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16},
-         "train": {"steps": 8, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3, "warmup_steps": 2,
-                   "log_every": 4, "val_every": 4, "val_tokens": 1024, "checkpoint_every": 8, "max_failures": 0},
-         "resources": {"cpus_per_worker": 0.5, "trial_cpus": 0.5}, "search": {"engine": "grid"},
+STUDY = {"name": "job-tiny",
+         "train": {"preset": "tiny", "data": {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16},
+                   "steps": 8, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3, "warmup_steps": 2,
+                   "log_every": 4, "val_every": 4, "val_tokens": 1024, "checkpoint_every": 8, "max_failures": 0,
+                   "cpus_per_worker": 0.5},
+         "resources": {"trial_cpus": 0.5}, "search": {"engine": "grid"},
          "space": {"attention": ["softmax"]}, "objective": "val_loss@2x",
          "eval": {"multiples": [1, 2], "p_eval": ["none", 3], "max_tokens": 512}}
 

@@ -43,7 +43,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnlab.study.runner import resolve_data, run_study
+    from attnlab.study.runner import run_study
     from attnlab.study.spec import load_spec
 
     studies = args.study or _default_studies()
@@ -60,8 +60,6 @@ def run(args: argparse.Namespace) -> int:
         ensure_ray(num_cpus=max(4, os.cpu_count() or 1), object_store_mb=256)
     ok = True
     for spec in specs:
-        if spec.data == "demo":
-            print(f"data: {resolve_data('demo')}", flush=True)
         summary = run_study(spec, store=str(out / "results"), storage=str(out / "runs"),
                             resume=False if args.fresh else None, curves_dir=str(out / "curves" / spec.name))
         ok = ok and bool(summary.count("complete"))

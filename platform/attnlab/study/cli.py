@@ -20,16 +20,19 @@ def add_parser(subparsers) -> None:
 
     run = sub.add_parser(
         "run", help="run a study on the current Ray cluster (RAY_ADDRESS, or an embedded local one)",
-        description="Run STUDY.yaml. Running it again resumes its Tune state (finished trials are not re-run) "
-                    "and trials whose results are complete in the store are never retrained.")
+        description="Run STUDY.yaml. Running it again resumes its Tune state (finished trials are not re-run); a "
+                    "finished training run is never trained again, and only evaluation cells with no rows in the "
+                    "store are measured (add a p_eval value or a length and re-run: nothing retrains).")
     run.add_argument("study", metavar="STUDY.yaml")
-    run.add_argument("--store", help="results store URI (default: the study's store:, else ./results)")
-    run.add_argument("--storage", help="folder for Tune state, runs and the Optuna SQLite file (default ./runs)")
+    run.add_argument("--store", help="results store, a path or an s3://, gs:// URI (default: the study's store:, else "
+                     "$ATTNLAB_STORAGE/results, else ./results)")
+    run.add_argument("--storage", help="where the study keeps its Tune state, training runs and trial status, a path "
+                     "or an s3://, gs:// URI (default: $ATTNLAB_STORAGE/runs, else ./runs)")
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="require existing Tune state and resume it")
     mode.add_argument("--fresh", action="store_true",
                       help="start a new search even if Tune state exists (the old state is moved aside)")
-    run.add_argument("--curves", metavar="DIR", help="where to write the curves (default <storage>/<study>/curves)")
+    run.add_argument("--curves", metavar="DIR", help="a local folder for the curves (default <storage>/<study>/curves)")
     run.set_defaults(func=_run)
 
     val = sub.add_parser("validate", help="check a study file and print its trials and resources",
