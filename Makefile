@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnlab-installed
-OUT    ?= runs/demo
+OUT    ?= demo-out
 
 .PHONY: setup demo test bench clean-venv
 

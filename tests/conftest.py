@@ -73,9 +73,15 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
+        # This cluster's own dashboard, named for every process of it (as attnlab.raycluster does): another
+        # Ray on this machine must not make Train's state queries ambiguous.
+        port = _free_port()
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         ray.init(
             num_cpus=4,
             include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=port,
             object_store_memory=256 * 1024**2,
             log_to_driver=False,
             configure_logging=False,
