@@ -77,12 +77,13 @@ def is_fusable(spec: AttentionSpec) -> bool:
     return unfusable_reason(spec) is None
 
 
-def _warn_fallback(spec: AttentionSpec, reason: str) -> None:
+def warn_fallback(spec: AttentionSpec, reason: str, stacklevel: int = 3) -> None:
+    """Warn, once per variant name and process, that ``spec`` is computed by the dense reference."""
     if spec.name in _warned_fallback:
         return
     _warned_fallback.add(spec.name)
     warnings.warn(f"attention {spec.name!r} has no fused form ({reason}): using the dense reference",
-                  UserWarning, stacklevel=3)
+                  UserWarning, stacklevel=stacklevel)
 
 
 # --- the score_mods, in log space --------------------------------------------------------------------------
@@ -259,9 +260,12 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod
 
     ``lse`` and ``max_score`` are natural-log ``(B, H, T)`` tensors when ``with_stats``, else None.
     """
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" or torch.compiler.is_compiling():
+        # Inside a compiled model the enclosing torch.compile compiles this call; outside, the process's one
+        # compiled instance does. (On CPU a compiled region supports inference without statistics only.)
+        kernel = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
         aux = AuxRequest(lse=True, max_scores=True) if with_stats else None
-        result = _compiled_flex_attention()(q, k, v, score_mod=score_mod.bound(), block_mask=block_mask,
+        result = kernel(q, k, v, score_mod=score_mod.bound(), block_mask=block_mask,
                                             scale=1.0, return_aux=aux)
         if not with_stats:
             return result, None, None
@@ -300,7 +304,7 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     """
     reason = unfusable_reason(spec)
     if reason is not None:
-        _warn_fallback(spec, reason)
+        warn_fallback(spec, reason)
         return attend_dense(q, k, v, spec)
 
     out_dtype = v.dtype
