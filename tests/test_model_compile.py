@@ -81,6 +81,21 @@ def test_compiled_forward_and_eval_paths_match_eager(attention, impl):
     assert _graph_breaks() == 0 and _graphs() == 3  # + one block graph per length, shared by both layers
 
 
+def test_flex_inside_a_compiled_model_is_traced_into_the_graph():
+    # The CUDA path of a compiled model: FlexAttention and its block mask built inside the enclosing graph.
+    # On CPU compiled FlexAttention exists for one-pass inference, which is enough to check the capture.
+    eager, compiled = _pair("lssa", attn_impl="flex")
+    compile_model(compiled, True, backend="aot_eager")
+    idx = torch.randint(0, 256, (2, 65))
+    with torch.no_grad():
+        got = compiled.token_stats(idx[:, :-1], idx[:, 1:])[0]
+        want = eager.token_stats(idx[:, :-1], idx[:, 1:])[0]
+        _, loss = compiled(idx[:, :-1], idx[:, 1:])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert loss.item() == pytest.approx(want.mean().item(), rel=1e-5)
+    assert _graph_breaks() == 0 and _graphs() == 2  # the block (token_stats) and the whole forward
+
+
 def test_observer_runs_the_blocks_eagerly_and_sees_every_layer():
     eager, compiled = _pair("lssa")
     compile_model(compiled, True, backend="aot_eager")
