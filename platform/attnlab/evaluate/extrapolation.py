@@ -144,6 +144,9 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
                         f"({max(lengths)} tokens), so every length scores whole windows")
     train_key = train_key_of(loaded)
     base = base_row(loaded, source, train_key, context)
+    from attnlab.model import compile_model
+
+    compile_model(model, config.compile)  # in place; the weights are unchanged (checkpoints load eagerly)
     step = base["step"]
     skip = set(skip or ())
     todo = [(cell, key) for cell in config.cells(int(gpt.train_len))

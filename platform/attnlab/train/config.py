@@ -21,7 +21,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attnlab.errors import UserError
-from attnlab.attention import get_variant
+from attnlab.attention import Backend, get_variant
 from attnlab.attention.spec import P_TRAIN_DEFAULT, parse_p_train
 from attnlab.model import PRESETS, GPTConfig, preset
 from attnlab.names import GPT2_VOCAB
@@ -81,8 +81,8 @@ class TrainConfig(BaseModel):
     # {accelerator_type:H100: 0.001} or a node label resource; empty: none.
     worker_resources: dict[str, float] = Field(default_factory=dict)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    compile: bool = False
-    attn_impl: Literal["auto", "dense", "flex"] = "auto"
+    compile: bool | None = None  # torch.compile the model; None: on for CUDA workers, off on CPU
+    attn_impl: str = "auto"  # the attention backend: attnlab.attention.Backend (auto, dense, flex, sdpa)
     threads_per_worker: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
@@ -106,6 +106,11 @@ class TrainConfig(BaseModel):
         if value not in PRESETS:
             raise ValueError(f"unknown preset; use one of {', '.join(sorted(PRESETS))}")
         return value
+
+    @field_validator("attn_impl")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        return Backend.parse(value, field="attn_impl").value
 
     @field_validator("p_train", mode="before")
     @classmethod
