@@ -13,8 +13,11 @@ cluster inherits it and talks to its own cluster only.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
+import warnings
 
 LOCAL_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -54,3 +57,31 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
              object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
              **kwargs)
     return True
+
+
+def log_file(folder: str, what: str) -> str:
+    """A new log file path ``<folder>/<what>-<time>.log`` (the folder is created)."""
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{what}-{time.strftime('%Y%m%d-%H%M%S')}.log")
+
+
+def quiet_ray(path: str) -> None:
+    """Send Ray's, Tune's and Train's own logging, and Python warnings, to the file ``path`` instead of the
+    terminal (``ensure_ray(log_to_driver=False)`` keeps the workers' output in Ray's session logs). Errors attnlab
+    reports itself still reach the terminal, one line each."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.attnlab_quiet = True  # a later call (the demo's second study) replaces it
+    for name in ("ray", "ray.tune", "ray.train", "ray.data", "optuna"):
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            if getattr(old, "attnlab_quiet", False) or not isinstance(old, logging.FileHandler):
+                logger.removeHandler(old)
+        logger.addHandler(handler)
+        logger.propagate = False
+    stream = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+
+    def to_file(message, category, filename, lineno, file=None, line=None):
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = to_file
