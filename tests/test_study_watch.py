@@ -106,15 +106,19 @@ def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
     state = StudyState(str(tmp_path / "runs"), "watched")
     # Optuna: intermediate values at training steps, trials tied to their run and training key
     ot = optuna.load_study(study_name="watched", storage=state.optuna_url(None))
+    # (TPE may sample the same attention twice: the second trial reuses the trained run and reports step 6 only)
     for trial in ot.trials:
         assert trial.user_attrs["config_hash"] in trial.user_attrs["run"]
-        assert set(trial.intermediate_values) <= {2, 4}  # training steps, not Tune's report count
+        assert 6 in trial.intermediate_values and set(trial.intermediate_values) <= {2, 4, 6}
+    # training steps (6: the final one), not report counts
+    assert any(set(t.intermediate_values) == {2, 4, 6} for t in ot.trials)
     # MLflow (file store next to the study): one run per trial, metrics by training step
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     mlflow.set_tracking_uri(f"file://{state.loc.child('mlruns').path}")
     runs = mlflow.search_runs(experiment_names=["watched"])
     assert len(runs) == 2
-    history = mlflow.MlflowClient().get_metric_history(runs.run_id.iloc[0], "train_loss")
-    assert sorted(m.step for m in history) == [2, 4]
+    histories = [mlflow.MlflowClient().get_metric_history(run_id, "train_loss") for run_id in runs.run_id]
+    assert max(sorted(m.step for m in history) for history in histories) == [2, 4]
     # W&B offline: a run folder per trial
     assert len(list((tmp_path / "wandb").rglob("offline-run-*"))) == 2
     assert time.time() - started < 900
