@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from attnlab.results import ResultsStore
+from conftest import without_api_server_env
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,16 +64,10 @@ def _session_pids(temp_dir: str) -> list[int]:
 
 
 def _job_client(address: str):
-    """A job client for exactly ``address``: JobSubmissionClient otherwise follows RAY_API_SERVER_ADDRESS, which
-    ``ray_session`` points at the session cluster's own dashboard."""
     from ray.job_submission import JobSubmissionClient
 
-    saved = os.environ.pop("RAY_API_SERVER_ADDRESS", None)
-    try:
+    with without_api_server_env():
         return JobSubmissionClient(address)
-    finally:
-        if saved is not None:
-            os.environ["RAY_API_SERVER_ADDRESS"] = saved
 
 
 @pytest.fixture
