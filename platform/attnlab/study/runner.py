@@ -158,9 +158,8 @@ def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> boo
     from ray import tune
 
     exp = state.tune
-    storage_fs = None if exp.is_local else exp.fs
-    exists = exp.exists() and tune.Tuner.can_restore(exp.uri if not exp.is_local else exp.path,
-                                                     storage_filesystem=storage_fs)
+    # Ray takes a filesystem with a path inside it (bucket/key), never with a URI: ray_storage() gives that pair.
+    exists = exp.exists() and tune.Tuner.can_restore(*exp.ray_storage())
     if resume is True and not exists:
         raise UserError(f"--resume: no Tune state for study {spec.name!r} at {exp.uri}; run without --resume to start")
     if resume is False and exp.exists():
@@ -233,9 +232,9 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     storage_path, storage_fs = state.loc.ray_storage()
     if restore:
         print(f"attnlab: resuming study {spec.name!r} from {exp.uri}", flush=True)
-        tuner = tune.Tuner.restore(exp.path if exp.is_local else exp.uri, trainable=trainable,
-                                   resume_unfinished=True, resume_errored=True, restart_errored=False,
-                                   storage_filesystem=storage_fs)
+        exp_path, exp_fs = exp.ray_storage()
+        tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, resume_errored=True,
+                                   restart_errored=False, storage_filesystem=exp_fs)
     else:
         if spec.search.engine == "optuna":
             search_alg, param_space, num_samples = _optuna_search(spec, url), None, spec.search.num_samples
