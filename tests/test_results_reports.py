@@ -195,6 +195,8 @@ def test_cli_reports(store, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [
         "attention,mean@64,std@64,n@64,ci_low@64,ci_high@64,note@64,mean@128,std@128,n@128,ci_low@128,ci_high@128,note@128",
         "lssa,3.1,,1,,,1 seed,3.3,,1,,,1 seed"]
+    assert _run_cli(["results", "table", "--store", root, "--per-seed", "--digits", "1", "--where", "attention=softmax"]) == 0
+    assert "| 3.1 ± 0.1 (n=2) [1.8, 4.4]; 0: 3.0, 1: 3.2 | 4.2 ± 0.3 (n=2) [1.7, 6.7]; 0: 4.0, 1: 4.4 |" in capsys.readouterr().out
     assert _run_cli(["results", "table", "--store", root, "--reference"]) == 0
     assert "Paper (Gao & Spratling, Table 4)" in capsys.readouterr().out
     assert _run_cli(["results", "best", "--store", root, "--at", "2x", "--top", "1"]) == 0
