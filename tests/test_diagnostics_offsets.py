@@ -42,7 +42,9 @@ def test_offset_profile_matches_the_full_weights(model):
             w = w.abs() / w.abs().sum(-1, keepdim=True)
             for i in np.nonzero(mask)[0]:
                 for head in range(w.shape[0]):
-                    e = expected.setdefault((layer, head), dict(profile=np.zeros(16), beyond=0.0, sink=0.0))
+                    e = expected.setdefault((layer, head), dict(profile=np.zeros(16), beyond=0.0, sink=0.0,
+                                                                top=np.zeros(17)))
+                    e["top"][min(16, i - int(w[head, i, : i + 1].argmax()))] += 1 / rows.sum()
                     for d in range(16):
                         if i - d >= 0:
                             e["profile"][d] += float(w[head, i, i - d]) / rows.sum()
@@ -56,6 +58,9 @@ def test_offset_profile_matches_the_full_weights(model):
         assert a["beyond"] == pytest.approx(expected[key]["beyond"], abs=1e-6)
         assert a["sink_mass"] == pytest.approx(expected[key]["sink"], abs=1e-6)
         assert a["profile"].sum() + a["beyond"] == pytest.approx(1.0, abs=1e-6)
+        np.testing.assert_allclose(a["top"], expected[key]["top"][:16], atol=1e-12)
+        assert a["top_beyond"] == pytest.approx(expected[key]["top"][16]) and b["top_beyond"] == a["top_beyond"]
+        assert a["top"].sum() + a["top_beyond"] == pytest.approx(1.0)
     # Row 3 sees keys 0..3 only: its offsets 4..15 contribute nothing, and its key 0 is 3 back, not beyond.
     single = offset_profile(model, windows[:1], rows[:1] & (np.arange(40) == 3))
     assert all(np.all(r["profile"][4:] == 0) and r["beyond"] == pytest.approx(0.0, abs=1e-7) for r in single)

@@ -16,7 +16,9 @@ positions back) for ``d < max_offset``, and ``beyond`` the mean mass on keys ``m
 ``sum(profile) + beyond = 1``. On the copy probe (``copy_distractors``, copy distance ``D``), the key holding
 the token to copy is ``D - 1`` back from each scored query row, and with ``max_offset`` = the training length
 ``beyond`` is the mass on keys farther back than training ever showed (the distractors the model meets only at
-evaluation).
+evaluation). ``top[d]`` / ``top_beyond`` count the same way where each row's **largest** weight lands (the
+fraction of rows whose top key is ``d`` back, or ``max_offset`` or more back): a row can keep its top key on
+the copy source while most of its mass is spread over distractors.
 
 No Ray here; the weights of the model are only read.
 """
@@ -93,8 +95,9 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
     the query positions to average over (default all; for a probe, its target mask). ``max_offset`` defaults to
     the model's training length. Returns one dict per (layer, head): ``layer``, ``head``, ``profile`` (float64
     array of ``max_offset``: mean normalised weight ``d`` keys back, 0 where a row has no such key), ``beyond``
-    (mean mass ``max_offset`` or more back), ``sink_mass`` (key 0), ``entropy`` (nats) and ``n_rows``. Weights
-    are normalised magnitudes, as in :func:`row_statistics`.
+    (mean mass ``max_offset`` or more back), ``top`` (array of ``max_offset``: fraction of rows whose largest
+    weight is ``d`` back) and ``top_beyond`` (the fraction whose largest weight is farther), ``sink_mass``
+    (key 0), ``entropy`` (nats) and ``n_rows``. Weights are normalised magnitudes, as in :func:`row_statistics`.
     """
     device = device or next(model.parameters()).device
     spec = spec or model.spec
@@ -112,6 +115,7 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
             return
         acc = sums.setdefault(layer, dict(profile=torch.zeros(H, max_offset, dtype=torch.float64),
                                           total=torch.zeros(H, dtype=torch.float64),
+                                          top=torch.zeros(H, max_offset + 1, dtype=torch.float64),
                                           sink=torch.zeros(H, dtype=torch.float64),
                                           entropy=torch.zeros(H, dtype=torch.float64), n=0))
         step = max(1, min(T, chunk_bytes // max(1, B * H * T * 4 * 4)))
@@ -132,6 +136,8 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
             acc["total"] += w.double().sum(dim=(1, 2)).cpu()
             acc["sink"] += w[..., 0].double().sum(dim=1).cpu()
             acc["entropy"] += torch.special.entr(w).sum(dim=-1).double().sum(dim=1).cpu()
+            top = (inside[None, :] - w.argmax(dim=-1)).clamp_max(max_offset)  # (H, R'); max_offset = beyond
+            acc["top"] += torch.nn.functional.one_hot(top, max_offset + 1).double().sum(dim=1).cpu()
         acc["n"] += int(len(wanted))
 
     was_training = model.training
@@ -149,8 +155,10 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
         n = max(1, acc["n"])
         for head in range(acc["profile"].shape[0]):
             profile = (acc["profile"][head] / n).numpy()
+            top = (acc["top"][head] / n).numpy()
             out.append(dict(layer=layer, head=head, profile=profile,
                             beyond=float(acc["total"][head] / n) - float(profile.sum()),
+                            top=top[:max_offset], top_beyond=float(top[max_offset]),
                             sink_mass=float(acc["sink"][head] / n), entropy=float(acc["entropy"][head] / n),
                             n_rows=acc["n"]))
     return out
