@@ -38,7 +38,8 @@ def store(tmp_path):
         rows = [row("softmax", seed, 1024, SOFTMAX[seed]), row("softmax", seed, 64, 1.0),
                 row("softmax", seed, 1024, SOFTMAX_P15[seed], p_eval=15.0), row("softmax", seed, 64, 1.0, p_eval=15.0),
                 row("lssar", seed, 1024, LSSAR[seed], p_train=15.0), row("lssar", seed, 64, 1.0, p_train=15.0),
-                row("lssa", seed, 1024, LSSA[seed]), row("lssa", seed, 64, 1.0)]
+                row("lssa", seed, 1024, LSSA[seed]), row("lssa", seed, 64, 1.0),
+                row("relu_l1", seed, 64, 0.5)]  # no spread at 1x, and not softmax's 1.0
         store.write(rows, key=("probe", seed))
     store.write([row("sigmoid_l1", 0, 1024, 0.5), row("sigmoid_l1", 0, 64, 1.0),
                  row("nope_short", 0, 64, 1.0)], key=("probe", "single"))
@@ -99,6 +100,16 @@ def test_compare_says_plainly_when_there_is_no_significant_difference(store):
     assert same.significant is False and same.verdict.startswith("no difference")
 
 
+def test_compare_without_spread_falls_back_to_the_permutation_test(store):
+    """1.0 on every softmax seed, 0.5 on every relu_l1 seed: Welch's t is undefined, the exact permutation test
+    (4 vs 4: the most extreme of 70 splits, p = 2/70) decides."""
+    result = compare(store.read(), a="softmax,p_eval=none", b="relu_l1", at=64, metric="acc")
+    assert result.diff == pytest.approx(-0.5) and math.isnan(result.p_value) and math.isnan(result.ci[0])
+    assert result.test.p_permutation == pytest.approx(2 / 70) and result.significant is True
+    assert result.verdict.startswith("significant at the 5% level by the permutation test (p = 0.0286)")
+    assert "Welch's t undefined" in result.to_text()
+
+
 def test_compare_refuses_to_test_a_single_run(store):
     result = compare(store.read(), a="softmax,p_eval=none", b="sigmoid_l1", at=1024, metric="acc")
     assert result.test is None and result.significant is None and result.n_b == 1
@@ -121,7 +132,7 @@ def test_compare_leaves_out_diverged_runs_and_says_so(store):
      "--a softmax,p_eval=none (or --where p_eval=VALUE for both sides)"),
     (dict(a="softmax,p_eval=none", b="lsar"),
      "--b 'lsar': no 'acc' rows for that attention variant; variants present: lssa, lssar, nope_short, "
-     "sigmoid_l1, softmax"),
+     "relu_l1, sigmoid_l1, softmax"),
     (dict(a="nope_short", b="lssar"),
      "--a 'nope_short': no 'acc' rows at 1024; it has rows at eval lengths 64"),
     (dict(a="softmax,p_eval=3", b="lssar"),

@@ -445,7 +445,8 @@ class Comparison:
 
     ``a_values``/``b_values`` are the per-run ``(seed, value)`` pairs used (NaN values, diverged runs, are left
     out and listed in ``notes``). ``test`` is None when either side has fewer than 2 runs. ``significant`` is
-    Welch's two-sided p < ``alpha`` (None: no test, or Welch's t undefined and the permutation test decides).
+    Welch's two-sided p < ``alpha``; when Welch's t is undefined (no spread on either side) the permutation
+    test decides; None when there is no test.
     """
 
     metric: str
@@ -569,6 +570,11 @@ def _side_rows(picked: pd.DataFrame, all_rows: pd.DataFrame, spec: str, flag: st
     return mine
 
 
+def _plain(value):
+    """None for every spelling of missing; numpy scalars as Python numbers."""
+    return None if is_missing(value) else (value.item() if isinstance(value, np.generic) else value)
+
+
 def compare(df: pd.DataFrame, a: str, b: str, at, metric: str = "val_loss", step="final",
             confidence: float = CONFIDENCE, alpha: float = _stats_mod.ALPHA) -> Comparison:
     """Compare configuration ``b`` with configuration ``a`` on ``metric`` at one eval length ``at``.
@@ -593,12 +599,9 @@ def compare(df: pd.DataFrame, a: str, b: str, at, metric: str = "val_loss", step
         raise UserError(f"--a {a!r} and --b {b!r} pick the same configuration; compare two different ones")
     present = [c for c in config_columns if c in rows.columns]
     differing = [c for c in present if _normalise(side_a[c].iloc[0]) != _normalise(side_b[c].iloc[0])]
-    def plain(value):  # None for every spelling of missing; numpy scalars as Python numbers
-        return None if is_missing(value) else (value.item() if isinstance(value, np.generic) else value)
-
-    a_config = {c: plain(side_a[c].iloc[0]) for c in differing}
-    b_config = {c: plain(side_b[c].iloc[0]) for c in differing}
-    constants = {c: plain(side_a[c].iloc[0]) for c in present if c not in differing
+    a_config = {c: _plain(side_a[c].iloc[0]) for c in differing}
+    b_config = {c: _plain(side_b[c].iloc[0]) for c in differing}
+    constants = {c: _plain(side_a[c].iloc[0]) for c in present if c not in differing
                  and not (c in ("layer", "bucket", "preset", "data", "knobs") and is_missing(side_a[c].iloc[0]))}
 
     notes: list[str] = []
@@ -640,8 +643,10 @@ def compare(df: pd.DataFrame, a: str, b: str, at, metric: str = "val_loss", step
                            f"{'higher' if test.diff > 0 else 'lower'} than a ({'better' if better else 'worse'}"
                            f" for {metric}, {'higher' if higher else 'lower'} is better)")
             else:
-                verdict = (f"not significant at the {100 * alpha:g}% level (Welch p = {test.p_welch:.3g}; the "
-                           f"{100 * confidence:g}% interval includes 0): these runs cannot tell a from b")
+                interval = (f"; the {100 * confidence:g}% interval includes 0"
+                            if math.isclose(confidence, 1 - alpha) else "")
+                verdict = (f"not significant at the {100 * alpha:g}% level (Welch p = {test.p_welch:.3g}{interval}): "
+                           f"these runs cannot tell a from b")
         if test.min_p_permutation >= alpha:
             notes.append(f"with {n_a} vs {n_b} runs the exact permutation test cannot go below p = "
                          f"{test.min_p_permutation:.3g}, so on its own it can never reach the "
