@@ -185,7 +185,7 @@ def add_parser(subparsers) -> None:
 
     p = sub.add_parser("compare", help="is configuration b different from a at one length? difference, interval, test",
                        description="The difference b - a of the metric at one eval length, mean over seeds, with "
-                                   "the Welch 95%% interval, Welch's t test and an exact permutation test, and a "
+                                   "the Welch 95% interval, Welch's t test and an exact permutation test, and a "
                                    "plain verdict (not significant / n too small to test). --a/--b name an "
                                    "attention variant, optionally pinned: --a softmax,p_eval=15. Each must pick "
                                    "one configuration: pin the others with --where (e.g. --where rope_scaling=none).")
