@@ -57,7 +57,8 @@ def store(tmp_path):
         by_trial.setdefault((r["trial"], r["p_eval"], r["step"]), []).append(r)
     for key, rows in by_trial.items():
         store.write(rows, key=key)
-    store.mark_complete(KNOWN_ROWS[0], n_rows=4)
+    marker = {**KNOWN_ROWS[0], "metric": "complete", "value": 4.0}  # a schema-1 store's marker row: never reported
+    store.write([marker], key=("__complete__", marker["trial"]))
     return store
 
 

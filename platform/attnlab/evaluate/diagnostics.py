@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from attnlab.attention.dense import weights_for_rows
-from attnlab.evaluate.core import autocast_context
+from attnlab.model.scoring import autocast_context
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 

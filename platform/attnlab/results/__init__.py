@@ -1,8 +1,8 @@
 """The results store (immutable Parquet files of long-format rows) and the reports read from it.
 
 Public API:
-- ``ResultsStore(uri)``: ``write(rows, key)``, ``read(study=None, **filters)``, ``mark_complete(row, n_rows)``,
-  ``has_complete(config_hash, expected=None)``, ``studies()``.
+- ``ResultsStore(uri)``: ``write(rows, key)``, ``read(study=None, **filters)``,
+  ``stored_eval_keys(study, config_hash)``, ``studies()``.
 - ``reports``: ``table`` / ``to_markdown`` / ``to_csv``, ``curves``, ``best``, ``compare`` (also here as
   ``attnlab.results.compare``, returning a ``Comparison``), ``export``, ``format_reference_table``.
 - ``stats``: the small-sample statistics the reports use (Student t cell interval, Welch + permutation test).

@@ -30,14 +30,14 @@ import html
 import io
 import math
 import os
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from attnlab.errors import UserError
-from attnlab.results import stats as _stats_mod
+from attnlab.names import is_missing, parse_at  # noqa: F401 - parse_at is part of this module's API
+import attnlab.results.stats as _stats_mod
 from attnlab.results.schema import COMPLETE_METRIC, CONFIG_COLUMNS, METRICS
 
 MISSING_CELL = "–"
@@ -75,11 +75,6 @@ def length_label(length: int) -> str:
     return str(length)
 
 
-def is_missing(value) -> bool:
-    """None, pandas' NA or NaN: the three ways rows read back from the store spell "no value"."""
-    return value is None or value is pd.NA or (isinstance(value, (float, np.floating)) and math.isnan(value))
-
-
 def format_value(value) -> str:
     """A label cell: null -> "none", 3.0 -> "3", other values as text."""
     if is_missing(value):
@@ -87,27 +82,6 @@ def format_value(value) -> str:
     if isinstance(value, (float, np.floating)) and float(value).is_integer():
         return str(int(value))
     return str(value)
-
-
-def parse_at(at, train_len: int | None = None):
-    """Parse ``best --at``: an int length (``16384``) or a multiple of train_len (``"16x"``).
-
-    Returns ``("length", int)`` or ``("multiple", float)``.
-    """
-    text = str(at).strip().lower()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)x", text)
-    if match:
-        multiple = float(match.group(1))
-        if multiple <= 0:
-            raise UserError(f"--at {at!r}: the multiple must be > 0")
-        return ("multiple", multiple)
-    match = re.fullmatch(r"(\d+)(k?)", text)
-    if match:
-        length = int(match.group(1)) * (1024 if match.group(2) else 1)
-        if length <= 0:
-            raise UserError(f"--at {at!r}: the length must be > 0")
-        return ("length", length)
-    raise UserError(f"--at {at!r}: give an eval length (16384, 16k) or a multiple of the training length (16x)")
 
 
 def select(df: pd.DataFrame, metric: str = "val_loss", step="final") -> pd.DataFrame:
