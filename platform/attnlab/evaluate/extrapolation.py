@@ -209,7 +209,7 @@ class CellProgress:
         self.started = time.monotonic()
 
     def done(self, cell: EvalCell) -> str:
-        from attnlab.train.run import format_duration
+        from attnlab.names import format_duration
 
         self.count += 1
         self.done_weight += self.weights.get(cell, 0.0)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 import time
 
+from attnlab.names import format_duration
 from attnlab.study.state import StudyState
-from attnlab.train.run import Progress, format_duration, read_metrics
+from attnlab.train.run import Progress, read_metrics
 
 
 def trial_label(record: dict) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from attnlab.errors import UserError
 from attnlab.location import Location
+from attnlab.names import format_duration
 
 METRICS_FILE = "metrics.jsonl"
 PROVENANCE_FILE = "provenance.json"
@@ -117,13 +118,6 @@ def outcome(run: str | Location, steps: int | None = None) -> TrainOutcome:
 
 
 # ------------------------------------------------------------------------------------------ progress
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
-
-
 class Progress:
     """A run's progress as its metrics show it: the latest step and losses, the pace since it was first seen,
     and an estimate of the time left."""
