@@ -70,22 +70,30 @@ def write_study(store_uri: str, storage_uri: str, name: str = "probe", engine: s
         elif status != "running":
             record.update(step=reached)
         state.write_status(key, **record)
+        if status == "diverged":  # a diverged run's cells are NaN rows (as attnlab.evaluate.rows.nan_rows writes)
+            store.write([{**_row(name, key, point, reached, p_eval, rope, length), "metric": "val_loss",
+                          "value": float("nan")} for p_eval in (None, 15.0) for rope in ("none", "ntk")
+                         for length in LENGTHS], key=("eval", key, "diverged"))
         if status not in ("complete", "cached"):
             continue
         rows = []
         for p_eval in (None, 15.0):
             for rope in ("none", "ntk"):
                 for j, length in enumerate(LENGTHS):
-                    base = {"study": name, "trial": key, "attention": point["attention"], "scale": "logd_logn",
-                            "p_train": 15.0 if point["attention"] == "lssar" else None, "p_eval": p_eval,
-                            "rope_scaling": rope, "step": steps, "tokens": steps * 256, "eval_len": length,
-                            "train_len": TRAIN_LEN, "window_mode": "nonoverlap", "seed": point["seed"],
-                            "config_hash": key, "git_sha": "abc1234", "preset": "tiny", "data": "copy_distractors"}
+                    base = _row(name, key, point, steps, p_eval, rope, length)
                     acc = acc_value(point["attention"], point["seed"], p_eval, rope, j)
                     rows.append({**base, "metric": "acc", "value": acc})
                     rows.append({**base, "metric": "val_loss", "value": round(2.0 + 3.0 * (1.0 - acc), 6)})
         store.write(rows, key=("eval", key))
     return state
+
+
+def _row(study: str, key: str, point: dict, step: int, p_eval, rope: str, length: int) -> dict:
+    return {"study": study, "trial": key, "attention": point["attention"], "scale": "logd_logn",
+            "p_train": 15.0 if point["attention"] == "lssar" else None, "p_eval": p_eval, "rope_scaling": rope,
+            "step": step, "tokens": step * 256, "eval_len": length, "train_len": TRAIN_LEN, "window_mode": "nonoverlap",
+            "seed": point["seed"], "config_hash": key, "git_sha": "abc1234", "preset": "tiny",
+            "data": "copy_distractors"}
 
 
 # ------------------------------------------------------------------------------------------------ the server

@@ -89,6 +89,12 @@ def test_results_are_the_reports_of_attnlab_results(local):
     other = data.results(sources, "probe", metric="val_loss", at="128")
     assert other["metric"] == "val_loss" and other["at_length"] == 128
     assert other["best"]["title"].startswith("ranking at 128 (lower is better)")
+    # the diverged trial's NaN rows: "nan" cells in the table, no points on its curve, last in the ranking
+    [diverged] = [s for s in other["curves"]["series"] if s["labels"]["attention"] == "sigmoid_l1"
+                  and s["labels"]["p_eval"] == "none" and s["labels"]["rope_scaling"] == "none"]
+    assert diverged["mean"] == [None, None, None] and diverged["n"] == [1, 1, 1]
+    assert ["sigmoid_l1", "none", "none", "none", "nan", "nan", "nan"] in other["table"]["body"]
+    assert other["best"]["body"][-1][1] == "sigmoid_l1"
     with pytest.raises(UserError, match="metric='bpb'.*metrics present: acc, val_loss"):
         data.results(sources, "probe", metric="bpb")
     assert "error" in data.results(sources, "probe", at="32x")["best"]  # reports.best's own sentence

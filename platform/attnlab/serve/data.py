@@ -349,7 +349,11 @@ def results(sources: Sources, name: str, metric: str | None = None, at: str | No
     elif metric not in present:
         raise UserError(f"metric={metric!r}: study {name!r} has no rows of it; metrics present: {', '.join(present)}")
     out["metric"] = metric
-    result = reports.table(df, metric=metric)
+    try:
+        result = reports.table(df, metric=metric)
+    except UserError as exc:  # reports' own sentence (e.g. only marker rows): the page shows it
+        out["message"] = str(exc)
+        return clean(out)
     header, body = reports.formatted_cells(result)
     lengths = [int(x) for x in result.attrs["lengths"]]
     train_len = result.attrs.get("train_len")
