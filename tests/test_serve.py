@@ -19,7 +19,7 @@ from attnlab.cli import main
 from attnlab.errors import UserError
 from attnlab.results import ResultsStore, reports
 from attnlab.serve import data
-from attnlab.serve.app import create_app, plotly_js
+from attnlab.serve.app import ResultsCache, create_app, plotly_js
 from attnlab.serve.data import NotFound, open_sources
 from serve_util import TRIALS, get, get_json, serving, write_study
 
@@ -98,6 +98,24 @@ def test_results_are_the_reports_of_attnlab_results(local):
     with pytest.raises(UserError, match="metric='bpb'.*metrics present: acc, val_loss"):
         data.results(sources, "probe", metric="bpb")
     assert "error" in data.results(sources, "probe", at="32x")["best"]  # reports.best's own sentence
+
+
+def test_results_are_cached_until_new_rows_land(local):
+    sources, _ = local
+    cache = ResultsCache(sources, size=2)
+    first = cache.get("probe", None, None)
+    assert cache.get("probe", None, None) is first
+    assert cache.get("probe", "val_loss", None) is not first
+    df = ResultsStore(sources.store.uri).read(study="probe", metric="acc", eval_len=64, p_eval=None,
+                                               rope_scaling="none", seed=0, attention="lssar")
+    extra = {**df.iloc[0].to_dict(), "trial": "aaaa000000000009", "config_hash": "aaaa000000000009", "seed": 7,
+             "value": 0.5}
+    ResultsStore(sources.store.uri).write([{k: v for k, v in extra.items() if k not in ("created_at",)}],
+                                          key=("eval", "aaaa000000000009"))
+    second = cache.get("probe", None, None)
+    assert second is not first and second["signature"] != first["signature"]
+    assert second["table"]["body"][0][:4] == ["lssar", "15", "none", "none"]  # then 64 (1x): one more seed
+    assert "(n=3)" in second["table"]["body"][0][4] and "(n=2)" in first["table"]["body"][0][4]
 
 
 def test_links_name_the_study_own_tensorboard_and_optuna(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import traceback
 from importlib import resources
 
@@ -58,9 +59,36 @@ def _environment() -> jinja2.Environment:
                               trim_blocks=True, lstrip_blocks=True)
 
 
+class ResultsCache:
+    """The last few :func:`attnlab.serve.data.results`, keyed by study, metric, length and the study's results
+    signature: rows are immutable files, so a page reloaded while nothing new landed costs a directory listing
+    instead of a new table (``reports.table`` takes seconds on a large study)."""
+
+    def __init__(self, sources: Sources, size: int = 32):
+        self.sources, self.size = sources, size
+        self._entries: dict[tuple, dict] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, metric: str | None, at: str | None) -> dict:
+        data.check_study_name(name)
+        key = (name, metric, at, data.results_signature(self.sources, name))
+        with self._lock:
+            hit = self._entries.pop(key, None)
+            if hit is not None:
+                self._entries[key] = hit  # most recently used last
+                return hit
+        value = data.results(self.sources, name, metric=metric, at=at)
+        with self._lock:
+            self._entries[key] = value
+            while len(self._entries) > self.size:
+                self._entries.pop(next(iter(self._entries)))
+        return value
+
+
 def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     """The application reading ``sources``; the study page polls every ``refresh_s`` seconds."""
     env = _environment()
+    cache = ResultsCache(sources)
     common = {"store": sources.store.uri, "storage": sources.storage.uri, "ray_dashboard": sources.ray_dashboard}
 
     def render(template: str, status_code: int = 200, **context) -> HTMLResponse:
@@ -81,7 +109,7 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
         name = request.path_params["name"]
         info = data.study_info(sources, name)
         trials = data.trials(sources, name, curves="none")
-        res = data.results(sources, name, metric=one(request, "metric"), at=one(request, "at"))
+        res = cache.get(name, one(request, "metric"), one(request, "at"))
         page_config = {"study": name, "refresh_ms": int(refresh_s * 1000), "signature": trials["signature"],
                        "results": res, "api": {"trials": f"/api/study/{name}/trials",
                                                "results": f"/api/study/{name}/results"}}
@@ -101,7 +129,7 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     def api_results(request: Request) -> Response:
         name = request.path_params["name"]
         info = data.study_info(sources, name)
-        res = data.results(sources, name, metric=one(request, "metric"), at=one(request, "at"))
+        res = cache.get(name, one(request, "metric"), one(request, "at"))
         return JSONResponse({"results": res, "html": fragment("_results.html", info=info, res=res)})
 
     # ------------------------------------------------------------------------------------------- files
