@@ -8,6 +8,7 @@ come from the application under uvicorn on a loopback port. The real-browser tes
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -282,5 +283,19 @@ assert not bad, bad
 print("no ray")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "platform")})
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "platform")})
     assert out.returncode == 0 and "no ray" in out.stdout, out.stderr[-2000:]
+
+
+def test_serve_is_registered_and_documented():
+    from attnlab.cli import build_parser
+
+    help_text = build_parser().format_help()
+    assert "serve" in help_text
+    readme = (ROOT / "README.md").read_text()
+    assert "## Watching a study in the browser" in readme and "docs/serve.png" in readme
+    assert (ROOT / "docs" / "serve.png").stat().st_size > 10_000
+    cluster = (ROOT / "cluster" / "README.md").read_text()
+    assert "attnlab serve" in cluster and "-L 8000:127.0.0.1:8000" in cluster
+    for name in ("aws.yaml", "gcp.yaml", "local-fake.yaml"):  # never opened in the cluster files
+        assert "8000" not in (ROOT / "cluster" / name).read_text(), name
