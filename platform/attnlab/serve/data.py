@@ -313,7 +313,7 @@ def _default_at(info: dict, lengths: list[int], train_len: int | None) -> str | 
     objective = info.get("objective") or {}
     if objective.get("multiple") is not None:
         at = f"{objective['multiple']:g}x"
-        if train_len and int(round(objective["multiple"] * train_len)) in lengths:
+        if train_len and round(objective["multiple"] * train_len) in lengths:
             return at
     if objective.get("length") is not None and int(objective["length"]) in lengths:
         return str(int(objective["length"]))
@@ -393,9 +393,9 @@ def _curves(result, metric: str, info: dict) -> dict:
     for i in range(len(result)):
         row = result.iloc[i]
         labels = {c: reports.format_value(row[c]) for c in label_columns}
-        for c in selectors:
-            if labels[c] not in selectors[c]:
-                selectors[c].append(labels[c])
+        for c, values in selectors.items():
+            if labels[c] not in values:
+                values.append(labels[c])
         if len(line_columns) == 1:
             name = labels[line_columns[0]]
         else:
