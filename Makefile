@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnlab-installed
 OUT    ?= demo-out
 
-.PHONY: setup demo test bench clean-venv
+.PHONY: setup demo test bench bench-gpu clean-venv
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ bench: setup
 	$(PY) bench/attention.py
 	$(PY) bench/data.py
 	$(PY) bench/train.py
+
+# On one CUDA GPU: the CUDA tests, then attention, training and evaluation figures, appended to
+# bench/RESULTS.md (bench/gpu.py; under 20 minutes on one H100; `python bench/gpu.py --smoke` on CPU).
+bench-gpu: setup
+	$(PY) bench/gpu.py
 
 clean-venv:
 	rm -rf $(VENV)

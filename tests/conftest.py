@@ -8,6 +8,7 @@ Tests never touch the network beyond 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -143,3 +144,27 @@ def s3_keys(bucket_uri: str) -> list[str]:
         if not page.get("IsTruncated"):
             return sorted(keys)
         token = page["NextContinuationToken"]
+
+
+MULTIPLE_INSTANCES = "Found multiple active Ray instances"
+
+
+def multiple_instance_errors(text: str) -> list[str]:
+    """Lines of ``text`` where Ray could not tell which of several clusters on this machine to use (see
+    ``attnlab.raycluster``). Ray's job supervisor logs a warning with the same words when it picks its own cluster
+    from its temp dir's address file ("... Connecting to latest cluster at ..."): that one found the right cluster
+    and is not an error."""
+    return [line for line in text.splitlines()
+            if MULTIPLE_INSTANCES in line and "Connecting to latest cluster" not in line]
+
+
+@contextlib.contextmanager
+def without_api_server_env():
+    """Ray's job and State API clients follow ``RAY_API_SERVER_ADDRESS`` over the address they are given, and
+    ``ray_session`` points it at the session cluster: a test talking to a cluster of its own clears it meanwhile."""
+    saved = os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["RAY_API_SERVER_ADDRESS"] = saved

@@ -10,7 +10,7 @@ import pickle
 import pytest
 
 from attnlab.errors import UserError
-from attnlab.location import Location, user_location
+from attnlab.location import Location, user_input, user_location
 from conftest import s3_keys
 
 
@@ -116,6 +116,28 @@ def test_a_ray_job_working_dir_refuses_relative_outputs(tmp_path, monkeypatch):
     assert user_location(str(tmp_path / "abs"), flag="--storage", default="runs").uri == str(tmp_path / "abs")
     monkeypatch.setenv("ATTNLAB_STORAGE", "s3://bucket/attnlab")
     assert user_location(None, flag="--store", default="results").uri == "s3://bucket/attnlab/results"
+
+
+def test_a_ray_job_reads_relative_data_below_the_clusters_storage(tmp_path, monkeypatch):
+    """Inside a job the head's working-dir copy is at another path on every other node: a relative data path means
+    the same path below ATTNLAB_STORAGE (where the run book prepares it), and is refused without it."""
+    from attnlab.data.source import resolve_data
+
+    job_dir = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    job_dir.mkdir(parents=True)
+    monkeypatch.chdir(job_dir)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_abc.zip"}}))
+    monkeypatch.delenv("ATTNLAB_STORAGE", raising=False)
+    with pytest.raises(UserError, match=r"data 'data/fineweb' is relative inside a Ray job.*ATTNLAB_STORAGE") as info:
+        resolve_data("data/fineweb")
+    assert "\n" not in str(info.value)
+    assert user_input(str(tmp_path / "abs"), field="data").uri == str(tmp_path / "abs")  # absolute: as written
+    monkeypatch.setenv("ATTNLAB_STORAGE", "s3://bucket/attnlab/")
+    assert resolve_data("data/fineweb") == "s3://bucket/attnlab/data/fineweb"
+    assert resolve_data("./data/fineweb") == "s3://bucket/attnlab/data/fineweb"
+    assert resolve_data({"synthetic": "copy"}) == {"synthetic": "copy"}
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # outside a job: the user's own folder, as always
+    assert resolve_data("data/fineweb") == str(job_dir / "data" / "fineweb")
 
 
 def test_outside_a_job_relative_outputs_are_fine(tmp_path, monkeypatch):

@@ -16,12 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from attnlab.results import ResultsStore
+from conftest import without_api_server_env
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +63,13 @@ def _session_pids(temp_dir: str) -> list[int]:
     return pids
 
 
+def _job_client(address: str):
+    from ray.job_submission import JobSubmissionClient
+
+    with without_api_server_env():
+        return JobSubmissionClient(address)
+
+
 @pytest.fixture
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rjob", dir="/tmp")  # short: Ray's unix socket paths must stay < 108 chars
@@ -78,12 +87,11 @@ def ray_head():
     head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     try:
-        from ray.job_submission import JobSubmissionClient
-
         deadline = time.time() + 120
         while True:
-            try:
-                JobSubmissionClient(address).list_jobs()
+            try:  # the job server itself (a JobSubmissionClient here would follow RAY_API_SERVER_ADDRESS elsewhere)
+                with urllib.request.urlopen(f"{address}/api/version", timeout=5) as response:
+                    json.loads(response.read())
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 if time.time() > deadline or head.poll() is not None:
@@ -136,9 +144,7 @@ def test_ray_job_submit_runs_a_study_and_only_our_head_is_stopped(ray_session, r
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.split("job id: ")[1].split()[0]
     assert f"ray job logs --address {ray_head['address']} {job_id} -f" in proc.stdout
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(ray_head["address"])
+    client = _job_client(ray_head["address"])
     deadline = time.time() + 300
     while str(client.get_job_status(job_id)).split(".")[-1] not in ("SUCCEEDED", "FAILED", "STOPPED"):
         assert time.time() < deadline, client.get_job_logs(job_id)[-3000:]

@@ -6,7 +6,6 @@ tokens, evaluated at 1x and 4x with p_eval none and 15. Uses the session's ``ray
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

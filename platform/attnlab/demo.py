@@ -39,6 +39,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--study", action="append", default=None,
                    help="a study to run, repeatable (default: studies/smoke.yaml, then studies/demo_probe.yaml)")
     p.add_argument("--fresh", action="store_true", help="start the search over (finished trials are still reused)")
+    p.add_argument("--verbose", action="store_true", help="show Ray's and Tune's own output (default: a log file)")
     p.set_defaults(func=run)
 
 
@@ -57,11 +58,12 @@ def run(args: argparse.Namespace) -> int:
         from attnlab.raycluster import ensure_ray
 
         # 4 logical CPUs on small machines: one trial driver + fractional Train workers fit with room to spare.
-        ensure_ray(num_cpus=max(4, os.cpu_count() or 1), object_store_mb=256)
+        ensure_ray(num_cpus=max(4, os.cpu_count() or 1), object_store_mb=256, log_to_driver=args.verbose)
     ok = True
     for spec in specs:
         summary = run_study(spec, store=str(out / "results"), storage=str(out / "runs"),
-                            resume=False if args.fresh else None, curves_dir=str(out / "curves" / spec.name))
+                            resume=False if args.fresh else None, curves_dir=str(out / "curves" / spec.name),
+                            verbose=1 if args.verbose else 0, quiet=not args.verbose)
         ok = ok and bool(summary.count("complete"))
     print(f"\ndemo done: tables above; curves in {out / 'curves'}; results store {out / 'results'}")
     for spec in specs:

@@ -21,7 +21,9 @@ is rewritten whole.
 Ray-job working directories: ``ray job submit --working-dir .`` runs the entrypoint in a temporary copy of
 the folder on the head node; a relative path there would write into that copy, which vanishes with the Ray
 session. :func:`ray_job_working_dir` detects it, and the commands that write results refuse relative
-locations there (or take ``ATTNLAB_STORAGE``, see :func:`default_storage`).
+locations there (or take ``ATTNLAB_STORAGE``, see :func:`default_storage`). What a job reads (the data) is no
+better there: the head's copy is at another path on every other node, so a relative input names the same path
+below ``ATTNLAB_STORAGE`` (:func:`user_input`).
 
 No Ray, no torch here.
 """
@@ -251,6 +253,24 @@ def default_storage(what: str) -> str | None:
     """``$ATTNLAB_STORAGE/<what>`` when the cluster sets a shared storage prefix, else None."""
     base = os.environ.get(STORAGE_ENV)
     return f"{base.rstrip('/')}/{what}" if base else None
+
+
+def user_input(text: str | os.PathLike, *, field: str) -> Location:
+    """A location a command reads (a data folder): :meth:`Location.parse`, except inside a Ray job's temporary
+    working directory, where a relative path names the same path below ``$ATTNLAB_STORAGE`` (the cluster's shared
+    prefix, where ``attnlab data prepare --out $ATTNLAB_STORAGE/data/...`` wrote it), and without
+    ``ATTNLAB_STORAGE`` is refused with one line: the job's copy of the folder is not on the other nodes."""
+    text = os.fspath(text)
+    job_dir = ray_job_working_dir()
+    if job_dir and text and _scheme(text) is None and not os.path.isabs(os.path.expanduser(text)):
+        base = os.environ.get(STORAGE_ENV)
+        if not base:
+            raise UserError(f"{field} {text!r} is relative inside a Ray job, whose working directory ({job_dir}) is "
+                            "a temporary copy on the head only: give an absolute shared location (s3://..., gs://..., "
+                            f"or an NFS path), or set {STORAGE_ENV} on the cluster (a relative {field} then means "
+                            f"${STORAGE_ENV}/{text})")
+        text = f"{base.rstrip('/')}/{posixpath.normpath(text.replace(os.sep, '/'))}"
+    return Location.parse(text, field=field)
 
 
 def user_location(text: str | None, *, flag: str, default: str) -> Location:

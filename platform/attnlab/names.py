@@ -8,7 +8,8 @@
 - ``parse_optional_number``: ``none``/``null``/``~`` -> None, else a number (p_eval, p_train, ...);
 - ``parse_length`` / ``parse_lengths``: ``1024``, ``1k``, ``16k`` -> tokens;
 - ``parse_at``: a length (``16384``, ``16k``) or a multiple of the training length (``16x``);
-- ``is_missing``: None, NaN or pandas' NA, the ways rows read back from a store spell "no value".
+- ``is_missing``: None, NaN or pandas' NA, the ways rows read back from a store spell "no value";
+- ``format_duration``: elapsed times and ETAs as progress lines print them.
 
 Pure Python: no torch, no Ray, no pandas import at module level (the results store and the study spec
 import this without pulling in the model).
@@ -138,3 +139,11 @@ def same_optional_number(a, b) -> bool:
     """Two optional numbers are the same: both missing, or both present and equal."""
     a_none, b_none = is_missing(a), is_missing(b)
     return (a_none and b_none) or (not a_none and not b_none and float(a) == float(b))
+
+
+def format_duration(seconds: float) -> str:
+    """``37s``, ``4m05s``, ``2h13m``: elapsed times and ETAs in progress lines."""
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")

@@ -385,6 +385,11 @@ def prepare(
     done_parts = set(loc.list_names(WORK_DIR))
     todo = [p for p in partitions if _part_name(p.index) not in done_parts]
     skipped_parts = len(partitions) - len(todo)
+    if progress:
+        print(f"plan: tokenise {len(partitions)} partition(s) of {src.kind} ({len(todo)} left) into {loc.uri}: "
+              f"shards of {shard_tokens:,} tokens, {'10% of the corpus' if val_tokens is None else f'{val_tokens:,}'} "
+              f"validation tokens of whole documents, seed {seed}, "
+              f"{'every CPU of the cluster' if workers is None else f'{workers} worker(s)'}", flush=True)
     with _Runner(workers) as pool:
         # ---- phase 1: tokenise partitions
         bar = _progress(len(partitions), "tokenise", progress)

@@ -51,8 +51,8 @@ def demo_data_location() -> str:
 
 def resolve_data(spec: str | dict[str, Any], *, log=print) -> str | dict[str, Any]:
     """What a user wrote for ``data`` as what every worker can open: ``demo`` -> the prepared demo folder (built on
-    first use); a relative path -> absolute (against the current directory, see :mod:`attnlab.location`); a URI
-    as it is; a probe mapping as it is."""
+    first use); a relative path -> absolute (against the current directory, or inside a Ray job below
+    ``$ATTNLAB_STORAGE``: :func:`attnlab.location.user_input`); a URI as it is; a probe mapping as it is."""
     if isinstance(spec, dict):
         return spec
     if spec == DEMO:
@@ -65,9 +65,9 @@ def resolve_data(spec: str | dict[str, Any], *, log=print) -> str | dict[str, An
             log(f"attnlab: building the demo corpus into {out} (once)")
             prepare("demo", out=out, val_tokens=200_000, seed=0, workers=1, progress=False)
         return out
-    from attnlab.location import Location
+    from attnlab.location import user_input
 
-    return Location.parse(spec, field="data").uri
+    return user_input(spec, field="data").uri
 
 
 def data_label(spec: str | dict[str, Any]) -> str:

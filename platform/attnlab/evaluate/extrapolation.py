@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -144,6 +145,9 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
                         f"({max(lengths)} tokens), so every length scores whole windows")
     train_key = train_key_of(loaded)
     base = base_row(loaded, source, train_key, context)
+    from attnlab.model import compile_model
+
+    compile_model(model, config.compile)  # in place; the weights are unchanged (checkpoints load eagerly)
     step = base["step"]
     skip = set(skip or ())
     todo = [(cell, key) for cell in config.cells(int(gpt.train_len))
@@ -159,6 +163,8 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
     rows: list[dict] = []
     pending: list[dict] = []
     pending_cells: list[EvalCell] = []
+    say(plan_line(config, todo, lengths, source, step, loaded.meta.get("checkpoint")))
+    progress = CellProgress([cell for cell, _ in todo])
 
     def flush():
         if target is not None and pending:
@@ -174,6 +180,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
                                 data_seed=int(cfg.get("data_seed", 0)), log=say):
         if pending_cells and pending_cells[0].length != cell.length:
             flush()  # one file per length: what was measured is kept if a longer length fails
+        say(progress.done(cell))
         new = rows_for(base, cell, keys[cell], scores, gpt2_text)
         for i, row in enumerate(new):  # refuse to return rows the store would refuse
             validate_row(row, i)
@@ -181,6 +188,35 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
         pending_cells.append(cell)
     flush()
     return rows
+
+
+def plan_line(config: EvalConfig, todo, lengths, source, step: int, checkpoint) -> str:
+    p_evals = ", ".join("none" if p is None else f"{p:g}" for p in config.p_eval)
+    return (f"plan: evaluate {checkpoint or 'the model'} (step {step}) on {source.describe()}: {len(todo)} cell(s) "
+            f"(lengths {lengths}, p_eval {p_evals}, rope {', '.join(config.rope_scaling)}), "
+            f"{config.max_tokens:,} target tokens per length")
+
+
+class CellProgress:
+    """``[i/n] cell ... ETA``: the time left is estimated from the time per token-length so far (a cell's cost
+    grows with its length: the same tokens, longer attention rows)."""
+
+    def __init__(self, cells: list[EvalCell]):
+        self.weights = {cell: float(cell.length) for cell in cells}
+        self.total = sum(self.weights.values()) or 1.0
+        self.done_weight = 0.0
+        self.count = 0
+        self.started = time.monotonic()
+
+    def done(self, cell: EvalCell) -> str:
+        from attnlab.names import format_duration
+
+        self.count += 1
+        self.done_weight += self.weights.get(cell, 0.0)
+        elapsed = time.monotonic() - self.started
+        left = elapsed * (self.total - self.done_weight) / max(self.done_weight, 1e-9)
+        eta = "done" if self.count >= len(self.weights) else f"ETA {format_duration(left)}"
+        return f"eval: [{self.count}/{len(self.weights)}] {cell.describe()} · {format_duration(elapsed)} · {eta}"
 
 
 __all__ = ["DEFAULT_STUDY", "LoadedCheckpoint", "base_row", "default_device", "evaluate_checkpoint",

@@ -162,14 +162,12 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
         if cell.kind == "diagnostics":
             from attnlab.evaluate.diagnostics import attention_diagnostics
 
-            say(f"eval: {cell.describe()} windows={min(len(windows), cell.extra[0])}")
             yield cell, attention_diagnostics(model, windows[: cell.extra[0]], spec=spec, rope_scaling=cell.rope,
                                               device=device, precision=precision)
             continue
         base = rope_base(cell.rope, gpt.rope_base, gpt.head_dim, cell.length, train_len)
         key = (cell.window_mode, cell.length, base, cell.p_eval)
         if key not in forwards:
-            say(f"eval: {cell.describe()} windows={len(windows)}")
             forwards[key] = score_windows(model, windows, mask, token_bytes=token_bytes, batch_size=batch,
                                           device=device, precision=precision, rope_scaling=cell.rope, attention=spec)
         yield cell, forwards[key]
@@ -194,7 +192,6 @@ def _passkey(model, cell: EvalCell, spec, *, device, precision, batch, say) -> l
         say(f"passkey: length {cell.length} is shorter than the passkey prompt ({min_prompt_length()} tokens); "
             "skipped")
         return []
-    say(f"eval: {cell.describe()} trials={cell.extra[0]} x {len(DEFAULT_DEPTHS)} depths")
     logprob = model_logprob(model, rope_scaling=cell.rope, attention=spec, device=device, precision=precision,
                             batch_size=batch)
     # The same prompts for every checkpoint (seed 0): configurations compare on equal ground.

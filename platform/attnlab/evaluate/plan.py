@@ -52,6 +52,7 @@ class EvalConfig(BaseModel):
     diagnostics: bool = False
     diagnostic_windows: int = Field(default=2, gt=0)
     batch_size: int | None = Field(default=None, gt=0)  # windows per forward; how, not what: not in any key
+    compile: bool | None = None  # torch.compile the model (None: on for CUDA, off on CPU); not in any key
 
     @field_validator("lengths", mode="before")
     @classmethod

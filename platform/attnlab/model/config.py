@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from attnlab.attention import get_variant
+from attnlab.attention import Backend, get_variant
+from attnlab.attention.sdpa import sdpa_unsupported_reason
 from attnlab.attention.spec import P_TRAIN_DEFAULT, AttentionSpec, parse_p_train
 from attnlab.errors import UserError
 from attnlab.names import GPT2_VOCAB
@@ -35,7 +36,7 @@ class GPTConfig:
     scale: str | float | None = None  # None: the variant's own scale
     bias: bool = True
     init_std: float = 0.02
-    attn_impl: str = "auto"
+    attn_impl: str = "auto"  # a Backend value: auto, dense, flex, sdpa (stored as the string)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "train_len"):
@@ -51,9 +52,20 @@ class GPTConfig:
         except ValueError as exc:
             raise UserError(str(exc)) from None
         try:
-            self.attention_spec()
+            spec = self.attention_spec()
         except ValueError as exc:
             raise UserError(f"model attention: {exc}") from None
+        self._check_attn_impl(spec)
+
+    def _check_attn_impl(self, spec: AttentionSpec) -> None:
+        try:
+            impl = Backend.parse(self.attn_impl, field="model.attn_impl")
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        object.__setattr__(self, "attn_impl", impl.value)
+        if impl is Backend.SDPA and sdpa_unsupported_reason(spec) is not None:
+            raise UserError(f"model.attn_impl='sdpa' cannot compute attention {spec.name!r} exactly: "
+                            f"{sdpa_unsupported_reason(spec)}; use auto, flex or dense")
 
     @property
     def head_dim(self) -> int:

@@ -33,6 +33,9 @@ def add_parser(subparsers) -> None:
     mode.add_argument("--fresh", action="store_true",
                       help="start a new search even if Tune state exists (the old state is moved aside)")
     run.add_argument("--curves", metavar="DIR", help="a local folder for the curves (default <storage>/<study>/curves)")
+    run.add_argument("--verbose", action="store_true",
+                     help="show Ray's and Tune's own output here (default: a log file, whose path is printed, and a "
+                     "line per trial change)")
     run.set_defaults(func=_run)
 
     val = sub.add_parser("validate", help="check a study file and print its trials and resources",
@@ -53,7 +56,8 @@ def _run(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.study)
     resume = True if args.resume else (False if args.fresh else None)
-    summary = run_study(spec, store=args.store, storage=args.storage, resume=resume, curves_dir=args.curves)
+    summary = run_study(spec, store=args.store, storage=args.storage, resume=resume, curves_dir=args.curves,
+                        verbose=1 if args.verbose else 0, quiet=not args.verbose)
     return 1 if summary.trials and summary.count("failed") == len(summary.trials) else 0
 
 

@@ -81,13 +81,23 @@ def _optuna_search(spec: StudySpec, url: str):
     import optuna
     from ray.tune.search.optuna import OptunaSearch
 
+    progress_metric = spec.scheduler.metric  # what training reports along the way (val_loss by default)
+
     class StudyOptunaSearch(OptunaSearch):
-        """OptunaSearch that ignores intermediate results without the objective (the training reports)."""
+        """OptunaSearch whose intermediate values are the training's own validation metric at each training
+        step (optuna-dashboard's learning curves line up across trials), and whose trials carry their run's
+        location and training key as user attributes."""
 
         def on_trial_result(self, trial_id, result):
-            if isinstance(self.metric, str) and self.metric not in result:
+            ot_trial = self._ot_trials.get(trial_id)
+            if ot_trial is None:
                 return
-            super().on_trial_result(trial_id, result)
+            for attr, key in (("config_hash", "config_hash"), ("run", "run_dir")):
+                if result.get(key):
+                    ot_trial.set_user_attr(attr, str(result[key]))
+            if isinstance(self.metric, list) or progress_metric not in result or "step" not in result:
+                return  # multi-objective studies have no intermediate values in Optuna
+            ot_trial.report(float(result[progress_metric]), int(result["step"]))
 
         def on_trial_complete(self, trial_id, result=None, error=False):
             # A trial the scheduler stopped ends without its objective(s): record it as PRUNED, not RUNNING.
@@ -166,26 +176,51 @@ def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> boo
     return exists
 
 
+def study_plan(spec: StudySpec) -> str:
+    """The study in one line: trials, each trial's training, the evaluation cells, how many at once."""
+    cfg = spec.train
+    cells = len(spec.eval.cells(cfg.seq_length))
+    return (f"plan: study {spec.name}: {spec.num_trials()} trial(s) ({spec.search.engine}), each {cfg.steps:,} steps x "
+            f"{cfg.tokens_per_step:,} tokens on {cfg.workers} worker(s), then {cells} evaluation cell(s) "
+            f"(lengths {spec.eval.eval_lengths(cfg.seq_length)}, {spec.eval.max_tokens:,} tokens each); at most "
+            f"{spec.resources.max_concurrent_trials} trial(s) at once")
+
+
 def run_study(spec: StudySpec, store: str | None = None, storage: str | None = None, resume: bool | None = None,
-              curves_dir: str | None = None, verbose: int = 1) -> StudySummary:
+              curves_dir: str | None = None, verbose: int = 0, quiet: bool = False) -> StudySummary:
     """Run ``spec`` on the current Ray cluster (``ensure_ray``: ``RAY_ADDRESS`` or an embedded one).
 
     ``store``: results store (default ``spec.store``, else see the module docstring); ``storage``: where the
     study's state goes. ``resume``: None = restore the Tune experiment when it exists, True = it must exist,
     False = start a fresh search (the old state is moved aside). ``curves_dir``: a local folder for the figures
-    (default ``<storage>/<study>/curves``).
+    (default ``<storage>/<study>/curves``). ``quiet``: Ray's and Tune's own output goes to a log file (its path is
+    printed) and the terminal shows a line per trial change (:class:`attnlab.study.console.LiveView`);
+    ``verbose``: Tune's own status tables (0 = none).
     """
+    import contextlib
+
     from ray import tune
 
-    from attnlab.raycluster import ensure_ray
+    from attnlab.raycluster import ensure_ray, log_file, quiet_ray
     from attnlab.results import ResultsStore
+    from attnlab.study.console import LiveView
 
     store_loc = user_location(store or spec.store, flag="--store", default=DEFAULT_STORE)
     results = ResultsStore(store_loc)
     state = study_state(spec, storage)
     ctx = study_context(spec, state, store_loc)
     state.loc.mkdir()
-    ensure_ray()
+    print(study_plan(spec), flush=True)
+    for warning in dict.fromkeys(w for point in (spec.grid_points() if spec.search.engine == "grid" else [{}])[:50]
+                                 for w in spec.train_config(point).warnings()):
+        print(f"attnlab: warning: {warning}", flush=True)
+    if quiet:
+        from attnlab.data.demo import cache_dir
+
+        path = log_file(state.loc.child("logs").path if state.loc.is_local else str(cache_dir() / "logs"), "ray")
+        quiet_ray(path)
+        print(f"Ray's and Tune's own output: {path} (--verbose shows it here)", flush=True)
+    ensure_ray(log_to_driver=not quiet)
     restore = _check_state(spec, state, resume)
     state.write_spec(spec.to_json(), spec.search_fingerprint())
     trained_before = state.trainings_started()
@@ -212,11 +247,13 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
             tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=_scheduler(spec), num_samples=num_samples,
                                         max_concurrent_trials=spec.resources.max_concurrent_trials),
             run_config=tune.RunConfig(name="tune", storage_path=storage_path, storage_filesystem=storage_fs,
-                                      verbose=verbose, failure_config=tune.FailureConfig(max_failures=0)))
+                                      verbose=verbose, failure_config=tune.FailureConfig(max_failures=0),
+                                      callbacks=tracker_callbacks(spec, state)))
     if url:
         print(f"attnlab: Optuna study {spec.name!r} in {url}\n  watch it: optuna-dashboard {url}", flush=True)
     print(f"attnlab: TensorBoard: tensorboard --logdir {exp.uri}", flush=True)
-    grid = tuner.fit()
+    with LiveView(state) if quiet else contextlib.nullcontext():
+        grid = tuner.fit()
     _record_pruned(spec, state, grid)
     summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri)
     summary.evaluated = evaluate_missing(spec, ctx, state, results)
@@ -224,6 +261,59 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     summary.trials = state.statuses()
     _report(spec, summary, state, curves_dir)
     return summary
+
+
+def tracker_callbacks(spec: StudySpec, state: StudyState) -> list:
+    """Ray Tune's own logger callbacks for the study's ``trackers`` (each run = one trial, steps = training steps)."""
+    callbacks = []
+    for tracker in spec.trackers:
+        try:
+            if tracker == "mlflow":
+                from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+                uri = os.environ.get("MLFLOW_TRACKING_URI")
+                if not uri and not state.loc.is_local:
+                    raise UserError("trackers: mlflow with a bucket as storage needs MLFLOW_TRACKING_URI (an MLflow "
+                                    "server or a shared file:// folder)")
+                if not uri:  # MLflow's local file store next to the study (MLflow 3 asks for an explicit opt-in)
+                    uri = f"file://{state.loc.child('mlruns').path}"
+                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+                class StudyMLflowCallback(MLflowLoggerCallback):
+                    """MLflow metric names take no '@', ',' or '=' (and '/' would nest them under val_loss's own
+                    file): val_loss@16x,p_eval=15 -> val_loss:16x:p_eval-15."""
+
+                    def log_trial_result(self, iteration, trial, result):
+                        names = {k: k.replace("@", ":").replace(",", ":").replace("=", "-") for k in result}
+                        super().log_trial_result(iteration, trial, {names[k]: v for k, v in result.items()})
+
+                callbacks.append(StudyMLflowCallback(tracking_uri=uri, experiment_name=spec.name, save_artifact=False))
+                print(f"attnlab: MLflow: {uri} (experiment {spec.name!r})", flush=True)
+            else:
+                import ray
+                from ray.air.integrations import wandb as ray_wandb
+
+                class StudyWandbCallback(ray_wandb.WandbLoggerCallback):
+                    """Ray forwards only WANDB_API_KEY to its logging actors, which run in the cluster's worker
+                    processes: every WANDB_* setting of the submitting shell (WANDB_MODE=offline, WANDB_DIR,
+                    WANDB_ENTITY, ...) is forwarded here, so the study logs where its user asked."""
+
+                    def _start_logging_actor(self, trial, exclude_results, **wandb_init_kwargs):
+                        if not self._remote_logger_class:
+                            env_vars = {k: v for k, v in os.environ.items() if k.startswith("WANDB_")}
+                            self._remote_logger_class = ray.remote(
+                                num_cpus=0, **ray_wandb._force_on_current_node(), runtime_env={"env_vars": env_vars},
+                                max_restarts=-1, max_task_retries=-1)(self._logger_actor_cls)
+                        super()._start_logging_actor(trial, exclude_results, **wandb_init_kwargs)
+
+                project = os.environ.get("WANDB_PROJECT", spec.name)
+                callbacks.append(StudyWandbCallback(project=project, group=spec.name, log_config=True))
+                print(f"attnlab: W&B: project {project!r}"
+                      + (" (offline)" if os.environ.get("WANDB_MODE") == "offline" else ""), flush=True)
+        except ImportError as exc:
+            package = "mlflow-skinny" if tracker == "mlflow" else "wandb"
+            raise UserError(f"trackers: {tracker} needs the {package} package ({exc.name} is missing): "
+                            f"pip install {package}") from None
+    return callbacks
 
 
 def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:

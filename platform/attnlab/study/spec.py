@@ -33,6 +33,7 @@ Shape (``name`` and ``train.preset`` / ``train.data`` required)::
     scheduler: {type: asha, grace_period: 20, reduction_factor: 2}   # or none
     storage: sqlite:////abs/optuna.db         # Optuna RDB URL; default SQLite next to the study state
     store: results                            # results store (path or URI)
+    trackers: [mlflow, wandb]                 # opt-in: Tune's MLflow / W&B logger callbacks
 
 Axes: a plain list is a choice; a mapping ``{values: [...]}`` or ``{low, high[, log][, step]}`` is a choice or
 a range (int range when both bounds are integers, float otherwise), and ``when: [attention names]`` makes the
@@ -369,6 +370,9 @@ class StudySpec(_Strict):
     scheduler: Scheduler = Field(default_factory=Scheduler)
     storage: str | None = None  # Optuna RDB URL
     store: str | None = None  # results store (path or URI)
+    # Also log every trial where a lab already looks, through Ray Tune's own logger callbacks (opt-in):
+    # mlflow (MLFLOW_TRACKING_URI, default <storage>/<study>/mlruns) and wandb (WANDB_PROJECT, default the study)
+    trackers: list[Literal["mlflow", "wandb"]] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod

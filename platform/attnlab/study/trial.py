@@ -204,7 +204,9 @@ def report_callback(final_step: int, train_key: str):
         def after_report(self, run_context, metrics, checkpoint):
             if metrics and int(metrics[0].get("step", 0)) >= final_step:
                 return
-            metrics = [{**metrics[0], "config_hash": train_key}, *metrics[1:]]
+            # timesteps_total: TensorBoard's and MLflow's x axis is then the training step, not Tune's report count
+            metrics = [{**metrics[0], "config_hash": train_key, "timesteps_total": int(metrics[0].get("step", 0))},
+                       *metrics[1:]]
             super().after_report(run_context, metrics, checkpoint)
 
     return StudyReportCallback()
@@ -237,7 +239,8 @@ def study_trial(config: dict, context: StudyContext) -> None:
         rows = trial_rows(store, spec, plan.train_key)
         objectives = objective_values(spec, rows, plan.cfg.seq_length)
         final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
-        base = {"config_hash": plan.train_key, "step": plan.cfg.steps, "cached": int(not trained and not evaluated)}
+        base = {"config_hash": plan.train_key, "run_dir": plan.run.uri, "step": plan.cfg.steps,
+                "timesteps_total": plan.cfg.steps, "cached": int(not trained and not evaluated)}
         if outcome.status == "diverged":
             state.write_status(plan.train_key, status="diverged", reason=outcome.failure,
                                step=int(outcome.final.get("step", 0)), objectives=objectives)

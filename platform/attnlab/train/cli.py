@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import threading
 from pathlib import Path
 
 import yaml
@@ -49,6 +51,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--gpu", action="store_true", help="one GPU per worker (NCCL); same as --set gpus_per_worker=1")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other config field, repeatable")
     p.add_argument("--local", action="store_true", help="run in this process without Ray (one worker; debugging)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's and Train's own output in the terminal (default: a log file, whose path is printed)")
     p.set_defaults(func=run)
 
 
@@ -79,20 +83,33 @@ def run(args: argparse.Namespace) -> int:
                             scale=args.scale, steps=args.steps, seq_len=args.seq_len,
                             tokens_per_step=args.tokens_per_step, micro_batch=args.micro_batch,
                             workers=args.workers, gpus_per_worker=1.0 if args.gpu else None)
-    if args.local:
-        from attnlab.train.loop import LocalSession, train_worker
-        from attnlab.train.ray_train import preflight
-        from attnlab.train.run import outcome
+    from attnlab.train.ray_train import preflight
 
-        preflight(cfg)
-        train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run)
-        result = outcome(run, steps=cfg.steps)
-    else:
-        from attnlab.train.ray_train import run_training
+    preflight(cfg)
+    print(cfg.plan(), flush=True)
+    for warning in cfg.warnings():
+        print(f"attnlab: warning: {warning}", flush=True)
+    print(f"run folder: {run.uri}", flush=True)
+    with _progress(run, cfg.steps):
+        if args.local:
+            from attnlab.train.loop import LocalSession, train_worker
+            from attnlab.train.run import outcome
 
-        result = run_training(cfg, run)
+            train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run)
+            result = outcome(run, steps=cfg.steps)
+        else:
+            from attnlab.raycluster import ensure_ray, log_file, quiet_ray
+            from attnlab.train.ray_train import run_training
+
+            if not args.verbose:
+                from attnlab.data.demo import cache_dir
+
+                path = log_file(run.path if run.is_local else str(cache_dir() / "logs"), "ray")
+                quiet_ray(path)
+                print(f"Ray's own output: {path}", flush=True)
+            ensure_ray(log_to_driver=args.verbose)
+            result = run_training(cfg, run)
     final = result.final
-    print(f"run folder: {result.run_dir}")
     print(f"status: {result.status}; step {final.get('step')}; train_loss {final.get('train_loss')}; "
           f"val_loss {final.get('val_loss')}")
     print(f"latest checkpoint: {result.checkpoint}")
@@ -100,3 +117,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"failure: {result.failure}")
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _progress(run, steps: int):
+    """Print the run's progress (step, losses, time left) from its metrics while the block runs."""
+    from attnlab.train.run import watch
+
+    stop = threading.Event()
+    thread = threading.Thread(target=watch, args=(run, steps, stop, lambda line: print(line, flush=True)),
+                              kwargs={"interval": 2.0}, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)

@@ -21,7 +21,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attnlab.errors import UserError
-from attnlab.attention import get_variant
+from attnlab.attention import Backend, get_variant
 from attnlab.attention.spec import P_TRAIN_DEFAULT, parse_p_train
 from attnlab.model import PRESETS, GPTConfig, preset
 from attnlab.names import GPT2_VOCAB
@@ -35,6 +35,20 @@ RUN_SETTINGS = frozenset({
     "log_every", "val_every", "val_tokens", "val_batch", "checkpoint_every", "keep_checkpoints", "max_failures",
     "compile", "attn_impl",
 })
+
+
+# Recipe defaults that fit each preset's size: fields a config leaves unset take them (a field set by the user
+# always wins). The class defaults are llm.c's GPT-2 124M recipe (docs/protocol.md#training), which would make
+# the CPU-sized presets take 524,288 tokens per step; gpt2-medium takes llm.c's 350M learning rate.
+PRESET_RECIPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(steps=300, tokens_per_step=1024, micro_batch=16, lr=3e-3, warmup_steps=20, log_every=10,
+                 val_every=100, val_tokens=16_384, checkpoint_every=300),
+    "tiny-4l": dict(steps=1000, tokens_per_step=4096, micro_batch=32, lr=2e-3, warmup_steps=50, log_every=10,
+                    val_every=250, val_tokens=65_536, checkpoint_every=500),
+    "gpt2-medium": dict(lr=3e-4),
+}
+# A step needing more micro-steps than this (per worker) is warned about before a run starts.
+MANY_ACCUMULATION_STEPS = 64
 
 
 class TrainConfig(BaseModel):
@@ -81,8 +95,8 @@ class TrainConfig(BaseModel):
     # {accelerator_type:H100: 0.001} or a node label resource; empty: none.
     worker_resources: dict[str, float] = Field(default_factory=dict)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    compile: bool = False
-    attn_impl: Literal["auto", "dense", "flex"] = "auto"
+    compile: bool | None = None  # torch.compile the model; None: on for CUDA workers, off on CPU
+    attn_impl: str = "auto"  # the attention backend: attnlab.attention.Backend (auto, dense, flex, sdpa)
     threads_per_worker: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
@@ -96,7 +110,9 @@ class TrainConfig(BaseModel):
                 raise ValueError("give steps or tokens (a budget), not both")
             if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
                 raise ValueError(f"tokens={tokens!r} must be a positive integer (a budget of training tokens)")
-            per_step = data.get("tokens_per_step", cls.model_fields["tokens_per_step"].default)
+            recipe = PRESET_RECIPES.get(data.get("preset", cls.model_fields["preset"].default), {})
+            per_step = data.get("tokens_per_step", recipe.get("tokens_per_step",
+                                                              cls.model_fields["tokens_per_step"].default))
             data["steps"] = max(1, math.ceil(tokens / per_step)) if isinstance(per_step, int) and per_step > 0 else 1
         return data
 
@@ -106,6 +122,11 @@ class TrainConfig(BaseModel):
         if value not in PRESETS:
             raise ValueError(f"unknown preset; use one of {', '.join(sorted(PRESETS))}")
         return value
+
+    @field_validator("attn_impl")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        return Backend.parse(value, field="attn_impl").value
 
     @field_validator("p_train", mode="before")
     @classmethod
@@ -125,6 +146,15 @@ class TrainConfig(BaseModel):
     def gpu(self) -> bool:
         """Whether the workers use GPUs (``gpus_per_worker > 0``)."""
         return self.gpus_per_worker > 0
+
+    @model_validator(mode="after")
+    def _preset_recipe(self) -> "TrainConfig":
+        """Unset fields take the preset's recipe (:data:`PRESET_RECIPES`); they stay 'unset', so a study can
+        still search them."""
+        for key, value in PRESET_RECIPES.get(self.preset, {}).items():
+            if key not in self.model_fields_set:
+                object.__setattr__(self, key, value)
+        return self
 
     @model_validator(mode="after")
     def _model_builds(self) -> "TrainConfig":
@@ -163,6 +193,38 @@ class TrainConfig(BaseModel):
                 f"tokens_per_step={self.tokens_per_step} gives {global_batch} sequences of {self.seq_length}, "
                 f"not a multiple of micro_batch={self.micro_batch} x workers={world_size}; adjust one of them")
         return global_batch, global_batch // per_micro
+
+    def warnings(self, world_size: int | None = None) -> list[str]:
+        """One line per setting that makes a run pointless or very slow (shown before it starts)."""
+        out = []
+        if self.warmup_steps >= self.steps:
+            out.append(f"warmup_steps={self.warmup_steps} >= steps={self.steps}: the learning rate never leaves "
+                       f"warm-up (it peaks at {self.lr * self.steps / max(self.warmup_steps, 1):.2g}, not lr={self.lr:g}); "
+                       "lower warmup_steps")
+        workers = world_size or self.workers
+        try:
+            _, accum = self.batch_plan(workers)
+        except UserError:
+            return out
+        if accum > MANY_ACCUMULATION_STEPS:
+            out.append(f"tokens_per_step={self.tokens_per_step:,} is {accum} micro-steps of micro_batch="
+                       f"{self.micro_batch} x {self.seq_length} tokens per worker ({workers} worker(s)) for every "
+                       "optimizer step: a step will be slow; lower tokens_per_step or raise micro_batch / workers")
+        return out
+
+    def plan(self, world_size: int | None = None, num_params: int | None = None) -> str:
+        """The run in one line: model, attention, steps x tokens, batch split, workers, data."""
+        workers = world_size or self.workers
+        global_batch, accum = self.batch_plan(workers)
+        gpt = self.gpt_config()
+        spec = gpt.attention_spec()
+        attention = spec.name + ("" if spec.p is None else f" (p={spec.p:g})")
+        size = f" ({num_params / 1e6:.1f}M params)" if num_params else ""
+        data = self.data if isinstance(self.data, str) else f"synthetic:{self.data.get('synthetic')}"
+        device = f"{self.gpus_per_worker:g} GPU" if self.gpu else f"{self.cpus_per_worker:g} CPU"
+        return (f"plan: {self.preset}{size} {attention}, {self.steps:,} steps x {self.tokens_per_step:,} tokens "
+                f"({global_batch} x {self.seq_length}) = {self.steps * self.tokens_per_step:,} tokens; {workers} "
+                f"worker(s) of {device}, micro-batch {self.micro_batch}, grad accumulation {accum}; data {data}")
 
     def identity(self, data_fingerprint: str, vocab_size: int | None = None) -> dict:
         """What determines the trained weights: the resolved model (attention spec included), the data by its

@@ -25,7 +25,7 @@ import torch
 
 from attnlab.data.source import open_data
 from attnlab.location import Location
-from attnlab.model import GPT
+from attnlab.model import GPT, compile_model, is_compiled
 from attnlab.model.checkpoint import find_latest_checkpoint, load_state, local_checkpoint, restore_rng, save_checkpoint
 from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
@@ -108,6 +108,7 @@ def write_provenance(run: Location, cfg: TrainConfig, model: GPT, data, world_si
         "config_hash": key,  # the results rows' column of the same name
         "identity": cfg.identity(data.fingerprint, data.vocab_size),
         "model": dataclasses.asdict(model.cfg),
+        "compiled": is_compiled(model),
         "num_params": model.num_params(),
         "git": git_info(),
         "versions": package_versions(),
@@ -138,6 +139,7 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(gpt_cfg).to(device)
+    compile_model(model, cfg.compile)  # in place, before DDP wraps it (default: on for CUDA, off on CPU)
     optimizer = build_optimizer(model, cfg, device)
     start = 0
     with session.latest_checkpoint() as ckpt:

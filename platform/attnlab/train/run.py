@@ -11,7 +11,8 @@ Layout of a run folder (``RUN``)::
     RUN/replicas/rankN.sha256  each DDP rank's final weights (replicas must end byte-identical)
     RUN/checkpoint_*/          Ray Train's checkpoints (RUN/checkpoints/step_*/ for a plain-process run)
 
-No Ray, no torch here.
+It also watches a run's progress (:class:`Progress`, :func:`watch`): the step, the losses and an estimate of
+the time left, read from ``metrics.jsonl`` by whoever waits for the run. No Ray, no torch here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from attnlab.errors import UserError
 from attnlab.location import Location
+from attnlab.names import format_duration
 
 METRICS_FILE = "metrics.jsonl"
 PROVENANCE_FILE = "provenance.json"
@@ -113,3 +115,68 @@ def outcome(run: str | Location, steps: int | None = None) -> TrainOutcome:
         status = "finished"
     return TrainOutcome(run.uri, status, final, checkpoint.uri if checkpoint else None,
                         failure["reason"] if failure else None, provenance.get("train_key"))
+
+
+# ------------------------------------------------------------------------------------------ progress
+class Progress:
+    """A run's progress as its metrics show it: the latest step and losses, the pace since it was first seen,
+    and an estimate of the time left."""
+
+    def __init__(self, steps: int):
+        self.steps = int(steps)
+        self.first: tuple[float, int] | None = None
+        self.last: dict = {}
+        self.val_loss: float | None = None
+
+    def update(self, lines: list[dict], now: float | None = None) -> bool:
+        """Take the metrics lines read so far; True when the step moved."""
+        now = time.monotonic() if now is None else now
+        if not lines:
+            return False
+        moved = lines[-1].get("step") != self.last.get("step")
+        self.last = lines[-1]
+        for line in reversed(lines):
+            if "val_loss" in line:
+                self.val_loss = line["val_loss"]
+                break
+        if self.first is None:
+            self.first = (now, int(self.last.get("step", 0)))
+        self._now = now
+        return moved
+
+    def eta_seconds(self) -> float | None:
+        if self.first is None or not self.last:
+            return None
+        t0, s0 = self.first
+        done = int(self.last.get("step", 0)) - s0
+        if done <= 0 or self._now <= t0:
+            return None
+        return (self.steps - int(self.last.get("step", 0))) * (self._now - t0) / done
+
+    def line(self) -> str:
+        step = int(self.last.get("step", 0))
+        parts = [f"step {step:,}/{self.steps:,}"]
+        if "train_loss" in self.last:
+            parts.append(f"loss {self.last['train_loss']:.4f}")
+        if self.val_loss is not None:
+            parts.append(f"val {self.val_loss:.4f}")
+        eta = self.eta_seconds()
+        if step >= self.steps:
+            parts.append("done")
+        elif eta is not None:
+            parts.append(f"ETA {format_duration(eta)}")
+        return " · ".join(parts)
+
+
+def watch(run: Location, steps: int, stop, emit, interval: float = 5.0) -> None:
+    """Until ``stop`` (a threading.Event) is set, emit a progress line whenever the run's step moves."""
+    progress = Progress(steps)
+    while True:
+        stopped = stop.wait(interval)
+        try:
+            if progress.update(read_metrics(run)):
+                emit(progress.line())
+        except (OSError, ValueError):  # a file being replaced, a bucket hiccup: try again next time
+            pass
+        if stopped:  # one last look after the run ended
+            return
