@@ -148,7 +148,7 @@ def test_curves_write_a_png_that_opens_and_html_with_the_data(store, tmp_path):
     with open(paths["png"], "rb") as handle:
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(paths["png"])
-    assert image.shape[:2] == (500, 800)  # 8x5 inches at 100 dpi
+    assert image.shape[1] == 900 and image.shape[0] > 550  # 9 inches wide at 100 dpi; taller with the legend under it
     assert image.std() > 0  # something was drawn
     page = Path(paths["html"]).read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "data:image/png;base64,iVBORw0KGgo" in page
@@ -159,12 +159,73 @@ def test_curves_write_a_png_that_opens_and_html_with_the_data(store, tmp_path):
 
     by_p = reports.curves(store.read(), str(tmp_path / "plots"), by="p")
     assert by_p["png"].endswith("val_loss_vs_p.png")
-    assert matplotlib.image.imread(by_p["png"]).shape[:2] == (500, 800)
+    assert matplotlib.image.imread(by_p["png"]).shape[1] == 900
     page = Path(by_p["html"]).read_text(encoding="utf-8")
     assert "<th>p_eval</th>" in page
     assert "<td>15</td><td>64</td><td>3.2000 ± 0.2646 (n=3) [2.5428, 3.8572]</td>" in page
     with pytest.raises(UserError, match="--by p needs rows with several"):
         reports.curves(store.read()[lambda d: d["attention"] == "softmax"], str(tmp_path / "x"), by="p")
+
+
+def test_a_figure_says_what_it_shows_and_hides_no_line(store):
+    """Title with the study, the shared settings under it, the training length marked, ticks in tokens and
+    multiples, the unit on the y axis, and no two lines in one style (p_eval none and 15 of one model)."""
+    figure, title, _, _, _ = reports.curve_figure(store.read())
+    axes = figure.axes[0]
+    assert title == "val_loss vs evaluation length — study t4"
+    assert figure._suptitle.get_text() == title
+    assert "fixed: " in axes.get_title() and "rope_scaling=ntk" in axes.get_title() and "train_len=64" in axes.get_title()
+    assert axes.get_ylabel() == "val_loss (nats per token)"
+    assert [t.get_text() for t in axes.get_xticklabels()] == ["64\n1x", "128\n2x"]
+    marks = [line for line in axes.get_lines() if line.get_label().startswith("training length")]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [64.0, 64.0]
+    styles = [(c.lines[0].get_color(), c.lines[0].get_linestyle(), c.lines[0].get_marker()) for c in axes.containers]
+    assert len(styles) == 3 and len(set(styles)) == 3  # softmax, lssa none, lssa 15: three distinct looks
+    assert len({s[1] for s in styles}) == 3 and len({s[2] for s in styles}) == 3
+
+    figure, title, _, _, _ = reports.curve_figure(store.read(), by="p")
+    axes = figure.axes[0]
+    assert title == "val_loss vs p_eval — study t4"
+    assert [t.get_text() for t in axes.get_xticklabels()] == ["as trained", "15"]  # none = the model's own p
+    assert "as trained" in axes.get_xlabel()
+    assert any("L=128 (2x)" in c.get_label() for c in axes.containers)
+
+
+def test_figures_and_exports_go_to_a_bucket_as_to_a_folder(store, s3_bucket, tmp_path, monkeypatch):
+    from conftest import s3_keys
+
+    monkeypatch.chdir(tmp_path)
+    paths = reports.curves(store.read(), f"{s3_bucket}/figures")
+    assert paths == {"png": f"{s3_bucket}/figures/val_loss_vs_length.png",
+                     "html": f"{s3_bucket}/figures/val_loss_vs_length.html"}
+    written = reports.export(store.read(metric="val_loss"), f"{s3_bucket}/rows/all.csv")
+    assert written == f"{s3_bucket}/rows/all.csv"
+    objects = [k for k in s3_keys(s3_bucket) if not k.endswith("/")]  # (pyarrow also puts folder markers)
+    assert objects == ["figures/val_loss_vs_length.html", "figures/val_loss_vs_length.png", "rows/all.csv"]
+    assert not any(p.name.startswith("s3") for p in tmp_path.iterdir())  # no local folder named after the URI
+
+
+def test_every_command_and_option_says_what_it_does():
+    import argparse
+
+    from attnlab.cli import build_parser
+
+    empty = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps = {choice.dest: choice.help for choice in action._choices_actions}
+                for name, sub in action.choices.items():
+                    if name in helps and not helps[name]:
+                        empty.append(f"{path} {name}")
+                    if name in helps:  # aliases share their command's parser
+                        walk(sub, f"{path} {name}")
+            elif action.dest != "help" and not action.help:
+                empty.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "attnlab")
+    assert empty == []
 
 
 def test_export_and_reference(store, tmp_path):

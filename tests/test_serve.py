@@ -74,7 +74,7 @@ def test_results_are_the_reports_of_attnlab_results(local):
     ranking = reports.best(df, at="4x", metric="acc")
     assert res["best"]["markdown"] == reports.best_to_markdown(ranking)
     assert res["best"]["top"]["attention"] == "lssar" and res["best"]["top"]["rank"] == "1"
-    assert res["best"]["title"].startswith("ranking at 4x (higher is better)")
+    assert res["best"]["title"].startswith("ranking at 4x (higher is better;")
 
     curves = res["curves"]
     assert curves["selectors"] == {"p_eval": ["none", "15"], "rope_scaling": ["none", "ntk"]}
@@ -89,7 +89,7 @@ def test_results_are_the_reports_of_attnlab_results(local):
 
     other = data.results(sources, "probe", metric="val_loss", at="128")
     assert other["metric"] == "val_loss" and other["at_length"] == 128
-    assert other["best"]["title"].startswith("ranking at 128 (lower is better)")
+    assert other["best"]["title"].startswith("ranking at 128 (lower is better;")
     # the diverged trial's NaN rows: "nan" cells in the table, no points on its curve, last in the ranking
     [diverged] = [s for s in other["curves"]["series"] if s["labels"]["attention"] == "sigmoid_l1"
                   and s["labels"]["p_eval"] == "none" and s["labels"]["rope_scaling"] == "none"]

@@ -19,12 +19,12 @@ def add_parser(subparsers) -> None:
     p = sub.add_parser("validate", aliases=["config"], help="validate launcher YAMLs and KubeRay manifests",
                        description="Validate Ray cluster-launcher YAMLs against the schema shipped in the ray "
                        "wheel, and KubeRay manifests against the vendored v1.7.0 CRD schemas.")
-    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="cluster launcher YAMLs (cluster/*.yaml) or KubeRay manifests")
     p.set_defaults(func=_validate)
     p = sub.add_parser("fits", help="check that each study's resources fit a cluster config",
                        description="Refuse, before submission, a study that no node type of the config can host.")
     p.add_argument("--config", required=True, help="a cluster YAML (cluster/aws.yaml, gcp.yaml, kuberay/...)")
-    p.add_argument("studies", nargs="+", metavar="STUDY.yaml")
+    p.add_argument("studies", nargs="+", metavar="STUDY.yaml", help="study files whose trials must fit the cluster")
     p.set_defaults(func=_fits)
     p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into cluster/kuberay/schemas/",
                        description="Extract the v1 openAPIV3Schema of KubeRay CRD files (e.g. ray.io_rayclusters.yaml "

@@ -156,9 +156,10 @@ def add_parser(subparsers) -> None:
                                    "t interval of the mean; a single run is marked '1 seed'.")
     _store_options(p)
     _report_options(p)
-    p.add_argument("--format", choices=("markdown", "csv"), default="markdown")
+    p.add_argument("--format", choices=("markdown", "csv"), default="markdown",
+                   help="markdown (the paper's Table 4 layout, default) or csv (one column per statistic)")
     p.add_argument("--digits", type=int, default=4, help="decimals in markdown cells (default 4)")
-    p.add_argument("--reference", action="store_true", help="also print the paper's Table 4 (SPEC.md section 8)")
+    p.add_argument("--reference", action="store_true", help="also print the paper's Table 4 (docs/reference-numbers.md#table-4)")
     p.add_argument("--per-seed", action="store_true", help="markdown cells also list each seed's value")
     p.add_argument("--out", default=None, metavar="FILE", help="write to FILE instead of stdout")
     p.set_defaults(func=_table)
@@ -168,7 +169,9 @@ def add_parser(subparsers) -> None:
                                    "paper's Figure 1), or with --by p against p per length (its Figure 2).")
     _store_options(p)
     _report_options(p)
-    p.add_argument("--by", choices=("length", "p"), default="length")
+    p.add_argument("--by", choices=("length", "p"), default="length",
+                   help="x axis: length (evaluation length, 1x..16x; default) or p (the sharpening power, one line "
+                        "per length; p_eval none = as trained)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for <metric>_vs_<by>.png/.html")
     p.set_defaults(func=_curves)
 
@@ -179,8 +182,8 @@ def add_parser(subparsers) -> None:
     _report_options(p)
     p.add_argument("--at", required=True, metavar="LENGTH", help="eval length (16384, 16k) or multiple of train_len (16x)")
     p.add_argument("--top", type=int, default=None, help="show only the first N")
-    p.add_argument("--format", choices=("markdown", "csv"), default="markdown")
-    p.add_argument("--digits", type=int, default=4)
+    p.add_argument("--format", choices=("markdown", "csv"), default="markdown", help="markdown (default) or csv")
+    p.add_argument("--digits", type=int, default=4, help="decimals in markdown cells (default 4)")
     p.set_defaults(func=_best)
 
     p = sub.add_parser("compare", help="is configuration b different from a at one length? difference, interval, test",
@@ -194,13 +197,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--a", required=True, metavar="VARIANT[,COL=V]", help="the reference configuration, e.g. softmax")
     p.add_argument("--b", required=True, metavar="VARIANT[,COL=V]", help="the configuration compared with it, e.g. lssar")
     p.add_argument("--at", required=True, metavar="LENGTH", help="eval length (1024, 1k) or multiple of train_len (16x)")
-    p.add_argument("--digits", type=int, default=4)
+    p.add_argument("--digits", type=int, default=4, help="decimals in the printed difference and interval (default 4)")
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("export", help="write the selected rows as Parquet or CSV")
     _store_options(p)
     p.add_argument("--format", choices=("parquet", "csv"), default=None, help="default: from the --out suffix")
-    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="file to write: .parquet or .csv (a local path; the folder is created)")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("studies", help="list the studies in the store")

@@ -29,7 +29,6 @@ import base64
 import html
 import io
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +43,7 @@ MISSING_CELL = "–"
 SINGLE_RUN = "1 seed"  # how tables and figures mark a cell measured on a single run
 CONFIDENCE = _stats_mod.CONFIDENCE
 
-# SPEC.md section 8: the paper's Table 4 (validation loss, GPT-2 124M trained at 1K, FineWeb).
+# docs/reference-numbers.md#table-4: the paper's Table 4 (validation loss, GPT-2 124M trained at 1K, FineWeb).
 # (attention, p, [loss at 1K, 2K, 4K, 8K]); p is the sharpening power (None = no sharpening).
 PAPER_TABLE4: tuple[tuple[str, float | None, tuple[float, float, float, float]], ...] = (
     ("softmax", None, (3.1911, 4.1662, 5.4513, 6.2823)),
@@ -336,7 +335,7 @@ def to_csv(result: pd.DataFrame) -> str:
 
 # ---------------------------------------------------------------------------------------- reference
 def reference_table() -> pd.DataFrame:
-    """SPEC.md section 8 (the paper's Table 4) as a DataFrame: attention, p, loss@1024..8192."""
+    """The paper's Table 4 (docs/reference-numbers.md#table-4) as a DataFrame: attention, p, loss@1024..8192."""
     records = [
         {"attention": name, "p": p, **{f"mean@{L}": v for L, v in zip(PAPER_TABLE4_LENGTHS, values)}}
         for name, p, values in PAPER_TABLE4
@@ -707,31 +706,63 @@ td,th{{border:1px solid #bbb;padding:4px 8px;text-align:right}} th{{background:#
 """
 
 
-def _plot_line(axes, xs: np.ndarray, ys: np.ndarray, errs: np.ndarray, ns: np.ndarray, label: str) -> bool:
+# Lines of one figure never share a style: colour, line style and marker all change from line to line, so two
+# lines that coincide (p_eval none vs 15 of a p = 15 model) still show as two.
+_LINE_STYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _plot_line(axes, xs: np.ndarray, ys: np.ndarray, errs: np.ndarray, ns: np.ndarray, label: str,
+               index: int = 0) -> bool:
     """One line with std error bars; points with n = 1 hollow, "(1 seed)" in the label when all are.
     Returns whether any single-run point was drawn."""
     single = np.asarray(ns) == 1
     if len(single) and single.all():
         label = f"{label} ({SINGLE_RUN})"
-    line = axes.errorbar(xs, ys, yerr=errs if errs.any() else None, marker="o", capsize=3, label=label)
+    marker = _MARKERS[index % len(_MARKERS)]
+    line = axes.errorbar(xs, ys, yerr=errs if errs.any() else None, marker=marker, capsize=3, label=label,
+                         linestyle=_LINE_STYLES[index % len(_LINE_STYLES)], color=f"C{index % 10}", alpha=0.9)
     if single.any():
         color = line.lines[0].get_color()
-        axes.plot(xs[single], ys[single], linestyle="none", marker="o", markersize=7, markerfacecolor="white",
+        axes.plot(xs[single], ys[single], linestyle="none", marker=marker, markersize=7, markerfacecolor="white",
                   markeredgecolor=color, markeredgewidth=1.5, zorder=3)
     return bool(single.any())
 
 
-def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "length", step="final",
-           digits: int = 4) -> dict[str, str]:
-    """Plot ``metric`` against eval length (log2 x axis, one line per configuration; the paper's
-    Figure 1) or, with ``by="p"``, against the sharpening power p (one line per eval length and
-    configuration; its Figure 2). Error bars show the sample std when n > 1; a point measured on a
-    single run is drawn hollow, a line made only of single runs says "(1 seed)" in its legend label, and
-    the legend explains the hollow marker whenever one is drawn.
+def metric_axis_label(metric: str) -> str:
+    """The y axis of a figure: what the metric is and its unit (losses are natural-log cross-entropies)."""
+    if metric in ("val_loss", "loss") or metric.endswith("_loss"):
+        return f"{metric} (nats per token)"
+    if metric == "acc":
+        return "acc (fraction of target tokens right)"
+    if metric == "ppl":
+        return "ppl (perplexity, exp of the loss in nats)"
+    return metric
 
-    Writes ``<metric>_vs_<by>.png`` and a self-contained ``<metric>_vs_<by>.html`` (the PNG inlined as
-    base64 plus the numbers as a table) into ``out_dir``; returns ``{"png": path, "html": path}``.
-    """
+
+def _length_tick(length: int, train_len) -> str:
+    """``1K`` over ``1x``: the length and, when every row was trained at one length, its multiple."""
+    if train_len:
+        multiple = length / float(train_len)
+        return f"{length_label(length)}\n{multiple:g}x"
+    return length_label(length)
+
+
+def _figure_title(df: pd.DataFrame, metric: str, by: str, p_column: str | None = None) -> tuple[str, str]:
+    """(title, subtitle): the metric against what, for which study; the settings every line shares."""
+    studies = sorted({str(s) for s in df["study"].dropna().unique()}) if "study" in df.columns else []
+    against = "evaluation length" if by == "length" else f"{p_column or 'p'}"
+    title = f"{metric} vs {against}" + (f" — study {', '.join(studies)}" if studies else "")
+    return title, ""
+
+
+def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length", step="final", digits: int = 4):
+    """The figure :func:`curves` saves, and what its page shows: ``(figure, title, caption, header, body)``.
+
+    The title names the metric and the study; the line under it the settings every line shares. Every line has
+    its own colour, line style and marker (lines that coincide stay visible). Length figures mark the training
+    length and label each tick with its multiple (1x..16x); the y axis says the unit (nats per token for
+    losses). In ``by="p"`` figures ``p_eval`` none reads "as trained" (the model's own p_train)."""
     if by not in ("length", "p"):
         raise UserError(f"--by {by!r}: allowed: length, p")
     import matplotlib
@@ -742,9 +773,11 @@ def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "
     rows = select(df, metric, step)
     result = table(df, metric=metric, step=step)
     label_columns = result.attrs["label_columns"]
-    figure = Figure(figsize=(8, 5), dpi=100)
+    train_len = result.attrs.get("train_len")
+    figure = Figure(figsize=(9, 5.5), dpi=100)
     axes = figure.add_subplot(1, 1, 1)
     single_runs = False
+    p_column = None
 
     if by == "length":
         lengths = result.attrs["lengths"]
@@ -754,11 +787,17 @@ def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "
             xs = np.array(lengths, dtype=float)[n > 0]
             ys = np.array([row[f"mean@{L}"] for L in lengths])[n > 0]
             errs = np.nan_to_num(np.array([row[f"std@{L}"] for L in lengths])[n > 0])
-            single_runs |= _plot_line(axes, xs, ys, errs, n[n > 0], _config_label(row, label_columns))
+            single_runs |= _plot_line(axes, xs, ys, errs, n[n > 0], _config_label(row, label_columns), index=i)
         axes.set_xscale("log", base=2)
         axes.set_xticks(lengths)
-        axes.set_xticklabels([length_label(L) for L in lengths])
-        axes.set_xlabel("evaluation length (tokens, log2 scale)")
+        axes.set_xticklabels([_length_tick(L, train_len) for L in lengths])
+        axes.minorticks_off()
+        if train_len:
+            axes.axvline(float(train_len), color="0.4", linestyle=(0, (1, 3)), linewidth=1.2,
+                         label=f"training length ({length_label(train_len)})")
+            axes.set_xlabel("evaluation length (tokens, log2 scale; below: multiple of the training length)")
+        else:
+            axes.set_xlabel("evaluation length (tokens, log2 scale; the rows were trained at several lengths)")
         header, body = formatted_cells(result, digits)
     else:
         p_column = _p_column(rows)
@@ -767,25 +806,35 @@ def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "
         p_values = sorted(stats[p_column].drop_duplicates().tolist(), key=_sort_key)
         positions = {format_value(p): i for i, p in enumerate(p_values)}
         line_columns = [*group_columns, "eval_len"]
-        for _, line in stats.groupby(line_columns, dropna=False, sort=False):
+        for index, (_, line) in enumerate(stats.groupby(line_columns, dropna=False, sort=False)):
             first = line.iloc[0]
-            label = ", ".join([*(f"{c}={format_value(first[c])}" for c in group_columns),
-                               f"L={length_label(first['eval_len'])}"])
+            length = length_label(first["eval_len"])
+            if train_len:
+                length += f" ({int(first['eval_len']) / float(train_len):g}x)"
+            label = ", ".join([*(f"{c}={format_value(first[c])}" for c in group_columns), f"L={length}"])
             xs = [positions[format_value(p)] for p in line[p_column]]
             errs = np.nan_to_num(line["std"].to_numpy(float))
             single_runs |= _plot_line(axes, np.array(xs, dtype=float), line["mean"].to_numpy(float), errs,
-                                      line["n"].to_numpy(int), label)
+                                      line["n"].to_numpy(int), label, index=index)
         axes.set_xticks(range(len(p_values)))
-        axes.set_xticklabels([format_value(p) for p in p_values])
-        axes.set_xlabel(f"{p_column} (sharpening power; none = no sharpening)")
+        if p_column == "p_eval":  # p_eval none: the model evaluated as it was trained (its own p_train)
+            axes.set_xticklabels(["as trained" if is_missing(p) else format_value(p) for p in p_values])
+            axes.set_xlabel("p_eval (sharpening power at evaluation; as trained = the model's own p_train)")
+        else:
+            axes.set_xticklabels(["none" if is_missing(p) else format_value(p) for p in p_values])
+            axes.set_xlabel("p_train (sharpening power in training; none = no sharpening)")
         header = [*group_columns, p_column, "eval_len", metric]
         body = [[*(format_value(r[c]) for c in group_columns), format_value(r[p_column]), str(int(r["eval_len"])),
                  _format_cell(r["mean"], r["std"], int(r["n"]), digits, r["ci_low"], r["ci_high"])]
                 for _, r in stats.iterrows()]
 
-    axes.set_ylabel(metric)
-    title = f"{metric} vs {'evaluation length' if by == 'length' else 'p'}"
-    axes.set_title(title + " (error bars: sample std over seeds)")
+    axes.set_ylabel(metric_axis_label(metric))
+    title, _ = _figure_title(df, metric, by, p_column)
+    constants = {k: v for k, v in (result.attrs.get("constants") or {}).items() if k not in ("study",)}
+    subtitle = ", ".join(f"{k}={format_value(v)}" for k, v in constants.items())
+    subtitle = (f"fixed: {subtitle}; " if subtitle else "") + "error bars: sample std over seeds"
+    figure.suptitle(title, fontsize="medium")
+    axes.set_title(subtitle, fontsize="small", color="0.3")
     axes.grid(True, alpha=0.3)
     handles, labels = axes.get_legend_handles_labels()
     if single_runs:
@@ -794,35 +843,57 @@ def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "
         handles.append(Line2D([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="0.3",
                               label=f"hollow marker: {SINGLE_RUN} (no spread)"))
         labels.append(handles[-1].get_label())
-    axes.legend(handles, labels, fontsize="small")
+    # The legend sits under the plot, never on a line; the figure grows with it.
+    figure.set_size_inches(9, 5.5 + 0.2 * len(labels))
+    axes.legend(handles, labels, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
+                frameon=False)
     figure.tight_layout()
+    return figure, title, caption(result), header, body
 
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{metric}_vs_{by}")
+
+def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "length", step="final",
+           digits: int = 4) -> dict[str, str]:
+    """Plot ``metric`` against eval length (log2 x axis, one line per configuration; the paper's
+    Figure 1) or, with ``by="p"``, against the sharpening power p (one line per eval length and
+    configuration; its Figure 2); see :func:`curve_figure`. Error bars show the sample std when n > 1; a point
+    measured on a single run is drawn hollow, a line made only of single runs says "(1 seed)" in its legend
+    label, and the legend explains the hollow marker whenever one is drawn.
+
+    Writes ``<metric>_vs_<by>.png`` and a self-contained ``<metric>_vs_<by>.html`` (the PNG inlined as
+    base64 plus the numbers as a table) into ``out_dir``; returns ``{"png": path, "html": path}``.
+    """
+    from attnlab.location import Location
+
+    figure, title, caption_text, header, body = curve_figure(df, metric, by, step, digits)
+    out = Location.parse(out_dir, field="--out")
+    stem = f"{metric}_vs_{by}"
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     png_bytes = buffer.getvalue()
-    with open(stem + ".png", "wb") as handle:
-        handle.write(png_bytes)
-    with open(stem + ".html", "w", encoding="utf-8") as handle:
-        handle.write(_html_page(title, caption(result), png_bytes, header, body))
-    return {"png": stem + ".png", "html": stem + ".html"}
+    out.write_bytes(stem + ".png", png_bytes)
+    out.write_text(stem + ".html", _html_page(title, caption_text, png_bytes, header, body))
+    return {"png": out.child(stem + ".png").uri, "html": out.child(stem + ".html").uri}
 
 
 # ---------------------------------------------------------------------------------------- export
 def export(df: pd.DataFrame, path: str, format: str | None = None) -> str:
-    """Write rows to ``path`` as Parquet or CSV (``format`` defaults to the file suffix). Returns path."""
+    """Write rows to ``path`` (a local path or an ``s3://`` / ``gs://`` URI) as Parquet or CSV (``format``
+    defaults to the file suffix). Returns the location written."""
+    from attnlab.location import Location
+
     if format is None:
         format = "csv" if str(path).lower().endswith(".csv") else "parquet"
     if format not in ("parquet", "csv"):
         raise UserError(f"--format {format!r}: allowed: parquet, csv")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    target = Location.parse(path, field="--out")
     if format == "csv":
-        df.to_csv(path, index=False)
+        data = df.to_csv(index=False).encode("utf-8")
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), path)
-    return path
+        buffer = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), buffer)
+        data = buffer.getvalue()
+    target.parent.write_bytes(target.name, data)
+    return target.uri

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
         description="Run STUDY.yaml. Running it again resumes its Tune state (finished trials are not re-run); a "
                     "finished training run is never trained again, and only evaluation cells with no rows in the "
                     "store are measured (add a p_eval value or a length and re-run: nothing retrains).")
-    run.add_argument("study", metavar="STUDY.yaml")
+    run.add_argument("study", metavar="STUDY.yaml", help="the study file (examples: studies/*.yaml)")
     run.add_argument("--store", help="results store, a path or an s3://, gs:// URI (default: the study's store:, else "
                      "$ATTNLAB_STORAGE/results, else ./results)")
     run.add_argument("--storage", help="where the study keeps its Tune state, training runs and trial status, a path "
@@ -41,7 +41,7 @@ def add_parser(subparsers) -> None:
     val = sub.add_parser("validate", help="check a study file and print its trials and resources",
                          description="Validate STUDY.yaml: exit 0 and print the resolved trial count and "
                                      "resources, or exit 2 with a one-line error.")
-    val.add_argument("study", metavar="STUDY.yaml", nargs="+")
+    val.add_argument("study", metavar="STUDY.yaml", nargs="+", help="study files to check (nothing runs)")
     val.add_argument("--cluster", metavar="CLUSTER.yaml", help="also check the resources fit this cluster config")
     val.set_defaults(func=_validate)
 

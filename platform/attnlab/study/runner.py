@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -352,15 +351,10 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, curves_di
     try:
         summary.table = reports.to_markdown(reports.table(df, metric=metric))
         print("\n" + summary.table + "\n")
-        with tempfile.TemporaryDirectory(prefix="attnlab-curves-") as tmp:
-            local = curves_dir or (state.curves.path if state.curves.is_local else tmp)
-            summary.curves = reports.curves(df, local, metric=metric, by="length")
-            if len({str(p) for p in df["p_eval"]}) > 1:
-                summary.curves["by_p"] = reports.curves(df, local, metric=metric, by="p")["png"]
-            if local == tmp:  # object storage: the figures go next to the study's state
-                state.curves.mkdir()
-                state.loc.upload(tmp, "curves")
-                summary.curves = {k: state.curves.child(os.path.basename(v)).uri for k, v in summary.curves.items()}
+        target = curves_dir or state.curves.uri  # next to the study's state, on a bucket too
+        summary.curves = reports.curves(df, target, metric=metric, by="length")
+        if len({str(p) for p in df["p_eval"]}) > 1:
+            summary.curves["by_p"] = reports.curves(df, target, metric=metric, by="p")["png"]
         print(f"curves: {summary.curves['png']} (and {summary.curves['html']})")
     except UserError as exc:
         print(f"attnlab: could not report: {exc}", file=sys.stderr)
