@@ -94,7 +94,7 @@ def test_results_are_the_reports_of_attnlab_results(local):
     [diverged] = [s for s in other["curves"]["series"] if s["labels"]["attention"] == "sigmoid_l1"
                   and s["labels"]["p_eval"] == "none" and s["labels"]["rope_scaling"] == "none"]
     assert diverged["mean"] == [None, None, None] and diverged["n"] == [1, 1, 1]
-    assert ["sigmoid_l1", "none", "none", "none", "nan", "nan", "nan"] in other["table"]["body"]
+    assert ["sigmoid_l1", "none", "none", "none", *["nan (1 seed)"] * 3] in other["table"]["body"]
     assert other["best"]["body"][-1][1] == "sigmoid_l1"
     with pytest.raises(UserError, match="metric='bpb'.*metrics present: acc, val_loss"):
         data.results(sources, "probe", metric="bpb")
