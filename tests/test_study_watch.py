@@ -96,7 +96,8 @@ def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     out = res.stdout
     assert out.startswith("plan: study watched: 2 trial(s) (optuna), each 6 steps x 256 tokens")
-    for noise in ("TrainController", "TrainingReport(", "+----", "Trial status", "(pid="):
+    for noise in ("TrainController", "TrainingReport(", "+----", "Trial status", "(pid=", "Configuration for experiment",
+                  "View detailed results here"):
         assert noise not in out, f"{noise!r} reached the terminal:\n{out}"
     log = next(line.split(": ", 1)[1].split(" (")[0] for line in out.splitlines()
                if line.startswith("Ray's and Tune's own output: "))

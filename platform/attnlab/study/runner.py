@@ -217,6 +217,9 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
 
         path = log_file(state.loc.child("logs").path if state.loc.is_local else str(cache_dir() / "logs"), "ray")
         quiet_ray(path)
+        # Tune's newer console output prints its experiment box and result paths even at verbose=0; the classic
+        # one is silent there (the live view and the final table are the console).
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
         print(f"Ray's and Tune's own output: {path} (--verbose shows it here)", flush=True)
     ensure_ray(log_to_driver=not quiet)
     restore = _check_state(spec, state, resume)
