@@ -463,11 +463,16 @@ def test_the_run_book_works_against_an_s3_compatible_server(cluster, tmp_path):
     assert provenance["data"]["spec"] == f"{storage}/data/demo"  # the bucket's copy, not the job's working dir
     assert Location.parse(f"{storage}/runs/runbook").exists("study.json")
 
-    # 5. Resume: the same command again trains nothing and adds no row.
+    # 5. Resume, through the run book's other way to submit (`attnlab study submit`, which follows the job's log):
+    #    the same study again trains nothing and adds no row.
     stored = len(ResultsStore(f"{storage}/results").read(study="runbook"))
-    proc = cluster.submit(work, *command)
+    proc = subprocess.run([str(BIN / "attnlab"), "study", "submit", "studies/runbook.yaml", "--address",
+                           cluster.address], cwd=work, env=laptop, capture_output=True, text=True, timeout=420)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
+    job_id = proc.stdout.split("job id: ")[1].split()[0]
+    assert f"ray job logs --address {cluster.address} {job_id} -f" in proc.stdout
+    assert f"job {job_id}: SUCCEEDED" in out
     assert "0 trained this run" in out and "resuming study 'runbook'" in out, out[-3000:]
     assert len(ResultsStore(f"{storage}/results").read(study="runbook")) == stored
     assert _local_s3_paths(cluster.head_tmp, cluster.worker_tmp, work, os.getcwd()) == []

@@ -35,15 +35,15 @@ STUDY = {
     "name": "watched",
     "description": "copy probe watched by the browser test",
     "train": {"preset": "tiny", "data": {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16},
-              "steps": 240, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3, "warmup_steps": 5,
-              "log_every": 4, "val_every": 80, "val_tokens": 1024, "checkpoint_every": 240, "keep_checkpoints": 1,
+              "steps": 160, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3, "warmup_steps": 5,
+              "log_every": 4, "val_every": 80, "val_tokens": 1024, "checkpoint_every": 160, "keep_checkpoints": 1,
               "max_failures": 0, "cpus_per_worker": 0.5, "threads_per_worker": 1},
     "resources": {"trial_cpus": 0.5, "max_concurrent_trials": 1},
     "search": {"engine": "grid"},
     "space": {"attention": ["softmax", "lssar"], "seeds": [0, 1]},
     "objective": {"metric": "acc@4x,rope=none", "mode": "max"},
     "scheduler": "none",
-    "eval": {"multiples": [1, 2, 4], "p_eval": ["none", 15], "rope_scaling": ["none", "ntk"], "max_tokens": 1024},
+    "eval": {"multiples": [1, 2, 4], "p_eval": ["none", 15], "rope_scaling": ["none", "ntk"], "max_tokens": 512},
 }
 TRIALS = 4
 
@@ -130,7 +130,7 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
                 assert "running" in page.inner_text('#trials tr[data-status="running"] .badge')
                 assert "● live" in page.inner_text("#trial-counts")
                 running_steps = page.inner_text('#trials tr[data-status="running"] .steps')
-                assert running_steps.endswith("/ 240"), running_steps
+                assert running_steps.endswith("/ 160"), running_steps
                 page.screenshot(path=str(tmp_path / "running.png"), full_page=True)
 
                 # after the study: every trial complete, and the results appear without a reload
