@@ -748,12 +748,11 @@ def _length_tick(length: int, train_len) -> str:
     return length_label(length)
 
 
-def _figure_title(df: pd.DataFrame, metric: str, by: str, p_column: str | None = None) -> tuple[str, str]:
-    """(title, subtitle): the metric against what, for which study; the settings every line shares."""
+def _figure_title(df: pd.DataFrame, metric: str, by: str, p_column: str | None = None) -> str:
+    """The metric against what, for which study (the settings every line shares go under it)."""
     studies = sorted({str(s) for s in df["study"].dropna().unique()}) if "study" in df.columns else []
     against = "evaluation length" if by == "length" else f"{p_column or 'p'}"
-    title = f"{metric} vs {against}" + (f" — study {', '.join(studies)}" if studies else "")
-    return title, ""
+    return f"{metric} vs {against}" + (f" — study {', '.join(studies)}" if studies else "")
 
 
 def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length", step="final", digits: int = 4):
@@ -829,7 +828,7 @@ def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length",
                 for _, r in stats.iterrows()]
 
     axes.set_ylabel(metric_axis_label(metric))
-    title, _ = _figure_title(df, metric, by, p_column)
+    title = _figure_title(df, metric, by, p_column)
     constants = {k: v for k, v in (result.attrs.get("constants") or {}).items() if k not in ("study",)}
     subtitle = ", ".join(f"{k}={format_value(v)}" for k, v in constants.items())
     subtitle = (f"fixed: {subtitle}; " if subtitle else "") + "error bars: sample std over seeds"
