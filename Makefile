@@ -1,6 +1,6 @@
 # Two commands for a fresh machine (see README):
 #   make demo   set up, build the offline demo corpus, run studies/smoke.yaml on a local Ray, print the table
-#   make test   set up and run the test suite
+#   make test   set up (Debian's chromium included, for the browser test) and run the test suite
 # Each creates or reuses .venv and installs the project into it. Without a GPU (no nvidia-smi) the
 # CPU build of torch 2.13.0 is installed first, so no multi-GB CUDA wheels are pulled.
 
@@ -8,9 +8,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnlab-installed
-OUT    ?= runs/demo
+OUT    ?= demo-out
 
-.PHONY: setup demo test bench clean-venv
+.PHONY: setup browser demo test bench bench-gpu clean-venv
 
 setup: $(STAMP)
 
@@ -30,13 +30,26 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/attnlab demo --out $(OUT)
 
-test: setup
+# The browser test of `attnlab serve` drives Debian's headless Chromium (Playwright never downloads one):
+# installed here when missing, as root or through sudo.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		echo "installing Debian's chromium (for the attnlab serve browser test)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: setup browser
 	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) bench/attention.py
 	$(PY) bench/data.py
 	$(PY) bench/train.py
+
+# On one CUDA GPU: the CUDA tests, then attention, training and evaluation figures, appended to
+# bench/RESULTS.md (bench/gpu.py; under 20 minutes on one H100; `python bench/gpu.py --smoke` on CPU).
+bench-gpu: setup
+	$(PY) bench/gpu.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
@@ -47,7 +46,7 @@ def config(args, attention: str, data: str, steps: int):
     return load_train_config(dict(
         preset=args.preset, attention=attention, data=data, seq_len=T, steps=steps,
         tokens_per_step=T * args.micro_batch, micro_batch=args.micro_batch, warmup_steps=1, lr=1e-3,
-        log_every=1, val_every=10**9, val_tokens=T, checkpoint_every=10**9, gpu=args.gpu,
+        log_every=1, val_every=10**9, val_tokens=T, checkpoint_every=10**9, gpus_per_worker=1.0 if args.gpu else 0.0,
         compile=args.compile, threads_per_worker=args.threads))
 
 
@@ -92,8 +91,8 @@ def main() -> None:
     print(f"# hardware: {hw['cpu']} x{hw['cpu_count']}  gpus: {hw['gpu'] or 'none'}")
     print(f"# versions: {json.dumps(package_versions())}")
     data = demo_data()
-    print(f"| preset | attention | seq_len | tokens/step | tokens/s | MFU |")
-    print(f"|---|---|---|---|---|---|")
+    print("| preset | attention | seq_len | tokens/step | tokens/s | MFU |")
+    print("|---|---|---|---|---|---|")
     for attention in args.variants.split(","):
         cfg = config(args, attention, data, args.steps)
         tps, mfu = steady(local_run(cfg), args.skip)

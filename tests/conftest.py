@@ -1,13 +1,30 @@
-"""Shared test set-up: offline tokeniser and hub, quiet and fast Ray, one local Ray cluster per session.
+"""Shared test set-up: offline tokeniser and hub, quiet and fast Ray, one local Ray cluster per session, and an
+S3-compatible server on loopback standing for a cloud bucket.
 
 Environment variables are set before anything imports Ray, datasets or tiktoken, so every worker
-inherits them. Tests never touch the network.
+inherits them (the S3 endpoint included: its port is chosen here, the server starts on first use).
+Tests never touch the network beyond 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+import uuid
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+S3_PORT = int(os.environ.get("ATTNLAB_TEST_S3_PORT") or _free_port())
 
 _ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -22,6 +39,12 @@ _ENV = {
     "RAY_DEDUP_LOGS": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",
+    # The moto S3 server of the ``s3`` fixture (credentials are moto's dummies, never real ones).
+    "AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}",
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
 }
 for _k, _v in _ENV.items():
     os.environ.setdefault(_k, _v)
@@ -51,12 +74,97 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
+        # This cluster's own dashboard, named for every process of it (as attnlab.raycluster does): another
+        # Ray on this machine must not make Train's state queries ambiguous.
+        port = _free_port()
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         ray.init(
             num_cpus=4,
             include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=port,
             object_store_memory=256 * 1024**2,
             log_to_driver=False,
             configure_logging=False,
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server (moto) on 127.0.0.1:S3_PORT for the whole session; yields its endpoint URL.
+
+    moto's server keeps objects in memory and speaks the S3 REST API that pyarrow's S3 filesystem and boto3
+    use, so the code under test talks to it exactly as to a cloud bucket (chosen over MinIO: a pip install,
+    no binary download).
+    """
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    log = open(os.path.join(tempfile.gettempdir(), f"attnlab-test-moto-{S3_PORT}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(S3_PORT)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", S3_PORT), timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"moto server did not start (see {log.name})")
+            time.sleep(0.2)
+    yield endpoint
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, empty bucket on the moto server; yields its ``s3://name`` URI."""
+    import boto3
+
+    name = f"attnlab-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    yield f"s3://{name}"
+
+
+def s3_keys(bucket_uri: str) -> list[str]:
+    """Every object key in a bucket (for assertions on what landed there)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    keys, token = [], None
+    while True:
+        kwargs = {"Bucket": bucket_uri[len("s3://"):], **({"ContinuationToken": token} if token else {})}
+        page = client.list_objects_v2(**kwargs)
+        keys += [item["Key"] for item in page.get("Contents", [])]
+        if not page.get("IsTruncated"):
+            return sorted(keys)
+        token = page["NextContinuationToken"]
+
+
+MULTIPLE_INSTANCES = "Found multiple active Ray instances"
+
+
+def multiple_instance_errors(text: str) -> list[str]:
+    """Lines of ``text`` where Ray could not tell which of several clusters on this machine to use (see
+    ``attnlab.raycluster``). Ray's job supervisor logs a warning with the same words when it picks its own cluster
+    from its temp dir's address file ("... Connecting to latest cluster at ..."): that one found the right cluster
+    and is not an error."""
+    return [line for line in text.splitlines()
+            if MULTIPLE_INSTANCES in line and "Connecting to latest cluster" not in line]
+
+
+@contextlib.contextmanager
+def without_api_server_env():
+    """Ray's job and State API clients follow ``RAY_API_SERVER_ADDRESS`` over the address they are given, and
+    ``ray_session`` points it at the session cluster: a test talking to a cluster of its own clears it meanwhile."""
+    saved = os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["RAY_API_SERVER_ADDRESS"] = saved

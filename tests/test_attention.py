@@ -1,4 +1,4 @@
-"""The attention library against an independent, row-by-row implementation of SPEC.md, plus invariants."""
+"""The attention library against an independent, row-by-row implementation of docs/attention.md, plus invariants."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ NORMALISED = ("softmax exp scenario_iv scenario_iii relu relu2 relu6 sigmoid sof
               "sigmoid_l1 relu_l1 lssa lssar").split()
 
 
-# --- an independent implementation: plain Python floats, one row at a time, straight from SPEC.md ---------
+# --- an independent implementation: plain Python floats, one row at a time, straight from docs/attention.md ---
 
 def _softplus(x):
     return math.log1p(math.exp(-abs(x))) + max(x, 0.0)
@@ -36,7 +36,7 @@ PHI = {
     "relu6": lambda x: min(max(x, 0.0), 6.0), "gelu": _gelu, "sigmoid": lambda x: 1 / (1 + math.exp(-x)),
     "softplus": _softplus, "mish": lambda x: x * math.tanh(_softplus(x)), "exp": math.exp,
 }
-# name -> (phi, norm, scale, qk_norm, bias, post), written out again from SPEC.md section 4
+# name -> (phi, norm, scale, qk_norm, bias, post), written out again from docs/attention.md#variants
 TABLE = {
     "softmax": ("exp", "l1", "inv", False, None, None),
     "softmax_inverse": ("exp", "l1", "inv", False, None, "negate"),
@@ -60,7 +60,7 @@ TABLE["exp"] = TABLE["scenario_iv"] = TABLE["softmax"]
 
 
 def reference_weights(q, k, name, p=None, scale=None):
-    """q, k: (T, d) numpy float64 for one head. Returns the (T, T) weights of SPEC.md."""
+    """q, k: (T, d) numpy float64 for one head. Returns the (T, T) weights of docs/attention.md."""
     f, norm, sc, qk_norm, bias, post = TABLE[name]
     T, d = q.shape
     if qk_norm:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
-from attnlab.attention import IMPLS, attend, get_variant, variant_names
+from attnlab.attention import Backend, attend, get_variant, variant_names
 from attnlab.attention import flex
 from attnlab.attention.dense import attend_dense
 from attnlab.attention.masks import causal_rows
@@ -23,7 +23,7 @@ from attnlab.attention.flex import (RadialGradientRemoved, Sizes, attend_flex, f
                                     inverse_norm, is_fusable, sharpen_rows_with_mass, sharpen_score_mod)
 from attnlab.attention.masks import causal_block_mask, causal_mask_mod, visible_keys
 
-# Written out by hand from SPEC.md section 4: f >= 0, l1norm, no post-processing (relu_l1 duplicates relu).
+# Written out by hand from docs/attention.md#which-variants-are-fused: f >= 0, l1norm, no post-processing (relu_l1 duplicates relu).
 FUSABLE = ("softmax exp scenario_iv relu relu2 relu6 sigmoid softplus sigmoid_ramapuram_b_l1 sigmoid_l1 relu_l1 "
            "lssa lssar").split()
 FORWARD_VARIANTS = [n for n in FUSABLE if n not in ("exp", "scenario_iv", "relu_l1")]  # one per distinct spec
@@ -166,12 +166,12 @@ def test_mixed_dtypes_and_value_head_dim():
 
 
 def test_attend_dispatches_flex_and_auto():
-    assert IMPLS == ("auto", "dense", "flex")
     spec = get_variant("lssar", p=3)
     q, k, v = _qkv(33, 16, dtype=torch.float32)
-    assert torch.equal(attend(q, k, v, spec, impl="flex"), attend_flex(q, k, v, spec))
+    for impl in ("flex", Backend.FLEX):
+        assert torch.equal(attend(q, k, v, spec, impl=impl), attend_flex(q, k, v, spec))
     assert torch.equal(attend(q, k, v, spec, impl="auto"), attend_dense(q, k, v, spec))  # CPU: the reference
-    with pytest.raises(ValueError, match="impl='fused'.*auto, dense, flex"):
+    with pytest.raises(ValueError, match="impl='fused'.*auto, dense, flex, sdpa"):
         attend(q, k, v, spec, impl="fused")
 
 
@@ -217,7 +217,11 @@ def test_backward_needs_the_gradient_of_pass_one_normaliser():
 
 # --- CUDA: the compiled kernels (skipped without a GPU) ------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled FlexAttention)")
+def cuda(test):
+    """Mark a test as a CUDA test (``pytest -m gpu`` selects them all) and skip it without a CUDA device."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled FlexAttention)")
+    return pytest.mark.gpu(skip(test))
+
 # Stated tolerances, as a fraction of the largest |value| of the float64 dense reference on the same inputs.
 CUDA_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
 CUDA_CASES = ([("lssar", 15, T, dt) for T in (1024, 4096) for dt in (torch.float32, torch.bfloat16)]
@@ -256,3 +260,26 @@ def test_cuda_auto_uses_the_fused_path():
     spec = get_variant("lssar")
     q, k, v = (t.to("cuda") for t in _qkv(1024, 64, dtype=torch.float32))
     assert torch.equal(attend(q, k, v, spec, impl="auto"), attend_flex(q, k, v, spec))
+
+
+@cuda
+def test_cuda_compiled_model_with_flex_matches_eager():
+    # FlexAttention inside a compiled model: the enclosing graph compiles it (flex.py's is_compiling branch)
+    # and builds the block mask in the graph; forward and backward must equal the eager model's.
+    from attnlab.model import GPT, compile_model, preset
+
+    torch.manual_seed(0)
+    eager = GPT(preset("tiny", attention="lssar", vocab_size=512)).cuda()
+    compiled = GPT(preset("tiny", attention="lssar", vocab_size=512)).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    compile_model(compiled, True)
+    idx = torch.randint(0, 512, (2, 257), device="cuda")
+    losses, grads = [], []
+    for model in (eager, compiled):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(model.blocks[0].attn.c_attn.weight.grad.float())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-3)
+    assert _max_err(grads[1], grads[0]) <= 5e-2 * grads[0].abs().max().item()

@@ -25,13 +25,14 @@ import yaml
 
 from attnlab.cluster import validate as cv
 from attnlab.errors import UserError
+from conftest import without_api_server_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"
 LAUNCHER_CONFIGS = [CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml", CLUSTER / "local-fake.yaml"]
 CLOUD_CONFIGS = [CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml", CLUSTER / "kuberay" / "raycluster.yaml"]
 KUBERAY_MANIFESTS = [CLUSTER / "kuberay" / "raycluster.yaml", CLUSTER / "kuberay" / "rayjob.yaml"]
-SHARED_CRDS = ROOT.parent / "shared" / "kuberay-crds-v1.7.0"
+STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
 
 
 def _write_variant(tmp_path: Path, source: Path, old: str, new: str) -> Path:
@@ -162,9 +163,7 @@ def test_rayjob_runs_an_existing_study_on_the_cluster():
     study = entrypoint[3]
     assert study == "studies/paper_table4.yaml"
     assert "--storage" in entrypoint and "--store" in entrypoint
-    if not (ROOT / study).is_file():
-        pytest.skip(f"{study} is not written yet (the studies issue); the entrypoint names it")
-    assert (ROOT / study).is_file()
+    assert (ROOT / study).is_file(), f"the RayJob runs {study}, which does not exist"
 
 
 @pytest.mark.parametrize(
@@ -206,13 +205,23 @@ def test_strictify_keeps_preserve_unknown_fields_open():
     assert "additionalProperties" not in schema  # the input is not modified
 
 
-def test_vendored_schemas_are_the_v1_schemas_of_the_shared_crds():
-    if not SHARED_CRDS.is_dir():
-        pytest.skip(f"{SHARED_CRDS} not present; the vendored copies in cluster/kuberay/schemas/ are used as they are")
-    for kind, plural in cv.KUBERAY_KINDS.items():
-        expected = cv.extract_crd_schema(SHARED_CRDS / f"ray.io_{plural}.yaml")
+def test_vendored_schemas_are_v1_kuberay_schemas_and_extraction_round_trips(tmp_path):
+    """The vendored files are KubeRay v1 schemas of both kinds, and `extract-crd` on a CRD made from one gives
+    back exactly that file (the regeneration path of cluster/kuberay/schemas/README.md)."""
+    for kind in cv.KUBERAY_KINDS:
         vendored = json.loads(gzip.decompress(cv.vendored_schema_path(kind).read_bytes()))
-        assert vendored == expected
+        assert (vendored["group"], vendored["kind"], vendored["version"]) == ("ray.io", kind, "v1")
+        assert "v1.7.0" in vendored["source"]
+        assert vendored["openAPIV3Schema"]["properties"]["spec"]["type"] == "object"
+        crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+               "spec": {"group": "ray.io", "names": {"kind": kind},
+                        "versions": [{"name": "v1alpha1", "schema": {"openAPIV3Schema": {"type": "object"}}},
+                                     {"name": "v1", "schema": {"openAPIV3Schema": vendored["openAPIV3Schema"]}}]}}
+        source = tmp_path / f"{kind}.yaml"
+        source.write_text(yaml.safe_dump(crd))
+        extracted = cv.extract_crd_schema(source)
+        assert extracted["openAPIV3Schema"] == vendored["openAPIV3Schema"]
+        assert (extracted["kind"], extracted["version"]) == (kind, "v1")
         assert vendored["kind"] == kind and vendored["version"] == "v1"
 
 
@@ -288,38 +297,43 @@ def test_malformed_request_is_a_user_error(request_, message):
         cv.check_fits(request_, CLUSTER / "aws.yaml")
 
 
-STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
+def test_the_shipped_studies_are_there():
+    names = {p.name for p in STUDIES}
+    assert {"smoke.yaml", "demo_probe.yaml", "probe_copy.yaml", "paper_table4.yaml"} <= names, names
 
 
-@pytest.mark.skipif(not STUDIES, reason="no studies/*.yaml written yet")
 @pytest.mark.parametrize("config", CLOUD_CONFIGS, ids=lambda p: p.name)
 @pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
 def test_every_study_fits_each_cloud_config(study, config):
-    cv.check_fits(cv.study_resources(study), config)
+    from attnlab.study.spec import load_spec
+
+    cv.check_fits(load_spec(study).resource_request(), config)
 
 
-def test_study_resources_reads_only_the_resources_block(tmp_path):
+def test_a_study_resource_request_is_the_one_request_shape(tmp_path):
+    from attnlab.study.spec import load_spec
+
     study = tmp_path / "s.yaml"
-    study.write_text("name: x\nresources:\n  workers_per_trial: 8\n  gpus_per_worker: 1\n  trial_cpus: 0.5\nsearch: {}\n")
-    assert cv.study_resources(study) == {"workers": 8, "gpus_per_worker": 1.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1}
+    study.write_text("name: x\ntrain: {preset: tiny, data: demo, workers: 8, gpus_per_worker: 1}\nresources: {trial_cpus: 0.5}\n")
+    request = load_spec(study).resource_request()
+    assert request == cv.normalise_request(request)
+    assert request == {"workers": 8, "gpus_per_worker": 1.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1,
+                       "trial_cpus": 0.5}
 
 
-@pytest.mark.skipif(not STUDIES, reason="no studies/*.yaml written yet")
-@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
-def test_study_resources_agree_with_the_study_spec(study):
-    """Reading just the resources block gives what the full study spec hands to check_fits."""
-    spec_module = pytest.importorskip("attnlab.study.spec")
-    if not hasattr(spec_module, "load_spec"):
-        pytest.skip("attnlab.study.spec has no load_spec yet")
-    spec = spec_module.load_spec(study)
-    assert cv.study_resources(study) == cv.normalise_request(spec.resource_request())
+def test_a_trial_driver_bigger_than_every_node_is_refused():
+    with pytest.raises(UserError, match=r"trial driver needs 500 CPU"):
+        cv.check_fits({"workers": 1, "trial_cpus": 500}, CLUSTER / "aws.yaml")
 
 
 def test_cli_exit_codes(tmp_path, capsys):
-    assert cv.main(["config", str(CLUSTER / "kuberay" / "rayjob.yaml")]) == 0
+    from attnlab.cli import main
+
+    assert main(["cluster", "validate", str(CLUSTER / "kuberay" / "rayjob.yaml")]) == 0
     bad = _write_variant(tmp_path, CLUSTER / "kuberay" / "rayjob.yaml", "submissionMode:", "submisionMode:")
-    assert cv.main(["config", str(bad)]) == 2
+    assert main(["cluster", "validate", str(bad)]) == 2
     assert capsys.readouterr().err.startswith("attnlab: error: ")
+    assert main(["cluster", "fits", "--config", str(CLUSTER / "aws.yaml"), str(ROOT / "studies" / "smoke.yaml")]) == 0
 
 
 def test_no_credentials_in_cluster_files():
@@ -335,39 +349,42 @@ def test_no_credentials_in_cluster_files():
 # Autoscaling for real: Ray's fake multi-node provider on this machine
 # ---------------------------------------------------------------------------------------------
 
-# The workload: two Tune trials that each need the worker-only resource {"fake_gpu_node": 1}, as
-# studies' trials need GPUs the head lacks. The driver prints the live node count as it goes.
-# When the study runner exists, a tiny study (resources: fake_gpu_node) plugs in here instead:
-# `attnlab study run studies/smoke.yaml` submitted to this cluster's address.
-_DRIVER = r"""
-import json, sys, time
+# The workload: a tiny attnlab study whose two trials train (and are evaluated) with
+# train.worker_resources = {fake_gpu_node: 1}, a resource only the fake.gpu worker nodes have, as real studies'
+# trials need GPUs the head lacks. The Tune trial drivers need only resources.trial_cpus, which the head gives.
+# `attnlab study run` joins the cluster through RAY_ADDRESS; this watcher, a second driver on the same cluster,
+# starts it and counts the live nodes while it runs and after it ends.
+_STUDY = {
+    "name": "autoscale",
+    "train": {"preset": "tiny", "data": {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16}, "steps": 4,
+              "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3, "warmup_steps": 1, "log_every": 2,
+              "val_every": 4, "val_tokens": 512, "checkpoint_every": 4, "max_failures": 0, "cpus_per_worker": 0.5,
+              "threads_per_worker": 1, "worker_resources": {"fake_gpu_node": 1}},
+    "resources": {"trial_cpus": 0.25, "max_concurrent_trials": 2}, "search": {"engine": "grid"},
+    "space": {"seeds": [0, 1]}, "objective": "val_loss@1x",
+    "eval": {"multiples": [1], "p_eval": ["none"], "max_tokens": 256},
+}
+_WATCHER = r"""
+import json, os, subprocess, sys, time
 import ray
-from ray import tune
 
-ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+address, log_path, command = sys.argv[1], sys.argv[2], sys.argv[3:]
+ray.init(address=address, log_to_driver=False, configure_logging=False)
 
 def alive():
     return sum(1 for n in ray.nodes() if n["Alive"])
 
-def trial(config):
-    import ray, time
-    time.sleep(2)
-    tune.report({"score": config["x"] * 10, "node": ray.get_runtime_context().get_node_id()})
-
 t0 = time.time()
 print(json.dumps({"event": "start", "nodes": alive()}), flush=True)
-tuner = tune.Tuner(
-    tune.with_resources(trial, {"cpu": 1, "fake_gpu_node": 1}),
-    param_space={"x": tune.grid_search([1, 2])},
-    tune_config=tune.TuneConfig(max_concurrent_trials=2),
-    run_config=tune.RunConfig(storage_path=sys.argv[2], name="fake_autoscale", verbose=0),
-)
-results = tuner.fit()
-peak = alive()
-rows = sorted((r.metrics["score"], r.metrics["node"]) for r in results)
-print(json.dumps({"event": "done", "nodes": peak, "scores": [s for s, _ in rows], "trial_nodes": [n for _, n in rows],
-                  "seconds": round(time.time() - t0, 1)}), flush=True)
-deadline = time.time() + 60
+with open(log_path, "w") as log:
+    study = subprocess.Popen(command, env={**os.environ, "RAY_ADDRESS": address}, stdout=log, stderr=subprocess.STDOUT)
+    peak = 1
+    while study.poll() is None:
+        peak = max(peak, alive())
+        time.sleep(0.5)
+print(json.dumps({"event": "done", "nodes": peak, "rc": study.returncode, "seconds": round(time.time() - t0, 1)}),
+      flush=True)
+deadline = time.time() + 120
 while alive() > 1 and time.time() < deadline:
     time.sleep(1)
 print(json.dumps({"event": "idle", "nodes": alive(), "seconds": round(time.time() - t0, 1)}), flush=True)
@@ -406,11 +423,13 @@ class OwnFakeCluster:
     def __init__(self, config_path: Path):
         self.temp_dir = Path(tempfile.mkdtemp(prefix="attnlab-fake-", dir="/tmp"))
         self.port = _free_port()
+        self.dashboard_port = _free_port()
         config = yaml.safe_load(config_path.read_text())
         config["provider"]["gcs_address"] = f"127.0.0.1:{self.port}"
         self.config_path = self.temp_dir / "autoscaler.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
-        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # Not the session cluster's addresses (conftest's ray_session sets RAY_API_SERVER_ADDRESS for its own).
+        self.env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
         self.env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="disabled",
                         RAY_USAGE_STATS_ENABLED="0")
         self.sid: int | None = None
@@ -420,7 +439,10 @@ class OwnFakeCluster:
         cmd = [
             str(ray_cli), "start", "--head", f"--port={self.port}", f"--temp-dir={self.temp_dir}",
             "--num-cpus=1", "--object-store-memory=100000000", f"--autoscaling-config={self.config_path}",
-            "--include-dashboard=false", f"--dashboard-port={_free_port()}", "--dashboard-agent-listen-port=0",
+            # The dashboard is on, as on a real cluster: Train's placement-group cleaner and the test's look at
+            # where the trials ran both use its State API.
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+            "--dashboard-agent-listen-port=0",
             f"--dashboard-agent-grpc-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
         ]
@@ -447,27 +469,48 @@ class OwnFakeCluster:
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.timeout(240)
-def test_fake_cluster_adds_a_worker_node_on_demand_and_removes_it_when_idle(tmp_path):
+@pytest.mark.timeout(900)
+def test_fake_cluster_adds_worker_nodes_for_a_study_and_removes_them_when_idle(tmp_path):
+    from ray.util.state import list_actors, list_tasks
+
+    from attnlab.results import ResultsStore
+
+    study = tmp_path / "autoscale.yaml"
+    study.write_text(yaml.safe_dump(_STUDY))
+    store, storage = tmp_path / "results", tmp_path / "runs"
+    command = [str(Path(sys.executable).with_name("attnlab")), "study", "run", str(study), "--store", str(store),
+               "--storage", str(storage)]
     cluster = OwnFakeCluster(CLUSTER / "local-fake.yaml")
     try:
         cluster.start()
-        driver = subprocess.run(
-            [sys.executable, "-c", _DRIVER, f"127.0.0.1:{cluster.port}", str(tmp_path / "tune")],
-            env=cluster.env, capture_output=True, text=True, timeout=180,
+        watcher = subprocess.run(
+            [sys.executable, "-c", _WATCHER, f"127.0.0.1:{cluster.port}", str(tmp_path / "study.log"), *command],
+            env=cluster.env, capture_output=True, text=True, timeout=840,
         )
-        events = {e["event"]: e for e in (json.loads(line) for line in driver.stdout.splitlines() if line.startswith("{"))}
+        events = {e["event"]: e for e in (json.loads(line) for line in watcher.stdout.splitlines() if line.startswith("{"))}
         print("fake cluster:", {k: (v["nodes"], v.get("seconds")) for k, v in events.items()})  # (nodes, s); -s shows it
-        assert driver.returncode == 0, driver.stderr[-3000:]
+        out = (tmp_path / "study.log").read_text() if (tmp_path / "study.log").exists() else ""
+        assert watcher.returncode == 0, watcher.stderr[-3000:] + out[-3000:]
         assert events["start"]["nodes"] == 1  # the head alone
-        assert events["done"]["scores"] == [10, 20]  # both trials ran and reported
+        assert events["done"]["rc"] == 0, out[-4000:]
+        assert "study autoscale: 2 trial(s) 2 complete; 2 trained this run" in out, out[-3000:]
+        rows = ResultsStore(str(store)).read(study="autoscale", metric="val_loss")
+        assert len(set(rows.config_hash)) == 2  # both trials trained, were evaluated and wrote their rows
+        assert events["done"]["nodes"] >= 2  # the autoscaler added fake.gpu node(s) for them
+        # Training and evaluation ran on added nodes (the head has no fake_gpu_node); the trial drivers may not.
         head_id = "f" * 51 + "00000"  # the fake provider's head node id
-        assert all(n != head_id for n in events["done"]["trial_nodes"])  # trials ran on added nodes
-        assert events["done"]["nodes"] >= 2  # the autoscaler added fake.gpu node(s)
+        dashboard = f"http://127.0.0.1:{cluster.dashboard_port}"
+        with without_api_server_env():
+            workers = list_actors(address=dashboard, filters=[("class_name", "=", "RayTrainWorker")], detail=True)
+            evals = [t for t in list_tasks(address=dashboard, detail=True, limit=10_000)
+                     if (t.name or "").startswith("evaluate-")]
+        assert len(workers) == 2 and len(evals) == 2
+        assert all(a.node_id != head_id for a in workers) and all(t.node_id != head_id for t in evals)
         assert events["idle"]["nodes"] == 1  # and removed them after idle_timeout_minutes
         monitor_log = next(cluster.temp_dir.glob("session_*/logs/monitor.log")).read_text()
         assert re.search(r"Adding \d+ node\(s\) of type fake\.gpu", monitor_log)
         assert re.search(r"Removing \d+ nodes of type fake\.gpu \(idle\)", monitor_log)
+        assert "Found multiple active Ray instances: " not in out.replace("Connecting to latest cluster", "")
     finally:
         cluster.stop()
     assert not _session_pids(cluster.sid)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from attnlab.data import TokenShards, prepare, verify
-from attnlab.data.shards import decode_shard, encode_shard, resolve
+from attnlab.data.shards import decode_shard, encode_shard
+from attnlab.location import Location
 from attnlab.errors import UserError
 from conftest_data import small_text_corpus  # noqa: F401  (fixture)
 
@@ -93,4 +94,4 @@ def test_file_uri_output_is_the_same_as_a_path(tmp_path, small_text_corpus, prep
             progress=False)
     for f in prepared.glob("*.arrow"):
         assert (out / f.name).read_bytes() == f.read_bytes()
-    assert resolve(f"file://{out}").path == str(out)
+    assert Location.parse(f"file://{out}").path == str(out)

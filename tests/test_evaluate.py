@@ -13,18 +13,14 @@ import pytest
 import torch
 
 from attnlab.errors import UserError
-from attnlab.evaluate import (
-    bits_per_byte,
-    bucket_bounds,
-    evaluate_checkpoint,
-    parse_lengths,
-    parse_p_evals,
-    parse_rope_scalings,
-    plan_token_budget,
-    score_windows,
-)
+from attnlab.evaluate import EvalConfig, bits_per_byte, bucket_bounds, evaluate_checkpoint, score_windows
 from attnlab.evaluate.diagnostics import attention_diagnostics, row_statistics
-from attnlab.evaluate.extrapolation import gpt2_token_bytes
+from attnlab.evaluate.measure import gpt2_token_bytes
+from attnlab.validation import parse
+
+
+def _cfg(**fields) -> EvalConfig:
+    return parse(EvalConfig, fields, prefix="eval")
 
 VAL_TOKENS = 2048
 
@@ -76,7 +72,7 @@ def hand_corpus(tmp_path_factory):
 
 
 def test_windows_score_every_token_exactly_once(hand_corpus):
-    from attnlab.train.data_api import open_data
+    from attnlab.data.source import open_data
 
     folder, shards = hand_corpus
     stream = np.asarray(shards.tokens("val"), dtype=np.int64)
@@ -84,9 +80,7 @@ def test_windows_score_every_token_exactly_once(hand_corpus):
     assert n_val >= 400
     data = open_data(str(folder))
     lengths = [16, 32, 64]
-    budget = plan_token_budget(data, lengths, None, cap=10**9)
-    assert budget == ((n_val - 1) // 64) * 64  # whole windows of the largest length
-    assert plan_token_budget(data, lengths, None, cap=200) == 192  # capped, rounded down to 64s
+    budget = ((n_val - 1) // 64) * 64  # whole windows of the largest length: every length scores these tokens
     for length in lengths:
         windows, mask = data.eval_set(length, max_tokens=budget)
         assert mask is None and windows.shape == (budget // length, length + 1)
@@ -136,8 +130,8 @@ def test_eval_at_1x_equals_training_val_loss_and_lands_in_store(trained_run, tmp
     run_dir, cfg = trained_run
     final = _final_val(run_dir)
     store = ResultsStore(tmp_path / "store")
-    rows = evaluate_checkpoint(run_dir, multiples=(1, 2), max_tokens=VAL_TOKENS, device="cpu",
-                               context={"study": "evaltest"}, store=store)
+    config = _cfg(multiples=[1, 2], max_tokens=VAL_TOKENS)
+    rows = evaluate_checkpoint(run_dir, config, device="cpu", context={"study": "evaltest"}, store=store)
     val = {(r["eval_len"], r["metric"], r.get("bucket")): r for r in rows}
     one_x = val[(64, "val_loss", None)]
     assert one_x["value"] == pytest.approx(final["val_loss"], rel=1e-9, abs=1e-12)
@@ -155,28 +149,38 @@ def test_eval_at_1x_equals_training_val_loss_and_lands_in_store(trained_run, tmp
         assert row["trial"] == "tiny-run" and row["study"] == "evaltest" and row["step"] == 10
         assert row["tokens"] == 10 * 512 and row["train_len"] == 64 and row["attention"] == "softmax"
         assert row["scale"] == "inv_sqrt_d" and row["p_eval"] is None and row["rope_scaling"] == "ntk"
-        assert row["config_hash"] == cfg.config_hash() and row["seed"] == cfg.seed
-        assert row["window_mode"] == "nonoverlap"
+        provenance = json.loads((run_dir / "provenance.json").read_text())
+        assert row["config_hash"] == provenance["train_key"] and row["seed"] == cfg.seed
+        assert row["window_mode"] == "nonoverlap" and len(row["eval_key"]) == 16
     back = store.read(study="evaltest")
     assert len(back) == len(rows)
     got = back[(back.metric == "val_loss") & (back.eval_len == 64)]["value"].tolist()
     assert got == [one_x["value"]]
-    # a retry of the same evaluation replaces its file instead of duplicating rows
-    evaluate_checkpoint(run_dir, multiples=(1, 2), max_tokens=VAL_TOKENS, device="cpu",
-                        context={"study": "evaltest"}, store=str(tmp_path / "store"))
+    # a retry of the same evaluation replaces its files instead of duplicating rows
+    evaluate_checkpoint(run_dir, config, device="cpu", context={"study": "evaltest"}, store=str(tmp_path / "store"))
     assert len(store.read(study="evaltest")) == len(rows)
+    # cells already stored are skipped; a new p_eval value evaluates only its own cells
+    done = store.stored_eval_keys("evaltest", provenance["train_key"])
+    assert len(done) == 2  # one cell per length
+    assert evaluate_checkpoint(run_dir, config, device="cpu", context={"study": "evaltest"}, store=store,
+                               skip=done) == []
+    grown = _cfg(multiples=[1, 2], max_tokens=VAL_TOKENS, p_eval=["none", 3])
+    new = evaluate_checkpoint(run_dir, grown, device="cpu", context={"study": "evaltest"}, store=store, skip=done)
+    assert {r["p_eval"] for r in new} == {3.0} and {r["eval_len"] for r in new} == {64, 128}
+    assert len(store.stored_eval_keys("evaltest", provenance["train_key"])) == 4
 
 
 def test_p_eval_sweep_leaves_weights_byte_identical(trained_run):
-    from attnlab.train.checkpoint import STATE_FILE, find_latest_checkpoint, load_model
+    from attnlab.model.checkpoint import STATE_FILE, find_latest_checkpoint, load_model
 
     run_dir, _ = trained_run
-    state_file = find_latest_checkpoint(run_dir) / STATE_FILE
+    state_file = Path(find_latest_checkpoint(run_dir).child(STATE_FILE).path)
     file_digest = hashlib.sha256(state_file.read_bytes()).hexdigest()
     model, cfg, meta = load_model(run_dir, device="cpu")
     before = {k: v.detach().clone().numpy().tobytes() for k, v in model.state_dict().items()}
-    rows = evaluate_checkpoint((model, cfg, meta), lengths=[64, 256], p_evals="none,3,15", rope_scalings="both",
-                               max_tokens=256, diagnostics=True, device="cpu")
+    rows = evaluate_checkpoint((model, cfg, meta), _cfg(lengths=[64, 256], p_eval=["none", 3, 15],
+                                                        rope_scaling="both", max_tokens=256, diagnostics=True),
+                               device="cpu")
     after = {k: v.detach().numpy().tobytes() for k, v in model.state_dict().items()}
     assert before.keys() == after.keys() and all(before[k] == after[k] for k in before)
     assert hashlib.sha256(state_file.read_bytes()).hexdigest() == file_digest
@@ -195,11 +199,12 @@ def test_p_eval_sweep_leaves_weights_byte_identical(trained_run):
 
 def test_passkey_rows_from_a_real_model(trained_run):
     run_dir, _ = trained_run
-    rows = evaluate_checkpoint(run_dir, lengths=[128], max_tokens=128, passkey=True, passkey_trials=1,
-                               passkey_depths=(0.0, 1.0), device="cpu")
+    rows = evaluate_checkpoint(run_dir, _cfg(lengths=[128], max_tokens=128, passkey=True, passkey_trials=1),
+                               device="cpu")
     pk = [r for r in rows if r["window_mode"] == "passkey"]
     assert {(r["metric"], r.get("bucket")) for r in pk} == {
-        ("passkey_acc", "depth=0"), ("passkey_acc", "depth=1"), ("passkey_acc", None), ("passkey_rank", None)}
+        *(("passkey_acc", f"depth={d:g}") for d in (0, 0.25, 0.5, 0.75, 1)), ("passkey_acc", None),
+        ("passkey_rank", None)}
     for r in pk:
         assert r["eval_len"] == 128 and 0 <= r["value"] <= 9
 
@@ -213,7 +218,7 @@ def test_diagnostics_row_statistics_by_hand():
 
 def test_diagnostics_chunking_is_exact(trained_run):
     from attnlab.attention import attention_weights
-    from attnlab.train.checkpoint import load_model
+    from attnlab.model.checkpoint import load_model
 
     run_dir, _ = trained_run
     model, _, _ = load_model(run_dir, device="cpu")
@@ -235,25 +240,38 @@ def test_diagnostics_chunking_is_exact(trained_run):
 
 
 # ------------------------------------------------------------------------------------------ bad input
-def test_parsers():
-    assert parse_lengths("1k, 2048,1024") == [1024, 2048]
-    assert parse_p_evals("none,3,15,train,3") == [None, 3.0, 15.0]  # train is an alias of none (as trained)
-    assert parse_rope_scalings("both") == ["ntk", "none"]
+def test_eval_config_parses_the_protocol_words():
+    config = _cfg(lengths=["1k", 2048], p_eval=["train", 3, "15"], rope_scaling="both")
+    assert config.lengths == [1024, 2048] and config.p_eval == [None, 3.0, 15.0]  # train: as trained (none)
+    assert config.rope_scaling == ["ntk", "none"] and config.max_tokens == 2**18  # the one default, any device
+    cells = _cfg(multiples=[1, 2], p_eval=["none", 3]).cells(64)
+    assert [(c.length, c.p_eval) for c in cells] == [(64, None), (64, 3.0), (128, None), (128, 3.0)]
+    keys = {c.key("train", 10, "data") for c in cells}
+    assert len(keys) == 4 and cells[0].key("train", 10, "data") != cells[0].key("train", 10, "other-data")
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(lengths="64,abc"), "lengths: 'abc'"),
-    (dict(lengths=[0]), "lengths: 0"),
-    (dict(rope_scalings="yarn"), "rope: 'yarn'"),
-    (dict(p_evals="0.5"), "p_eval: '0.5'"),
-    (dict(context={"colour": "red"}), "context: 'colour'"),
-    (dict(lengths=[10**7]), "largest length 10000000"),
-    (dict(lengths=[64, 128], max_tokens=100), "max_tokens=100"),
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(lengths=["64", "abc"]), "eval.lengths"),
+    (dict(lengths=[0]), "eval.lengths"),
+    (dict(rope_scaling=["yarn"]), "eval.rope_scaling.0='yarn'"),
+    (dict(p_eval=[0.5]), "p_eval=0.5 is not allowed"),
+    (dict(multiples=[1], lengths=[64]), "give multiples or lengths, not both"),
 ])
-def test_bad_input_is_one_line(trained_run, kwargs, fragment):
+def test_bad_eval_config_is_one_line(fields, fragment):
+    with pytest.raises(UserError) as info:
+        _cfg(**fields)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("fields, context, fragment", [
+    (dict(lengths=[64]), {"colour": "red"}, "context: 'colour'"),
+    (dict(lengths=[10**7], max_tokens=10**8), None, "10000000 does not fit one window"),
+    (dict(lengths=[64, 128], max_tokens=100), None, "max_tokens=100"),
+])
+def test_bad_evaluation_is_one_line(trained_run, fields, context, fragment):
     run_dir, _ = trained_run
     with pytest.raises(UserError) as info:
-        evaluate_checkpoint(run_dir, device="cpu", **{"max_tokens": None, **kwargs})
+        evaluate_checkpoint(run_dir, _cfg(**fields), device="cpu", context=context)
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
@@ -265,7 +283,9 @@ def test_cli_errors_and_table(trained_run, tmp_path, capsys):
     assert err.startswith("attnlab: error: checkpoint path") and "\n" not in err
     run_dir, _ = trained_run
     assert main(["eval", str(run_dir), "--rope", "yarn"]) == 2
-    assert capsys.readouterr().err.strip() == "attnlab: error: rope: 'yarn' is not allowed; use ntk, none or both"
+    assert capsys.readouterr().err.strip() == "attnlab: error: --rope 'yarn' is not allowed; use ntk, none or both"
+    assert main(["eval", str(run_dir), "--p-eval", "none,0.5"]) == 2
+    assert "--p-eval='0.5' is not allowed" in capsys.readouterr().err
     assert main(["eval", str(run_dir), "--multiples", "1,2", "--max-tokens", "256", "--p-eval", "none,3",
                  "--quiet"]) == 0
     out = capsys.readouterr().out
@@ -281,6 +301,6 @@ def test_rows_record_the_power_actually_trained_with(demo_data_dir):
     torch.manual_seed(0)
     model = GPT(preset("tiny", attention="lssar")).eval()
     cfg = {"preset": "tiny", "attention": "lssar", "data": str(demo_data_dir), "seq_len": 64}
-    rows = evaluate_checkpoint((model, cfg, {"step": 0}), multiples=(1,), max_tokens=128, device="cpu")
+    rows = evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=128), device="cpu")
     assert rows and all(r["p_train"] == 15.0 for r in rows)
     assert {r["p_eval"] for r in rows} == {None}

@@ -34,7 +34,7 @@ def test_presets_keep_head_dim_64_and_tie_embeddings():
 def test_ntk_base_formula():
     assert ntk_base(10000.0, 64, 1024, 1024) == 10000.0
     assert ntk_base(10000.0, 64, 2048, 1024) == pytest.approx(10000 * 2 ** (64 / 62))
-    assert ntk_base(10000.0, 64, 16384, 1024) == pytest.approx(175_000, rel=0.01)  # research note: ~175K
+    assert ntk_base(10000.0, 64, 16384, 1024) == pytest.approx(175_000, rel=0.01)  # docs/protocol.md#ntk-aware-scaling: 174,970
 
 
 def test_rope_keeps_norms_and_is_relative():
@@ -131,7 +131,7 @@ def test_gradients_flow_through_sharpened_attention():
     (dict(name="tiny", n_layers=3), "model.n_layers is not a model field"),
     (dict(name="tiny", attention="softmaxx"), "attention='softmaxx' is unknown"),
     (dict(name="tiny", n_head=3), "not divisible"),
-    (dict(name="tiny", p_train=0), "out of range"),
+    (dict(name="tiny", p_train=0), "p_train=0 is not allowed: use default"),
 ])
 def test_bad_model_config(bad, match):
     name = bad.pop("name")

@@ -31,6 +31,10 @@ def row(attention, p_eval, seed, eval_len, value, step=500, metric="val_loss", *
 # lssa, none:    seed 0: 3.1 at 64, 3.3 at 128 (n = 1: no std)
 # lssa, 15:      seeds 0,1,2 at 64 -> 3.0, 3.1, 3.5: mean 3.2, std sqrt((0.04+0.01+0.09)/2) = 0.264575
 #                seed 0 only at 128 -> 3.25
+# 95% Student t intervals, mean ± t(0.975, n-1) std / sqrt(n) with t(0.975, 1) = 12.7062, t(0.975, 2) = 4.3027:
+#   lssa 15 @64: 3.2 ± 4.3027 * 0.264575 / sqrt(3) = 3.2 ± 0.6572 -> [2.5428, 3.8572]
+#   softmax @64: 3.1 ± 12.7062 * 0.141421 / sqrt(2) = 3.1 ± 1.2706 -> [1.8294, 4.3706]
+#   softmax @128: 4.2 ± 12.7062 * 0.282843 / sqrt(2) = 4.2 ± 2.5412 -> [1.6588, 6.7412]
 KNOWN_ROWS = [
     row("softmax", None, 0, 64, 3.0), row("softmax", None, 1, 64, 3.2),
     row("softmax", None, 0, 128, 4.0), row("softmax", None, 1, 128, 4.4),
@@ -53,7 +57,8 @@ def store(tmp_path):
         by_trial.setdefault((r["trial"], r["p_eval"], r["step"]), []).append(r)
     for key, rows in by_trial.items():
         store.write(rows, key=key)
-    store.mark_complete(KNOWN_ROWS[0], n_rows=4)
+    marker = {**KNOWN_ROWS[0], "metric": "complete", "value": 4.0}  # a schema-1 store's marker row: never reported
+    store.write([marker], key=("__complete__", marker["trial"]))
     return store
 
 
@@ -71,21 +76,32 @@ def test_table_cells_are_hand_computed_mean_std_n(store):
     assert result["mean@128"].tolist() == pytest.approx([3.3, 3.25, 4.2])
     assert result["std@128"][2] == pytest.approx(math.sqrt(0.08))
     assert result["n@128"].tolist() == [1, 1, 2]
+    assert result["ci_low@64"].tolist()[1:] == pytest.approx([2.542759, 1.829380], abs=1e-6)
+    assert result["ci_high@64"].tolist()[1:] == pytest.approx([3.857241, 4.370620], abs=1e-6)
+    assert math.isnan(result["ci_low@64"][0]) and math.isnan(result["ci_high@128"][1])  # n = 1: no interval
+    assert result["ci_low@128"][2] == pytest.approx(4.2 - 12.706205 * math.sqrt(0.08) / math.sqrt(2), abs=1e-5)
+    assert result.attrs["seed_values"][(1, 64)] == ((0, 3.0), (1, 3.1), (2, 3.5))
 
     markdown = reports.to_markdown(result)
     lines = markdown.splitlines()
     assert lines[0].startswith("val_loss (final step of each trial;")
+    assert "[95% Student t interval of the mean] when n > 1; '1 seed' = a single run" in lines[0]
     assert "constant: scale=logd_logn, p_train=none, rope_scaling=ntk, train_len=64, window_mode=nonoverlap" in lines[0]
     assert lines[2:] == [
         "| attention | p_eval | 64 (1x) | 128 (2x) |",
         "|---|---|---|---|",
-        "| lssa | none | 3.1000 | 3.3000 |",
-        "| lssa | 15 | 3.2000 ± 0.2646 (n=3) | 3.2500 |",
-        "| softmax | none | 3.1000 ± 0.1414 (n=2) | 4.2000 ± 0.2828 (n=2) |",
+        "| lssa | none | 3.1000 (1 seed) | 3.3000 (1 seed) |",
+        "| lssa | 15 | 3.2000 ± 0.2646 (n=3) [2.5428, 3.8572] | 3.2500 (1 seed) |",
+        "| softmax | none | 3.1000 ± 0.1414 (n=2) [1.8294, 4.3706] | 4.2000 ± 0.2828 (n=2) [1.6588, 6.7412] |",
     ]
+    per_seed = reports.to_markdown(result, digits=2, with_caption=False, per_seed=True).splitlines()
+    assert per_seed[3] == "| lssa | 15 | 3.20 ± 0.26 (n=3) [2.54, 3.86]; 0: 3.00, 1: 3.10, 2: 3.50 | 3.25 (1 seed) |"
     csv_lines = reports.to_csv(result).splitlines()
-    assert csv_lines[0] == "attention,p_eval,mean@64,std@64,n@64,mean@128,std@128,n@128"
+    assert csv_lines[0] == ("attention,p_eval,mean@64,std@64,n@64,ci_low@64,ci_high@64,note@64,"
+                            "mean@128,std@128,n@128,ci_low@128,ci_high@128,note@128")
+    assert csv_lines[1] == "lssa,,3.1,,1,,,1 seed,3.3,,1,,,1 seed"
     assert csv_lines[3].startswith("softmax,,3.1,0.1414213562")
+    assert ",1.82937952" in csv_lines[3] and csv_lines[3].endswith(",")  # n = 2: no "1 seed" note
 
 
 def test_table_other_metric_missing_cells_and_explicit_step(store):
@@ -96,8 +112,8 @@ def test_table_other_metric_missing_cells_and_explicit_step(store):
     # A length measured for one configuration only shows "–" for the others.
     frame = pd.concat([store.read(), pd.DataFrame([row("lssa", None, 0, 256, 3.9)])], ignore_index=True)
     lines = reports.to_markdown(reports.table(frame), with_caption=False).splitlines()
-    assert lines[2] == "| lssa | none | 3.1000 | 3.3000 | 3.9000 |"
-    assert lines[4].endswith("| 4.2000 ± 0.2828 (n=2) | – |")
+    assert lines[2] == "| lssa | none | 3.1000 (1 seed) | 3.3000 (1 seed) | 3.9000 (1 seed) |"
+    assert lines[4].endswith("| 4.2000 ± 0.2828 (n=2) [1.6588, 6.7412] | – |")
     with pytest.raises(UserError, match="--metric 'acc' has no rows; metrics present: bpb, val_loss"):
         reports.table(store.read(), metric="acc")
     with pytest.raises(UserError, match="marker"):
@@ -111,7 +127,10 @@ def test_best_ranks_at_a_length_or_multiple(store):
     assert ranking["mean"].tolist() == pytest.approx([3.25, 3.3, 4.2])
     assert reports.best(store.read(), at=128)["mean"].tolist() == pytest.approx([3.25, 3.3, 4.2])
     text = reports.best_to_markdown(ranking)
-    assert "| 1 | lssa | 15 | 128 | 3.2500 |" in text and "lower is better" in text
+    assert "| 1 | lssa | 15 | 128 | 3.2500 (1 seed) |" in text and "lower is better" in text
+    assert "| 3 | softmax | none | 128 | 4.2000 ± 0.2828 (n=2) [1.6588, 6.7412] |" in text
+    assert ranking["ci_high"][2] == pytest.approx(6.741241, abs=1e-5)
+    assert reports.best_to_csv(ranking).splitlines()[1].endswith(",1 seed")
     with pytest.raises(UserError, match="eval lengths present: 64, 128"):
         reports.best(store.read(), at="16x")
     with pytest.raises(UserError, match="--at 'far'"):
@@ -129,20 +148,84 @@ def test_curves_write_a_png_that_opens_and_html_with_the_data(store, tmp_path):
     with open(paths["png"], "rb") as handle:
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(paths["png"])
-    assert image.shape[:2] == (500, 800)  # 8x5 inches at 100 dpi
+    assert image.shape[1] == 900 and image.shape[0] > 550  # 9 inches wide at 100 dpi; taller with the legend under it
     assert image.std() > 0  # something was drawn
     page = Path(paths["html"]).read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>") and "data:image/png;base64,iVBORw0KGgo" in page
-    assert "<td>3.2000 ± 0.2646 (n=3)</td>" in page and "<td>4.2000 ± 0.2828 (n=2)</td>" in page
+    assert "<td>3.2000 ± 0.2646 (n=3) [2.5428, 3.8572]</td>" in page
+    assert "<td>4.2000 ± 0.2828 (n=2) [1.6588, 6.7412]</td>" in page and "<td>3.3000 (1 seed)</td>" in page
+    assert "&#x27;1 seed&#x27; = a single run" in page
     assert "http://" not in page and "https://" not in page
 
     by_p = reports.curves(store.read(), str(tmp_path / "plots"), by="p")
     assert by_p["png"].endswith("val_loss_vs_p.png")
-    assert matplotlib.image.imread(by_p["png"]).shape[:2] == (500, 800)
+    assert matplotlib.image.imread(by_p["png"]).shape[1] == 900
     page = Path(by_p["html"]).read_text(encoding="utf-8")
-    assert "<th>p_eval</th>" in page and "<td>15</td><td>64</td><td>3.2000 ± 0.2646 (n=3)</td>" in page
+    assert "<th>p_eval</th>" in page
+    assert "<td>15</td><td>64</td><td>3.2000 ± 0.2646 (n=3) [2.5428, 3.8572]</td>" in page
     with pytest.raises(UserError, match="--by p needs rows with several"):
         reports.curves(store.read()[lambda d: d["attention"] == "softmax"], str(tmp_path / "x"), by="p")
+
+
+def test_a_figure_says_what_it_shows_and_hides_no_line(store):
+    """Title with the study, the shared settings under it, the training length marked, ticks in tokens and
+    multiples, the unit on the y axis, and no two lines in one style (p_eval none and 15 of one model)."""
+    figure, title, _, _, _ = reports.curve_figure(store.read())
+    axes = figure.axes[0]
+    assert title == "val_loss vs evaluation length — study t4"
+    assert figure._suptitle.get_text() == title
+    assert "fixed: " in axes.get_title() and "rope_scaling=ntk" in axes.get_title() and "train_len=64" in axes.get_title()
+    assert axes.get_ylabel() == "val_loss (nats per token)"
+    assert [t.get_text() for t in axes.get_xticklabels()] == ["64\n1x", "128\n2x"]
+    marks = [line for line in axes.get_lines() if line.get_label().startswith("training length")]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [64.0, 64.0]
+    styles = [(c.lines[0].get_color(), c.lines[0].get_linestyle(), c.lines[0].get_marker()) for c in axes.containers]
+    assert len(styles) == 3 and len(set(styles)) == 3  # softmax, lssa none, lssa 15: three distinct looks
+    assert len({s[1] for s in styles}) == 3 and len({s[2] for s in styles}) == 3
+
+    figure, title, _, _, _ = reports.curve_figure(store.read(), by="p")
+    axes = figure.axes[0]
+    assert title == "val_loss vs p_eval — study t4"
+    assert [t.get_text() for t in axes.get_xticklabels()] == ["as trained", "15"]  # none = the model's own p
+    assert "as trained" in axes.get_xlabel()
+    assert any("L=128 (2x)" in c.get_label() for c in axes.containers)
+
+
+def test_figures_and_exports_go_to_a_bucket_as_to_a_folder(store, s3_bucket, tmp_path, monkeypatch):
+    from conftest import s3_keys
+
+    monkeypatch.chdir(tmp_path)
+    paths = reports.curves(store.read(), f"{s3_bucket}/figures")
+    assert paths == {"png": f"{s3_bucket}/figures/val_loss_vs_length.png",
+                     "html": f"{s3_bucket}/figures/val_loss_vs_length.html"}
+    written = reports.export(store.read(metric="val_loss"), f"{s3_bucket}/rows/all.csv")
+    assert written == f"{s3_bucket}/rows/all.csv"
+    objects = [k for k in s3_keys(s3_bucket) if not k.endswith("/")]  # (pyarrow also puts folder markers)
+    assert objects == ["figures/val_loss_vs_length.html", "figures/val_loss_vs_length.png", "rows/all.csv"]
+    assert not any(p.name.startswith("s3") for p in tmp_path.iterdir())  # no local folder named after the URI
+
+
+def test_every_command_and_option_says_what_it_does():
+    import argparse
+
+    from attnlab.cli import build_parser
+
+    empty = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps = {choice.dest: choice.help for choice in action._choices_actions}
+                for name, sub in action.choices.items():
+                    if name in helps and not helps[name]:
+                        empty.append(f"{path} {name}")
+                    if name in helps:  # aliases share their command's parser
+                        walk(sub, f"{path} {name}")
+            elif action.dest != "help" and not action.help:
+                empty.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "attnlab")
+    assert empty == []
 
 
 def test_export_and_reference(store, tmp_path):
@@ -167,16 +250,19 @@ def test_cli_reports(store, tmp_path, capsys):
     root = store.uri
     assert _run_cli(["results", "table", "--store", root, "--study", "t4"]) == 0
     out = capsys.readouterr().out
-    assert "| softmax | none | 3.1000 ± 0.1414 (n=2) | 4.2000 ± 0.2828 (n=2) |" in out
+    assert "| softmax | none | 3.1000 ± 0.1414 (n=2) [1.8294, 4.3706] | 4.2000 ± 0.2828 (n=2) [1.6588, 6.7412] |" in out
     assert _run_cli(["results", "table", "--store", root, "--format", "csv", "--where", "attention=lssa",
                      "--where", "p_eval=none"]) == 0
     # Nothing varies: the label falls back to attention; std is empty when n = 1.
-    assert capsys.readouterr().out.splitlines() == ["attention,mean@64,std@64,n@64,mean@128,std@128,n@128",
-                                                    "lssa,3.1,,1,3.3,,1"]
+    assert capsys.readouterr().out.splitlines() == [
+        "attention,mean@64,std@64,n@64,ci_low@64,ci_high@64,note@64,mean@128,std@128,n@128,ci_low@128,ci_high@128,note@128",
+        "lssa,3.1,,1,,,1 seed,3.3,,1,,,1 seed"]
+    assert _run_cli(["results", "table", "--store", root, "--per-seed", "--digits", "1", "--where", "attention=softmax"]) == 0
+    assert "| 3.1 ± 0.1 (n=2) [1.8, 4.4]; 0: 3.0, 1: 3.2 | 4.2 ± 0.3 (n=2) [1.7, 6.7]; 0: 4.0, 1: 4.4 |" in capsys.readouterr().out
     assert _run_cli(["results", "table", "--store", root, "--reference"]) == 0
     assert "Paper (Gao & Spratling, Table 4)" in capsys.readouterr().out
     assert _run_cli(["results", "best", "--store", root, "--at", "2x", "--top", "1"]) == 0
-    assert "| 1 | lssa | 15 | 128 | 3.2500 |" in capsys.readouterr().out
+    assert "| 1 | lssa | 15 | 128 | 3.2500 (1 seed) |" in capsys.readouterr().out
     assert _run_cli(["results", "curves", "--store", root, "--out", str(tmp_path / "c")]) == 0
     assert capsys.readouterr().out.split() == [str(tmp_path / "c" / "val_loss_vs_length.png"),
                                                  str(tmp_path / "c" / "val_loss_vs_length.html")]

@@ -167,20 +167,15 @@ def test_dataframe_round_trip_keeps_nulls(tmp_path):
     assert back["value"].tolist() == [1.0, 2.0]
 
 
-def test_complete_marker(tmp_path):
+def test_stored_eval_keys_say_which_cells_are_done(tmp_path):
     store = ResultsStore(str(tmp_path))
-    assert store.has_complete("cfg-t0") is False  # store not created yet
-    rows = [make_row(eval_len=64 * 2**i, value=float(i)) for i in range(3)]
+    assert store.stored_eval_keys("s", "cfg-t0") == set()  # store not created yet
+    rows = [make_row(eval_len=64 * 2**i, value=float(i), eval_key=f"cell{i}") for i in range(3)]
     store.write(rows, key=("t0", 100, "eval"))
-    assert store.has_complete("cfg-t0") is False
-    store.mark_complete(rows[0], n_rows=3)
-    assert store.has_complete("cfg-t0") is True
-    assert store.has_complete("cfg-t0", expected=3) is True
-    assert store.has_complete("cfg-t0", expected=4) is False
-    assert store.has_complete("cfg-other") is False
-    store.mark_complete(rows[0], n_rows=3)  # a retry does not add a second marker
-    markers = store.read(metric="complete")
-    assert len(markers) == 1 and markers["value"].tolist() == [3.0]
+    store.write([make_row(config_hash="cfg-other", eval_key="cell9")], key=("t1", 100, "eval"))
+    store.write([make_row(eval_key=None, eval_len=4096)], key=("t0", 100, "old"))  # a schema-1 row: no key
+    assert store.stored_eval_keys(make_row()["study"], "cfg-t0") == {"cell0", "cell1", "cell2"}
+    assert store.stored_eval_keys(make_row()["study"], "cfg-missing") == set()
 
 
 def test_old_files_read_with_nulls_newer_and_corrupt_files_are_refused(tmp_path):

@@ -6,7 +6,6 @@ tokens, evaluated at 1x and 4x with p_eval none and 15. Uses the session's ``ray
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,16 +17,17 @@ import pytest
 import yaml
 
 from attnlab.results import ResultsStore
-from attnlab.study.runner import run_study, study_dir
+from attnlab.study.runner import run_study, study_state
 from attnlab.study.spec import load_spec
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
 
-TRAIN = {"steps": 12, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3, "warmup_steps": 2, "log_every": 4,
-         "val_every": 4, "val_tokens": 1024, "checkpoint_every": 12, "keep_checkpoints": 1, "max_failures": 0}
-EVAL = {"multiples": [1, 4], "p_eval": ["none", 15], "max_tokens": 1024}
 DATA = {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16}
+TRAIN = {"preset": "tiny", "data": DATA, "steps": 12, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3,
+         "warmup_steps": 2, "log_every": 4, "val_every": 4, "val_tokens": 1024, "checkpoint_every": 12,
+         "keep_checkpoints": 1, "max_failures": 0, "cpus_per_worker": 0.5}
+EVAL = {"multiples": [1, 4], "p_eval": ["none", 15], "max_tokens": 1024}
 
 
 def _write(tmp_path: Path, study: dict) -> Path:
@@ -40,16 +40,15 @@ def _val_rows(store: ResultsStore, study: str, h: str):
     return store.read(study=study, config_hash=h, metric="val_loss")
 
 
-def _run_dirs(state: Path) -> set[str]:
-    return {p.name for p in (state / "runs").iterdir()} if (state / "runs").exists() else set()
+def _run_dirs(state) -> set[str]:
+    return set(state.loc.list_names("runs", hidden=False))
 
 
 def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp_path):
     import optuna
 
     train = {k: v for k, v in TRAIN.items() if k != "lr"}
-    study = {"name": "optuna-asha", "model": {"preset": "tiny"}, "data": DATA, "train": train,
-             "resources": {"cpus_per_worker": 0.5, "trial_cpus": 0.5},
+    study = {"name": "optuna-asha", "train": train, "resources": {"trial_cpus": 0.5},
              "search": {"engine": "optuna", "num_samples": 4, "seed": 0},
              "space": {"attention": ["softmax", "lssa"], "p_train": {"values": [3, 15], "when": ["lssa"]},
                        "lr": [1.0e-3, 3.0e-3]},
@@ -58,22 +57,22 @@ def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp
     spec = load_spec(_write(tmp_path, study))
     store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
     summary = run_study(spec, store=store_uri, storage=storage, verbose=0)
-    state = study_dir(spec, storage)
+    state = study_state(spec, storage)
 
     # 4 Tune trials; Optuna may propose one configuration twice: the second finds it complete and trains nothing
     assert 2 <= len(summary.trials) <= 4
     assert summary.trained == len(summary.trials)
     statuses = [t["status"] for t in summary.trials]
-    assert set(statuses) <= {"complete", "pruned"}, summary.trials
+    assert set(statuses) <= {"complete", "pruned", "cached"}, summary.trials
     assert "complete" in statuses  # the first trial always reaches the end (ASHA has nothing to compare yet)
     store = ResultsStore(store_uri)
     for trial in summary.trials:
         rows = _val_rows(store, "optuna-asha", trial["config_hash"])
-        if trial["status"] == "complete":
+        if trial["status"] in ("complete", "cached"):  # cached: Optuna proposed a finished point again
             # every length x p_eval, exactly once
             cells = sorted((int(r.eval_len), -1.0 if r.p_eval != r.p_eval else r.p_eval) for r in rows.itertuples())
             assert cells == [(64, -1.0), (64, 15.0), (256, -1.0), (256, 15.0)]  # -1: p_eval none
-            assert store.has_complete(trial["config_hash"], study="optuna-asha")
+            assert len(store.stored_eval_keys("optuna-asha", trial["config_hash"])) == 4
             assert set(trial["objectives"]) == {"val_loss@4x", "val_loss@1x"}
             at_4x = rows[(rows.eval_len == 256) & rows.p_eval.isna()].value.iloc[0]
             assert trial["objectives"]["val_loss@4x"] == pytest.approx(at_4x)
@@ -81,7 +80,7 @@ def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp
             assert len(rows) == 0 and "stopped by asha at step" in trial["reason"]
 
     ot = optuna.load_study(study_name="optuna-asha", storage=summary.optuna_url)
-    assert summary.optuna_url == f"sqlite:///{state / 'optuna.db'}"
+    assert summary.optuna_url == f"sqlite:///{state.loc.child('optuna.db').path}"
     assert len(ot.trials) == 4
     states = sorted(t.state.name for t in ot.trials)
     assert set(states) <= {"COMPLETE", "PRUNED"}  # none left RUNNING: stopped trials are PRUNED
@@ -90,25 +89,58 @@ def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp
     for t in ot.trials:
         if t.state.name == "COMPLETE":
             assert len(t.values) == 2 and all(v > 0 for v in t.values)
-    assert list((state / "tune").rglob("events.out.tfevents.*")), "TensorBoard event files in the storage path"
+    assert list(Path(state.tune.path).rglob("events.out.tfevents.*")), "TensorBoard event files in the storage path"
     assert Path(summary.curves["png"]).stat().st_size > 0
 
     rows_before = len(store.read(study="optuna-asha"))
     runs_before = _run_dirs(state)
     again = run_study(spec, store=store_uri, storage=storage, verbose=0)
-    assert again.restored and again.trained == 0
+    assert again.restored and again.trained == 0 and again.evaluated == 0
     assert _run_dirs(state) == runs_before
     assert len(store.read(study="optuna-asha")) == rows_before
 
 
+def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ray_session, tmp_path):
+    """The paper's point is that sharpening needs no retraining: a study that adds a p_eval value and a 16x length
+    after it finished measures only the new cells; a cached trial reports the objective of its exact cell."""
+    study = {"name": "grow", "train": {**TRAIN, "steps": 4, "checkpoint_every": 4}, "search": {"engine": "grid"},
+             "space": {"attention": ["softmax", "lssar"]}, "objective": "val_loss@4x",
+             "eval": {"multiples": [1, 4], "p_eval": ["none"], "max_tokens": 1024}}
+    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    first = run_study(load_spec(study), store=store_uri, storage=storage, verbose=0)
+    assert first.trained == 2 and [t["status"] for t in first.trials] == ["complete"] * 2
+    store = ResultsStore(store_uri)
+    before = store.read(study="grow", metric="val_loss")
+    assert len(before) == 2 * 2
+
+    grown = {**study, "eval": {"multiples": [1, 4, 16], "p_eval": ["none", 3], "max_tokens": 1024}}
+    second = run_study(load_spec(grown), store=store_uri, storage=storage, verbose=0)
+    assert second.trained == 0 and second.restored  # the search is unchanged: the Tune state resumes
+    assert second.evaluated == 2 * (6 - 2)  # per trial: 3 lengths x 2 p_eval, minus the 2 cells it had
+    after = store.read(study="grow", metric="val_loss")
+    assert len(after) == 2 * 3 * 2
+    assert after.groupby(["config_hash", "eval_len", "p_eval"], dropna=False).size().max() == 1
+    old = before.set_index(["config_hash", "eval_len"])["value"]
+    kept = after[after.p_eval.isna() & after.eval_len.isin([64, 256])].set_index(["config_hash", "eval_len"])["value"]
+    assert kept.sort_index().tolist() == old.sort_index().tolist()  # old cells were not measured again
+
+    third = run_study(load_spec(grown), store=store_uri, storage=storage, verbose=0)
+    assert third.trained == 0 and third.evaluated == 0
+    assert len(store.read(study="grow")) == len(store.read(study="grow"))  # and nothing was written
+    fresh = run_study(load_spec(grown), store=store_uri, storage=storage, resume=False, verbose=0)
+    assert fresh.trained == 0 and [t["status"] for t in fresh.trials] == ["cached"] * 2
+    for trial in fresh.trials:  # the cached report is the objective's own cell (4x, p_eval none, ntk)
+        rows = after[(after.config_hash == trial["config_hash"]) & (after.eval_len == 256) & after.p_eval.isna()]
+        assert trial["objectives"]["val_loss@4x"] == pytest.approx(rows["value"].iloc[0])
+
+
 def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
-    study = {"name": "grid-resume", "model": {"preset": "tiny"}, "data": DATA, "train": TRAIN,
-             "resources": {"cpus_per_worker": 0.5, "trial_cpus": 0.5}, "search": {"engine": "grid"},
+    study = {"name": "grid-resume", "train": TRAIN, "resources": {"trial_cpus": 0.5}, "search": {"engine": "grid"},
              "space": {"attention": ["softmax", "lssa", "lssar"]}, "objective": "val_loss@4x", "eval": EVAL}
     path = _write(tmp_path, study)
     spec = load_spec(path)
     store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    state = study_dir(spec, storage)
+    state = study_state(spec, storage)
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     proc = subprocess.Popen([sys.executable, "-m", "attnlab.cli", "study", "run", str(path), "--store", store_uri,
                              "--storage", storage], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
@@ -117,9 +149,7 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
-            done = [json.loads(p.read_text()) for p in (state / "trials").glob("*.json")] \
-                if (state / "trials").exists() else []
-            done = [t for t in done if t["status"] == "complete"]
+            done = [t for t in state.statuses() if t["status"] == "complete"]
             if done:
                 first_done = done[0]["config_hash"]
                 break
@@ -130,12 +160,14 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
     assert first_done is not None, "the first trial never completed"
 
     summary = run_study(spec, store=store_uri, storage=storage, verbose=0)
-    assert [t["status"] for t in summary.trials] == ["complete"] * 3
+    statuses = {t["config_hash"]: t["status"] for t in summary.trials}
+    # the trial that finished before the kill is done (complete, or cached when Tune re-ran it and found it done)
+    assert len(statuses) == 3 and set(statuses.values()) <= {"complete", "cached"}, summary.trials
     store = ResultsStore(store_uri)
     val = store.read(study="grid-resume", metric="val_loss")
     assert len(val) == 3 * 4  # 3 trials x 2 lengths x 2 p_eval: no duplicates
     assert val.groupby(["config_hash", "eval_len", "p_eval"], dropna=False).size().max() == 1
-    events = [json.loads(line) for line in (state / "events.jsonl").read_text().splitlines()]
+    events = [state.loc.read_json(f"events/{name}") for name in state.loc.list_names("events")]
     assert sum(1 for e in events if e["config_hash"] == first_done) == 1  # the finished trial never retrained
     assert len(_run_dirs(state)) == 3
 
@@ -146,8 +178,7 @@ def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_sess
     monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "3")
     monkeypatch.setenv("ATTNLAB_FAIL_RANK", "0")
     train = {**{k: v for k, v in TRAIN.items() if k != "lr"}, "steps": 6, "checkpoint_every": 6}
-    study = {"name": "failures", "model": {"preset": "tiny"}, "data": DATA, "train": train,
-             "resources": {"cpus_per_worker": 0.5, "trial_cpus": 0.5},
+    study = {"name": "failures", "train": train, "resources": {"trial_cpus": 0.5},
              "search": {"engine": "grid"}, "space": {"attention": ["softmax"], "lr": [1.0e6]},
              "objective": "val_loss@4x", "scheduler": "none", "eval": EVAL}
     spec = load_spec(_write(tmp_path, study))

@@ -72,8 +72,8 @@ def test_cli_validate_good_study_prints_trials_and_resources():
     assert "resources per trial: 1.5 CPU, 0 GPU (1 worker(s))" in proc.stdout
 
 
-def _spec(**blocks):
-    return load_spec({"name": "t", **blocks})
+def _spec(train=None, **blocks):
+    return load_spec({"name": "t", "train": {"preset": "tiny", "data": "demo", **(train or {})}, **blocks})
 
 
 def test_grid_expands_conditional_axes_only_where_they_apply():
@@ -86,8 +86,8 @@ def test_grid_expands_conditional_axes_only_where_they_apply():
     assert {"attention": "lssar", "seed": 1} in points
     assert {"attention": "softmax", "p_train": 15, "seed": 0} in points
     assert not any(p["attention"] == "lssar" and "p_train" in p for p in points)
-    cfg = spec.train_config({"attention": "lssa", "p_train": 15, "seed": 1}, data="")
-    assert (cfg.attention, cfg.p_train, cfg.seed, cfg.preset) == ("lssa", 15.0, 1, "tiny")
+    cfg = spec.train_config({"attention": "lssa", "p_train": 15, "seed": 1})
+    assert (cfg.attention, cfg.p_train, cfg.seed, cfg.preset, cfg.data) == ("lssa", 15.0, 1, "tiny", "demo")
 
 
 def test_random_points_are_seeded_and_respect_ranges():
@@ -103,15 +103,28 @@ def test_random_points_are_seeded_and_respect_ranges():
             assert set(p) == {"attention", "p_train"} and 1 <= p["p_train"] <= 63 and isinstance(p["p_train"], int)
 
 
-def test_tokens_budget_becomes_steps_and_resources_reach_the_config():
-    spec = _spec(train={"tokens": 10_000, "tokens_per_step": 1024},
-                 resources={"workers_per_trial": 2, "gpus_per_worker": 1, "cpus_per_worker": 4,
-                            "max_concurrent_trials": 3})
-    cfg = spec.train_config({}, data="")
+def test_the_study_embeds_the_training_config_and_its_resources():
+    spec = _spec(train={"tokens": 10_000, "tokens_per_step": 1024, "workers": 2, "gpus_per_worker": 1,
+                        "cpus_per_worker": 4},
+                 resources={"max_concurrent_trials": 3})
+    cfg = spec.train_config({})
     assert cfg.steps == 10  # ceil(10000 / 1024)
     assert (cfg.workers, cfg.gpu, cfg.gpus_per_worker, cfg.cpus_per_worker) == (2, True, 1.0, 4.0)
     assert spec.resource_request() == {"workers": 2, "gpus_per_worker": 1.0, "cpus_per_worker": 4.0,
-                                       "max_concurrent_trials": 3}
+                                       "max_concurrent_trials": 3, "trial_cpus": 0.5}
+    assert spec.train == cfg.model_copy(update={"data": "demo"})  # the same type, no remapping
+
+
+def test_p_train_says_what_it_means():
+    """none/off is no sharpening for every variant (lssar included); default is the variant's own power."""
+    spec = _spec(space={"attention": ["lssa", "lssar"], "p_train": [False, "default", 3, None]})
+    powers = {(p["attention"], str(p["p_train"])): spec.train_config(p).gpt_config().attention_spec().p
+              for p in spec.grid_points()}
+    assert powers[("lssar", "False")] is None and powers[("lssar", "None")] is None
+    assert powers[("lssar", "default")] == 15.0 and powers[("lssa", "default")] is None
+    assert powers[("lssar", "3")] == 3.0
+    off = load_spec({"name": "t", "train": {"preset": "tiny", "data": "demo", "attention": "lssar", "p_train": "none"}})
+    assert off.train.gpt_config().attention_spec().p is None
 
 
 def test_objective_syntax():
@@ -126,24 +139,23 @@ def test_objective_syntax():
     assert [(o.key, o.mode) for o in spec.objective] == [("val_loss@1x", "min"), ("passkey_acc@4x", "max")]
 
 
-def test_space_rope_scaling_is_an_eval_axis():
-    spec = _spec(space={"rope_scaling": ["ntk", "none"]})
-    assert spec.eval.rope_scaling == ["ntk", "none"]
-    assert spec.num_trials() == 1
+def test_the_search_fingerprint_ignores_the_evaluation():
+    a = _spec(space={"attention": ["lssa"]}, eval={"p_eval": ["none"]})
+    b = _spec(space={"attention": ["lssa"]}, eval={"p_eval": ["none", 3], "multiples": [1, 2, 4, 8, 16, 32]})
+    c = _spec(space={"attention": ["lssa", "softmax"]})
+    assert a.search_fingerprint() == b.search_fingerprint() != c.search_fingerprint()
 
 
 def test_searched_knobs_label_rows_so_reports_never_average_them_as_seeds():
     import pandas as pd
 
     from attnlab.results import reports
-    from attnlab.study.runner import knob_label
+    from attnlab.study.trial import knob_label
 
-    spec = load_spec({"name": "t", "model": {"preset": "tiny"}, "data": "demo",
-                      "space": {"attention": ["softmax"], "lr": [1e-3, 3e-3], "seeds": [0, 1]}})
+    spec = _spec(space={"attention": ["softmax"], "lr": [1e-3, 3e-3], "seeds": [0, 1]})
     labels = sorted({knob_label(spec, p) for p in spec.grid_points()})
     assert labels == ["lr=0.001", "lr=0.003"]
-    assert knob_label(load_spec({"name": "u", "model": {"preset": "tiny"}, "data": "demo",
-                                 "space": {"attention": ["softmax", "lssa"]}}), {"attention": "lssa"}) is None
+    assert knob_label(_spec(space={"attention": ["softmax", "lssa"]}), {"attention": "lssa"}) is None
     rows = [dict(study="t", attention="softmax", knobs=k, seed=s, eval_len=64, train_len=64, metric="val_loss", value=v,
                  step=10, trial=f"{k}-{s}", scale="inv_sqrt_d", p_train=None, p_eval=None, rope_scaling="ntk",
                  window_mode="nonoverlap", layer=None, bucket=None, preset="tiny", data="demo")

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from attnlab.data.synthetic import EVAL_STREAM, SYNTHETIC_TASKS, PasskeyTokens, open_task
 from attnlab.errors import UserError
-from attnlab.evaluate.core import mean_window_loss
+from attnlab.model.scoring import mean_window_loss
 from attnlab.model import GPT, preset
-from attnlab.train.data_api import open_data
+from attnlab.data.source import open_data
 
 
 def one_window(spec: dict, length: int, row: int = 0, seed: int = 0):
@@ -270,7 +270,7 @@ def test_gpt_forward_loss_mask_by_hand():
 
 
 def test_tiny_training_on_copy_distractors_reports_target_accuracy(tmp_path):
-    from attnlab.train.checkpoint import load_model
+    from attnlab.model.checkpoint import load_model
     from attnlab.train.config import TrainConfig
     from attnlab.train.loop import LocalSession, train_worker
 
@@ -307,15 +307,17 @@ def test_probe_study_writes_acc_for_every_trial_length_p_eval_and_rope(ray_sessi
     from attnlab.study.spec import load_spec
 
     study = {
-        "name": "probe-tiny", "model": {"preset": "tiny"},
-        "data": {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16, "eval_targets": 64},
-        "train": {"seq_len": 64, "steps": 6, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3,
+        "name": "probe-tiny",
+        "train": {"preset": "tiny",
+                  "data": {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16, "eval_targets": 64},
+                  "seq_len": 64, "steps": 6, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3,
                   "warmup_steps": 2, "log_every": 3, "val_every": 3, "val_tokens": 256, "checkpoint_every": 6,
-                  "keep_checkpoints": 1, "max_failures": 0, "precision": "fp32", "threads_per_worker": 1},
-        "resources": {"cpus_per_worker": 0.5, "trial_cpus": 0.5}, "search": {"engine": "grid"},
-        "space": {"attention": ["softmax", "lssar"], "rope_scaling": ["none", "ntk"]},
+                  "keep_checkpoints": 1, "max_failures": 0, "precision": "fp32", "threads_per_worker": 1,
+                  "cpus_per_worker": 0.5},
+        "resources": {"trial_cpus": 0.5}, "search": {"engine": "grid"},
+        "space": {"attention": ["softmax", "lssar"]},
         "objective": {"metric": "acc@2x,rope=none", "mode": "max"},
-        "eval": {"multiples": [1, 2], "p_eval": ["none", 15]},
+        "eval": {"multiples": [1, 2], "p_eval": ["none", 15], "rope_scaling": ["none", "ntk"]},
     }
     summary = run_study(load_spec(study), store=str(tmp_path / "results"), storage=str(tmp_path / "runs"), verbose=0)
     assert [t["status"] for t in summary.trials] == ["complete", "complete"]

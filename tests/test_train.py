@@ -134,7 +134,10 @@ def test_two_workers_learn_and_stay_identical(ddp_reference):
     assert len(list((Path(ddp_reference.run_dir) / "replicas").glob("rank*.sha256"))) == 2 and len(sums) == 1
     prov = json.loads((Path(ddp_reference.run_dir) / "provenance.json").read_text())
     assert prov["world_size"] == 2 and prov["grad_accum_steps"] == 2 and prov["tokens_per_step"] == 1024
-    assert prov["config_hash"] and prov["git"]["sha"] and prov["versions"]["torch"]
+    assert prov["config_hash"] == prov["train_key"] and prov["git"]["sha"] and prov["versions"]["torch"]
+    cfg = load_train_config(prov["config"])
+    assert prov["train_key"] == cfg.train_key(prov["data"]["fingerprint"], prov["data"]["vocab_size"])
+    assert ddp_reference.train_key == prov["train_key"]
     assert prov["flops_per_step"] == pytest.approx(prov["flops_per_token"] * 1024)
     assert ddp_reference.checkpoint and "checkpoint_" in ddp_reference.checkpoint
     for key in ("lr", "grad_norm", "tokens_per_s", "mfu"):
@@ -177,3 +180,49 @@ def test_divergence_stops_the_run_with_the_step_recorded(tmp_path, demo_data_dir
     assert "failure: loss is nan at step 2" in res.stdout
     last = _metrics(out)[-1]
     assert last["step"] == 2 and last["diverged"] is True and not math.isfinite(last["train_loss"])
+
+
+@pytest.mark.ray
+def test_relative_data_and_out_mean_the_users_folders_on_every_worker(tmp_path, demo_data_dir):
+    """`attnlab train --data data/demo --out runs/lssar` as the README writes it: Ray Train workers run in their own
+    folder, so the CLI resolves both against the user's directory before any worker sees them."""
+    (tmp_path / "data").mkdir()
+    os.symlink(demo_data_dir, tmp_path / "data" / "demo")
+    res = subprocess.run([sys.executable, "-m", "attnlab.cli", "train", "--preset", "tiny", "--attention", "lssar",
+                          "--data", "data/demo", "--out", "runs/lssar", "--steps", "2", "--tokens-per-step", "256",
+                          "--micro-batch", "4", "--set", "cpus_per_worker=0.5", "--set", "val_tokens=256",
+                          "--set", "warmup_steps=1", "--set", "log_every=1", "--set", "threads_per_worker=1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "lssar"
+    assert [m["step"] for m in _metrics(run)] == [1, 2]
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["config"]["data"] == str(tmp_path / "data" / "demo")
+    assert f"run folder: {run}" in res.stdout
+
+
+@pytest.mark.ray
+def test_a_run_on_object_storage_keeps_every_file_there(ray_session, s3_bucket, demo_data_dir, tmp_path):
+    """Run storage in a bucket: checkpoints, metrics, provenance and replica checksums all land in it, and the run
+    is read back (outcome, evaluation) from the bucket alone."""
+    from attnlab.evaluate import EvalConfig, evaluate_checkpoint
+    from attnlab.location import Location
+    from attnlab.train.ray_train import run_training
+    from attnlab.train.run import outcome, replica_checksums
+    from conftest import s3_keys
+
+    run = f"{s3_bucket}/runs/tiny"
+    result = run_training(_cfg(demo_data_dir, steps=4, checkpoint_every=2, val_every=4), run)
+    assert result.status == "finished" and result.run_dir == run and result.checkpoint.startswith(f"{run}/checkpoint_")
+    keys = s3_keys(s3_bucket)
+    for name in ("runs/tiny/metrics.jsonl", "runs/tiny/provenance.json", "runs/tiny/replicas/rank0.sha256",
+                 "runs/tiny/replicas/rank1.sha256"):
+        assert name in keys, keys
+    assert any(k.startswith("runs/tiny/checkpoint_") and k.endswith("/state.pt") for k in keys)
+    assert not (tmp_path / "s3:").exists() and not os.path.exists("s3:")
+    again = outcome(run, steps=4)
+    assert again.status == "finished" and again.final["step"] == 4 and again.train_key == result.train_key
+    checksums = replica_checksums(Location.parse(run))
+    assert len(checksums) == 2 and len(set(checksums.values())) == 1
+    rows = evaluate_checkpoint(run, EvalConfig(multiples=[1], max_tokens=256), device="cpu")
+    assert rows and rows[0]["config_hash"] == result.train_key and rows[0]["step"] == 4

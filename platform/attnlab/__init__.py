@@ -1,7 +1,7 @@
 """attnlab: a Ray platform for studying how attention mechanisms extrapolate in length.
 
 Sub-packages, one per stage (the science ones import and test without Ray):
-- ``attnlab.attention``: the attention variants of SPEC.md (dense reference + fused FlexAttention path).
+- ``attnlab.attention``: the attention variants of docs/attention.md (dense reference + fused FlexAttention path).
 - ``attnlab.model``: GPT-2 with RoPE + NTK scaling, presets.
 - ``attnlab.data``: tokeniser, sources, Arrow token shards, batch readers, synthetic probes.
 - ``attnlab.train``: per-worker training loop and the Ray Train wiring.

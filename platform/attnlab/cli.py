@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "attnlab.study.cli",
     "attnlab.results.cli",
     "attnlab.cluster.cli",
+    "attnlab.serve.cli",
     "attnlab.demo",
 )
 

@@ -39,11 +39,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--study", action="append", default=None,
                    help="a study to run, repeatable (default: studies/smoke.yaml, then studies/demo_probe.yaml)")
     p.add_argument("--fresh", action="store_true", help="start the search over (finished trials are still reused)")
+    p.add_argument("--verbose", action="store_true", help="show Ray's and Tune's own output (default: a log file)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnlab.study.runner import resolve_data, run_study
+    from attnlab.study.runner import run_study
     from attnlab.study.spec import load_spec
 
     studies = args.study or _default_studies()
@@ -51,22 +52,26 @@ def run(args: argparse.Namespace) -> int:
         if not Path(study).exists():
             raise UserError(f"--study {study}: no such file")
     specs = [load_spec(study) for study in studies]  # every file is validated before anything runs
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    from attnlab.location import Location
+
+    out = Location.parse(args.out, field="--out")  # a folder, or s3:// / gs://
+    out.mkdir()
+    store, storage = out.child("results").uri, out.child("runs").uri
     if not os.environ.get("RAY_ADDRESS"):
         from attnlab.raycluster import ensure_ray
 
         # 4 logical CPUs on small machines: one trial driver + fractional Train workers fit with room to spare.
-        ensure_ray(num_cpus=max(4, os.cpu_count() or 1), object_store_mb=256)
+        ensure_ray(num_cpus=max(4, os.cpu_count() or 1), object_store_mb=256, log_to_driver=args.verbose)
     ok = True
     for spec in specs:
-        if spec.data == "demo":
-            print(f"data: {resolve_data('demo')}", flush=True)
-        summary = run_study(spec, store=str(out / "results"), storage=str(out / "runs"),
-                            resume=False if args.fresh else None, curves_dir=str(out / "curves" / spec.name))
+        summary = run_study(spec, store=store, storage=storage, resume=False if args.fresh else None,
+                            curves_dir=out.child("curves", spec.name).uri, verbose=1 if args.verbose else 0,
+                            quiet=not args.verbose)
         ok = ok and bool(summary.count("complete"))
-    print(f"\ndemo done: tables above; curves in {out / 'curves'}; results store {out / 'results'}")
+    print(f"\ndemo done: tables above; curves in {out.child('curves').uri}; results store {store}")
     for spec in specs:
         metric = spec.objective[0].parts["metric"]
-        print(f"  attnlab results table --store {out / 'results'} --study {spec.name} --metric {metric}")
+        print(f"  attnlab results table --store {store} --study {spec.name} --metric {metric}")
+    print(f"watch and compare the studies in a browser:\n  attnlab serve --store {store} --storage {storage}"
+          "   # then open http://127.0.0.1:8000/")
     return 0 if ok else 1

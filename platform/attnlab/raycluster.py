@@ -3,11 +3,32 @@
 ``ensure_ray()`` joins the cluster ``RAY_ADDRESS`` names (a ``ray job submit`` driver gets it set), or the one
 this process already joined, or starts an embedded local Ray. Local clusters get auth disabled and usage stats
 off unless the user chose otherwise.
+
+Several Ray clusters on one machine (two studies at once, a study and a ``train``, or a ``ray start`` cluster
+beside another): Ray's own helpers that find "the" cluster without being told would see several and fail with
+``Found multiple active Ray instances``. The one that matters is the State API query of Ray Train's
+``PlacementGroupCleaner`` (``ray.train.v2._internal.state.util.is_actor_alive`` -> ``StateApiClient()`` ->
+``get_address_for_submission_client(None)``): it runs in a detached actor where neither ``RAY_ADDRESS`` nor
+``RAY_API_SERVER_ADDRESS`` is set, so it falls back to scanning the machine for ``gcs_server`` processes; the
+exception kills its monitor thread, and the placement group of a Train run whose controller dies (a trial stopped
+by ASHA, a killed driver) is never removed. So every process of the cluster attnlab uses gets
+``RAY_API_SERVER_ADDRESS`` = that cluster's own dashboard:
+
+- an embedded cluster: its dashboard port is chosen here and the variable set before the cluster starts, so every
+  process of that cluster inherits it;
+- a cluster named by ``RAY_ADDRESS`` (a ``ray job submit`` driver, or ``RAY_ADDRESS=host:port attnlab ...``): its
+  dashboard address is read from its GCS and put in this driver's job ``runtime_env`` ``env_vars``, which every
+  task and actor of the job, detached ones included, inherits. The processes of ``ray start`` were started
+  before attnlab ran, so this is the only way to reach them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+import time
+import warnings
 
 LOCAL_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -17,6 +38,42 @@ LOCAL_ENV = {
     "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
     "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
 }
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_api_server(address: str) -> str | None:
+    """The dashboard (State API) URL of the running cluster whose GCS is ``address`` (``host:port``), as the GCS
+    records it; None when the cluster has no dashboard or cannot be asked."""
+    from ray._private import ray_constants
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+    from ray._raylet import GcsClient
+
+    try:
+        gcs = GcsClient(address=canonicalize_bootstrap_address_or_die(address))
+        value = gcs.internal_kv_get(ray_constants.DASHBOARD_ADDRESS.encode(),
+                                    namespace=ray_constants.KV_NAMESPACE_DASHBOARD, timeout=30)
+    except Exception:  # noqa: BLE001 - private Ray API, best effort: Ray works without it, only less tidily
+        return None
+    return f"http://{value.decode()}" if value else None
+
+
+def _api_server_runtime_env() -> dict | None:
+    """``{"env_vars": {RAY_API_SERVER_ADDRESS: ...}}`` for the job runtime env of a driver joining the cluster
+    ``RAY_ADDRESS`` names (see the module docstring); None when it is already set or cannot be found."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    if os.environ.get(API_SERVER_ENV) or "://" in address or address in ("", "local"):
+        return None
+    url = cluster_api_server(address)
+    if not url:
+        return None
+    os.environ[API_SERVER_ENV] = url  # this driver's own State API calls too
+    return {"env_vars": {API_SERVER_ENV: url}}
 
 
 def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboard: bool = True,
@@ -27,10 +84,44 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(configure_logging=False, log_to_driver=log_to_driver)
+        ray.init(configure_logging=False, log_to_driver=log_to_driver, runtime_env=_api_server_runtime_env())
         return False
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
+    kwargs = {}
+    if dashboard:
+        port = _free_port()
+        kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
+        os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"  # inherited by this cluster's processes only
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
-             object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver)
+             object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
+             **kwargs)
     return True
+
+
+def log_file(folder: str, what: str) -> str:
+    """A new log file path ``<folder>/<what>-<time>.log`` (the folder is created)."""
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{what}-{time.strftime('%Y%m%d-%H%M%S')}.log")
+
+
+def quiet_ray(path: str) -> None:
+    """Send Ray's, Tune's and Train's own logging, and Python warnings, to the file ``path`` instead of the
+    terminal (``ensure_ray(log_to_driver=False)`` keeps the workers' output in Ray's session logs). Errors attnlab
+    reports itself still reach the terminal, one line each."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.attnlab_quiet = True  # a later call (the demo's second study) replaces it
+    for name in ("ray", "ray.tune", "ray.train", "ray.data", "optuna"):
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            if getattr(old, "attnlab_quiet", False) or not isinstance(old, logging.FileHandler):
+                logger.removeHandler(old)
+        logger.addHandler(handler)
+        logger.propagate = False
+    stream = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+
+    def to_file(message, category, filename, lineno, file=None, line=None):
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = to_file

@@ -1,13 +1,15 @@
-"""Attention variants for length-extrapolation studies (SPEC.md sections 1-4).
+"""Attention variants for length-extrapolation studies (docs/attention.md).
 
 Public API (a contract: tests and docs rely on it):
 
 - :func:`variant_names`, :func:`get_variant` -> :class:`AttentionSpec` (the registry is ``variants.py``).
 - :func:`attention_weights` ``(q, k, spec) -> (B, H, T, T)`` dense causal weights (float32 or better).
-- :func:`attend` ``(q, k, v, spec, impl="auto") -> (B, H, T, D)``.
+- :func:`attend` ``(q, k, v, spec, impl="auto") -> (B, H, T, D)``; ``impl`` is a :class:`Backend` or its
+  value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by :func:`resolve_backend`.
 
 ``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
-reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``).
+reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``);
+the softmax path through ``scaled_dot_product_attention`` is ``sdpa.py``; which one runs is ``backends.py``.
 No Ray imports anywhere in this package.
 """
 
@@ -15,15 +17,16 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.attention.backends import Backend, resolve_backend
 from attnlab.attention.dense import attend_dense, weights_for_rows
 from attnlab.attention.flex import attend_flex
+from attnlab.attention.sdpa import attend_sdpa
 from attnlab.attention.spec import AttentionSpec, parse_scale
 from attnlab.attention.variants import get_variant, variant_names
 
-__all__ = ["AttentionSpec", "attend", "attention_weights", "get_variant", "parse_scale", "variant_names",
-           "IMPLS"]
+__all__ = ["AttentionSpec", "Backend", "attend", "attention_weights", "get_variant", "parse_scale",
+           "resolve_backend", "variant_names"]
 
-IMPLS = ("auto", "dense", "flex")
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -56,17 +59,20 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> 
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-           impl: str = "auto") -> torch.Tensor:
+           impl: Backend | str = Backend.AUTO) -> torch.Tensor:
     """Causal attention output ``(B, H, T, D)`` in v's dtype.
 
-    ``impl``: ``dense`` (the reference, chunked over query rows for long sequences), ``flex`` (FlexAttention
-    in O(T) memory on CUDA; variants without a fused form use the dense reference after a one-time warning)
-    or ``auto``: ``flex`` for CUDA tensors, ``dense`` elsewhere (compiled FlexAttention has no CPU backward).
+    ``impl`` (a :class:`Backend` or its value): ``dense`` (the reference, chunked over query rows for long
+    sequences), ``flex`` (FlexAttention in O(T) memory on CUDA; variants without a fused form use the dense
+    reference after a one-time warning), ``sdpa`` (``scaled_dot_product_attention``, softmax variants only:
+    ValueError for the others) or ``auto``: on CUDA the fastest exact one of these for ``spec``, elsewhere
+    ``dense`` (see :mod:`attnlab.attention.backends`).
     """
     check_qkv(q, k, v)
     _check_spec(spec)
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not allowed: use one of {', '.join(IMPLS)}")
-    if impl == "flex" or (impl == "auto" and q.is_cuda):
+    backend = resolve_backend(spec, q.device, impl)
+    if backend is Backend.SDPA:
+        return attend_sdpa(q, k, v, spec)
+    if backend is Backend.FLEX:
         return attend_flex(q, k, v, spec)
     return attend_dense(q, k, v, spec)

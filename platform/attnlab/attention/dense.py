@@ -1,4 +1,4 @@
-"""The dense reference implementation of every variant: SPEC.md sections 1-4, written to read like it.
+"""The dense reference implementation of every variant, written to read like docs/attention.md.
 
 It materialises the ``(B, H, T, T)`` weights in float32 (float64 for float64 inputs) and is the oracle the
 fused path is tested against. Rows are independent, so :func:`attend_dense` can process query rows in chunks
@@ -66,7 +66,7 @@ def l1norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def sharpen(a: torch.Tensor, n: torch.Tensor, rows: torch.Tensor, p: float) -> torch.Tensor:
-    """Re-weighting (SPEC section 3): ``l1norm(relu(N_i * A_ij - O_i) ** p)``.
+    """Re-weighting (docs/attention.md#sharpening): ``l1norm(relu(N_i * A_ij - O_i) ** p)``.
 
     ``O_i = 1`` for rows ``i >= 3`` and 0 for the first three rows. Each row of ``relu(...)`` is divided by
     its maximum before the power (exact after the second normalisation; avoids fp32 overflow of (N*A)^p).

@@ -1,9 +1,9 @@
 """The fused path: every normalised non-negative variant, and its sharpening, with FlexAttention in O(T) memory.
 
-The idea (ARCHITECTURE.md, "Fused attention"): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
+The idea (docs/attention.md#the-identity): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
 the visible keys, so the first stage is one FlexAttention call whose ``score_mod`` returns ``log f(scale_i * s
 + bias_i)`` (``-inf`` where ``f`` is 0; the plain score for softmax), and its log-sum-exp is ``log Z_i``.
-Sharpening (SPEC section 3) is a second call whose ``score_mod`` reads that captured LSE, rebuilds
+Sharpening (docs/attention.md#the-two-pass-sharpening) is a second call whose ``score_mod`` reads that captured LSE, rebuilds
 ``A_ij = exp(log f - log Z_i)`` and returns ``p * log relu(N_i * A_ij - O_i)``: FlexAttention's softmax of it is
 ``relu(.)^p / sum relu(.)^p``, the row-max rescaling of the dense form is not needed in log space. The
 all-zero-row fallback of the dense reference (such a row keeps the un-sharpened ``A``) is decided before the
@@ -77,12 +77,13 @@ def is_fusable(spec: AttentionSpec) -> bool:
     return unfusable_reason(spec) is None
 
 
-def _warn_fallback(spec: AttentionSpec, reason: str) -> None:
+def warn_fallback(spec: AttentionSpec, reason: str, stacklevel: int = 3) -> None:
+    """Warn, once per variant name and process, that ``spec`` is computed by the dense reference."""
     if spec.name in _warned_fallback:
         return
     _warned_fallback.add(spec.name)
     warnings.warn(f"attention {spec.name!r} has no fused form ({reason}): using the dense reference",
-                  UserWarning, stacklevel=3)
+                  UserWarning, stacklevel=stacklevel)
 
 
 # --- the score_mods, in log space --------------------------------------------------------------------------
@@ -165,7 +166,12 @@ def first_stage_score_mod(spec: AttentionSpec, sizes: Sizes, norms: tuple[torch.
 
     ``norms``: ``(1/|q|, 1/|k|)`` with QK-norm (see :func:`inverse_norm`), else empty.
     """
-    return ScoreMod(_first_stage_fn(spec, sizes), tuple(norms))
+    return ScoreMod(_uncached_if_compiling(_first_stage_fn)(spec, sizes), tuple(norms))
+
+
+def _uncached_if_compiling(cached: Callable) -> Callable:
+    # Inside an enclosing torch.compile the graph is built once per specialisation: no cache lookup to trace.
+    return cached.__wrapped__ if torch.compiler.is_compiling() else cached
 
 
 # The functions are cached per (variant, sizes) so that the compiled kernel sees the same function each call.
@@ -183,7 +189,7 @@ def sharpen_score_mod(spec: AttentionSpec, sizes: Sizes, log_z: torch.Tensor, ha
     ``log_z``: ``(B, H, T)`` pass 1's LSE (finite: 0 where a row had no visible weight); its gradient flows.
     ``has_mass``: ``(B, H, T)`` booleans, True where ``relu(N_i * A_ij - O_i)`` is non-zero for some ``j``.
     """
-    return ScoreMod(_sharpen_fn(spec, sizes), (log_z, has_mass, *norms))
+    return ScoreMod(_uncached_if_compiling(_sharpen_fn)(spec, sizes), (log_z, has_mass, *norms))
 
 
 @functools.lru_cache(maxsize=256)
@@ -259,10 +265,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod
 
     ``lse`` and ``max_score`` are natural-log ``(B, H, T)`` tensors when ``with_stats``, else None.
     """
-    if q.device.type == "cuda":
+    compiling = torch.compiler.is_compiling()
+    if q.device.type == "cuda" or (compiling and not with_stats and not torch.is_grad_enabled()):
+        # Inside a compiled model the enclosing torch.compile compiles this call (and its block mask); outside
+        # one, the process's one compiled instance does. On CPU FlexAttention compiles for inference without
+        # statistics only; otherwise the CPU path is the unfused one, outside any graph.
+        kernel = flex_attention if compiling else _compiled_flex_attention()
         aux = AuxRequest(lse=True, max_scores=True) if with_stats else None
-        result = _compiled_flex_attention()(q, k, v, score_mod=score_mod.bound(), block_mask=block_mask,
-                                            scale=1.0, return_aux=aux)
+        result = kernel(q, k, v, score_mod=score_mod.bound(), block_mask=block_mask, scale=1.0, return_aux=aux)
         if not with_stats:
             return result, None, None
         out, stats = result
@@ -270,12 +280,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod
     return _flex_unfused(q, k, v, score_mod, block_mask, with_stats)
 
 
+@torch.compiler.disable
 def _flex_unfused(q, k, v, score_mod: ScoreMod, block_mask: BlockMask, with_stats: bool):
     """FlexAttention's own unfused implementation (CPU): its higher-order op called eagerly.
 
     The public ``flex_attention`` refuses tensors that require grad on CPU and cannot return the row
     maximum there; the op underneath does both (it materialises the scores). This is the CPU path of the
-    equivalence tests, forward and backward.
+    equivalence tests, forward and backward. Never traced (``torch.compiler.disable``): in a compiled CPU
+    model it runs eagerly between two graphs.
     """
     hop = getattr(_flex_module, "flex_attention_hop", None)
     apply_options = getattr(_flex_module, "_apply_kernel_options", None)
@@ -300,7 +312,7 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     """
     reason = unfusable_reason(spec)
     if reason is not None:
-        _warn_fallback(spec, reason)
+        warn_fallback(spec, reason)
         return attend_dense(q, k, v, spec)
 
     out_dtype = v.dtype

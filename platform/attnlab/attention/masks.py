@@ -36,10 +36,15 @@ def causal_rows(row_start: int, n_rows: int, n_keys: int, device) -> tuple[torch
 
 
 def causal_block_mask(seq_len: int, device: torch.device | str) -> BlockMask:
-    """The causal :class:`BlockMask` for ``seq_len`` queries and keys on ``device``, built once and cached."""
+    """The causal :class:`BlockMask` for ``seq_len`` queries and keys on ``device``, built once and cached
+    (inside a compiled model: built by the compiled graph)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if torch.compiler.is_compiling():
+        # Inside a compiled model the enclosing graph builds the mask (once per specialisation of the graph;
+        # a cache lookup cannot be traced): the same mask, computed by the compiled code.
+        return create_block_mask(causal_mask_mod, None, None, seq_len, seq_len, device=device)
     return _causal_block_mask(int(seq_len), device)
 
 

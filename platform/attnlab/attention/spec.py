@@ -1,8 +1,8 @@
 """What an attention variant is: a frozen, validated description (no tensors, no torch here).
 
-An :class:`AttentionSpec` names the choices of SPEC.md section 1, ``A = l1norm(f(S) * M)`` with
+An :class:`AttentionSpec` names the choices of the general form (docs/attention.md#the-general-form), ``A = l1norm(f(S) * M)`` with
 ``S = scale * q @ k^T``: the non-linearity ``phi``, the normalisation, the scale factor, QK-norm, an additive
-bias, a post-processing step (Table 1's inverse/re-centred rows), the sharpening power ``p`` (SPEC section 3)
+bias, a post-processing step (Table 1's inverse/re-centred rows), the sharpening power ``p`` (docs/attention.md#sharpening)
 and an output LayerNorm (``relu_shen``). The registry of named variants lives in ``variants.py``; the math
 lives in ``dense.py``.
 """
@@ -21,8 +21,12 @@ BIASES = ("none", "neg_log_t", "neg_log_n")
 POSTS = ("none", "negate", "recentre", "recentre_l1")
 OUT_NORMS = ("none", "layernorm")
 
-# Sharpening leaves the first SHARPEN_EXEMPT_ROWS rows without the offset O_i = 1 (SPEC section 3).
+# Sharpening leaves the first SHARPEN_EXEMPT_ROWS rows without the offset O_i = 1 (docs/attention.md#sharpening).
 SHARPEN_EXEMPT_ROWS = 3
+# The sharpening a model trains with (``p_train``): the variant's own power (lssar: 15, the others: none), or
+# ``off`` / none (no sharpening, as ``get_variant(p=None)`` means), or a number >= 1.
+P_TRAIN_DEFAULT = "default"
+P_TRAIN_OFF = "off"
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class AttentionSpec:
         bias: additive score bias: ``neg_log_t`` = -ln(T) (T = sequence length), ``neg_log_n`` = -ln(N_i).
         post: ``negate`` (-A, Table 1 inverse), ``recentre`` (subtract 1/N_i from visible entries of rows >= 3),
             ``recentre_l1`` (that, then l1norm).
-        p: sharpening power (SPEC section 3); None = no sharpening.
+        p: sharpening power (docs/attention.md#sharpening); None = no sharpening.
         out_norm: ``layernorm``: parameter-free LayerNorm over the head dimension of each head's output
             ``A @ v`` (relu_shen), applied inside :func:`attnlab.attention.attend` before heads are merged.
         source: where the variant comes from in the paper (documentation only).
@@ -87,6 +91,31 @@ class AttentionSpec:
 
     def replace(self, **changes) -> "AttentionSpec":
         return dataclasses.replace(self, **changes)
+
+
+def parse_p_train(value, field: str = "p_train") -> float | str | None:
+    """``default`` (the variant's own power) -> ``"default"``; ``off``/``none``/``null``/None -> None (no
+    sharpening); a number >= 1 -> float. Raises ValueError naming ``field`` otherwise."""
+    allowed = "default (the variant's own power), off (no sharpening) or a number >= 1"
+    if value is False:  # YAML 1.1 reads a bare `off` as false
+        return None
+    if value is None or (isinstance(value, str) and value.strip().lower() in (P_TRAIN_OFF, "none", "null", "~")):
+        return None
+    if isinstance(value, str) and value.strip().lower() == P_TRAIN_DEFAULT:
+        return P_TRAIN_DEFAULT
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{field}={value!r} is not allowed: use {allowed}") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 1:
+        raise ValueError(f"{field}={value!r} is not allowed: use {allowed}")
+    return float(value)
+
+
+def p_train_label(value: float | str | None) -> str:
+    """How a ``p_train`` setting is written back: ``default``, ``off`` or the number."""
+    return P_TRAIN_OFF if value is None else (value if isinstance(value, str) else f"{value:g}")
 
 
 def parse_scale(value) -> tuple[str, float | None]:

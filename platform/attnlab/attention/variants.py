@@ -1,4 +1,4 @@
-"""The registry of named attention variants: one entry per row of the paper's tables (SPEC.md section 4).
+"""The registry of named attention variants: one entry per row of the paper's tables (docs/attention.md#variants).
 
 Adding a variant is one entry here plus its test. Every entry is a plain :class:`AttentionSpec`; the math that
 interprets the fields is in ``dense.py``. Unless stated, scores are ``q @ k^T / sqrt(d)``, causal, no QK-norm.
@@ -50,9 +50,9 @@ _register(AttentionSpec("relu_l1", phi="relu", norm="l1", source="Table 4: relu 
 _register(AttentionSpec("relu_shen", phi="relu", norm="none", out_norm="layernorm",
                         source="Table 4: relu(S), then LayerNorm on each head's output (Shen et al.; inferred)"))
 _register(AttentionSpec("lssa", phi="softplus", norm="l1", scale="logd_logn", qk_norm=True,
-                        source="SPEC section 2: QK-norm, scale ln(d)*ln(N_i), softplus + l1norm"))
+                        source="Eq. 4, Table 4: QK-norm, scale ln(d)*ln(N_i), softplus + l1norm"))
 _register(AttentionSpec("lssar", phi="softplus", norm="l1", scale="logd_logn", qk_norm=True, p=15.0,
-                        source="SPEC section 3: LSSA + sharpening, p = 15 by default"))
+                        source="Eq. 5, Table 4: LSSA + sharpening, p = 15 by default"))
 
 _OVERRIDABLE = ("p", "scale", "coef", "qk_norm", "phi", "norm", "bias", "post", "out_norm")
 

@@ -21,7 +21,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Lazy, so ``python -m attnlab.cluster.validate`` does not import the module twice.
+    # Lazy: importing the package does not load the schemas' helpers (yaml, jsonschema).
     if name in __all__:
         from attnlab.cluster import validate
 

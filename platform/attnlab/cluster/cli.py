@@ -1,7 +1,7 @@
 """``attnlab cluster validate|fits|extract-crd``: offline checks of the cluster configs in ``cluster/``.
 
-Thin argument handling over :mod:`attnlab.cluster.validate` (also reachable as
-``python -m attnlab.cluster.validate``). Bad input raises ``UserError`` (one line, exit 2).
+Thin argument handling over :mod:`attnlab.cluster.validate`; ``fits`` reads each study with the study spec.
+Bad input raises ``UserError`` (one line, exit 2).
 """
 
 from __future__ import annotations
@@ -9,32 +9,31 @@ from __future__ import annotations
 import argparse
 
 
-def register(sub) -> None:
-    """Add the three sub-commands to an argparse sub-parser collection (shared with ``python -m``)."""
+def add_parser(subparsers) -> None:
     from attnlab.cluster.validate import KUBERAY_SCHEMA_DIR
 
-    p = sub.add_parser("validate", aliases=["config"], help="validate launcher YAMLs and KubeRay manifests",
-                       description="Validate Ray cluster-launcher YAMLs against the schema shipped in the ray "
-                       "wheel, and KubeRay manifests against the vendored v1.7.0 CRD schemas.")
-    p.add_argument("paths", nargs="+", metavar="PATH")
-    p.set_defaults(func=_validate)
-    p = sub.add_parser("fits", help="check that each study's resources fit a cluster config",
-                       description="Refuse, before submission, a study that no node type of the config can host.")
-    p.add_argument("--config", required=True, help="a cluster YAML (cluster/aws.yaml, gcp.yaml, kuberay/...)")
-    p.add_argument("studies", nargs="+", metavar="STUDY.yaml")
-    p.set_defaults(func=_fits)
-    p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into cluster/kuberay/schemas/")
-    p.add_argument("crds", nargs="+", metavar="CRD.yaml")
-    p.add_argument("--out", default=str(KUBERAY_SCHEMA_DIR))
-    p.set_defaults(func=_extract)
-
-
-def add_parser(subparsers) -> None:
     p = subparsers.add_parser("cluster", help="validate cluster configs offline; check that studies fit them",
                               description="Offline checks of the Ray cluster configs and KubeRay manifests.")
     sub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
     sub.required = True
-    register(sub)
+    p = sub.add_parser("validate", aliases=["config"], help="validate launcher YAMLs and KubeRay manifests",
+                       description="Validate Ray cluster-launcher YAMLs against the schema shipped in the ray "
+                       "wheel, and KubeRay manifests against the vendored v1.7.0 CRD schemas.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="cluster launcher YAMLs (cluster/*.yaml) or KubeRay manifests")
+    p.set_defaults(func=_validate)
+    p = sub.add_parser("fits", help="check that each study's resources fit a cluster config",
+                       description="Refuse, before submission, a study that no node type of the config can host.")
+    p.add_argument("--config", required=True, help="a cluster YAML (cluster/aws.yaml, gcp.yaml, kuberay/...)")
+    p.add_argument("studies", nargs="+", metavar="STUDY.yaml", help="study files whose trials must fit the cluster")
+    p.set_defaults(func=_fits)
+    p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into cluster/kuberay/schemas/",
+                       description="Extract the v1 openAPIV3Schema of KubeRay CRD files (e.g. ray.io_rayclusters.yaml "
+                       "from a KubeRay release) into gzipped JSON schemas, the form `attnlab cluster validate` "
+                       "checks manifests against offline.")
+    p.add_argument("crds", nargs="+", metavar="CRD.yaml", help="KubeRay CRD YAML files (RayCluster, RayJob)")
+    p.add_argument("--out", default=str(KUBERAY_SCHEMA_DIR),
+                   help=f"folder for the extracted schemas (default {KUBERAY_SCHEMA_DIR})")
+    p.set_defaults(func=_extract)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -47,10 +46,11 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _fits(args: argparse.Namespace) -> int:
-    from attnlab.cluster.validate import plan_fit, study_resources
+    from attnlab.cluster.validate import plan_fit
+    from attnlab.study.spec import load_spec
 
     for study in args.studies:
-        fit = plan_fit(study_resources(study), args.config)
+        fit = plan_fit(load_spec(study).resource_request(), args.config)
         print(f"ok: {study} on {args.config}: nodes per trial {fit.nodes_per_trial}, "
               f"{fit.concurrent_trials} trial(s) at once")
     return 0

@@ -22,7 +22,6 @@ import gzip
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -65,11 +64,11 @@ INSTANCE_TYPES: dict[str, dict[str, dict[str, int]]] = {
     },
 }
 
-# What a study's ``resources:`` block turns into (see attnlab.study): one trial = a Tune trial driver
-# (1 CPU) that runs a Ray Train job of ``workers`` workers, each ``gpus_per_worker`` GPUs and
-# ``cpus_per_worker`` CPUs; up to ``max_concurrent_trials`` trials at once.
-REQUEST_DEFAULTS = {"workers": 1, "gpus_per_worker": 0.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1}
-TRIAL_DRIVER_CPUS = 1.0
+# The one shape of a resource request (``attnlab.study.StudySpec.resource_request`` builds it): one trial = a
+# Tune trial driver (``trial_cpus``) that runs a Ray Train job of ``workers`` workers, each ``gpus_per_worker``
+# GPUs and ``cpus_per_worker`` CPUs; up to ``max_concurrent_trials`` trials at once.
+REQUEST_DEFAULTS = {"workers": 1, "gpus_per_worker": 0.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1,
+                    "trial_cpus": 1.0}
 _EPS = 1e-9
 
 
@@ -401,7 +400,7 @@ def normalise_request(request: dict) -> dict:
         value = out[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"resources.{key}: {value!r} is not allowed; use an integer >= 1")
-    for key in ("gpus_per_worker", "cpus_per_worker"):
+    for key in ("gpus_per_worker", "cpus_per_worker", "trial_cpus"):
         value = out[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise UserError(f"resources.{key}: {value!r} is not allowed; use a number >= 0")
@@ -427,7 +426,8 @@ def plan_fit(request: dict, cluster_config_path: str | Path) -> TrialFit:
 
     A Ray Train worker must fit on one node. A trial's workers may span nodes (Ray Train's PACK
     placement spreads a placement group over nodes when one is not enough), within each node type's
-    ``max_workers`` and the config's global cap on worker nodes. The trial driver needs 1 CPU anywhere.
+    ``max_workers`` and the config's global cap on worker nodes. The trial driver needs ``trial_cpus`` on
+    some node.
     """
     req = normalise_request(request)
     name = Path(cluster_config_path).name
@@ -477,9 +477,10 @@ def plan_fit(request: dict, cluster_config_path: str | Path) -> TrialFit:
             nodes_per_trial[n.name] = take
             remaining -= take * per_node[n.name]
 
-    cpu_nodes = [n for n in nodes if n.cpus >= TRIAL_DRIVER_CPUS]
-    if not cpu_nodes:
-        raise UserError(f"resources: the trial driver needs {TRIAL_DRIVER_CPUS:g} CPU but no node type in {name} offers a CPU")
+    driver = req["trial_cpus"]
+    if not any(n.cpus >= driver for n in nodes):
+        raise UserError(f"resources: the trial driver needs {driver:g} CPU but no node type in {name} offers that "
+                        "(lower resources.trial_cpus)")
 
     total = budget(usable)
     concurrent = sum(per_node[k] * v for k, v in total.items()) // workers
@@ -495,52 +496,8 @@ def check_fits(request: dict, cluster_config_path: str | Path) -> None:
     """Raise ``attnlab.errors.UserError`` (one line) if no node type or allowed span can host a trial.
 
     ``request``: ``{"workers": int, "gpus_per_worker": float, "cpus_per_worker": float,
-    "max_concurrent_trials": int}``, as a study's ``resources:`` block gives it. Running fewer trials
+    "max_concurrent_trials": int, "trial_cpus": float}`` (missing keys take :data:`REQUEST_DEFAULTS`), as
+    ``StudySpec.resource_request()`` gives it. Running fewer trials
     at once than ``max_concurrent_trials`` is not an error (Tune queues the rest); see ``plan_fit``.
     """
     plan_fit(request, cluster_config_path)
-
-
-def study_resources(study_path: str | Path) -> dict:
-    """The fit request from a study YAML's ``resources:`` block (only that block is read).
-
-    The study spec names the worker count ``workers_per_trial`` (``StudySpec.resource_request()``
-    maps it the same way); keys other than the request's are left to the study spec's validation.
-    """
-    doc = _read_yaml(study_path)
-    if not isinstance(doc, dict):
-        raise UserError(f"{study_path}: a study must be a YAML mapping")
-    block = doc.get("resources") or {}
-    if not isinstance(block, dict):
-        raise UserError(f"{study_path}: resources must be a mapping, got {type(block).__name__}")
-    block = dict(block)
-    if "workers_per_trial" in block:
-        block["workers"] = block.pop("workers_per_trial")
-    return normalise_request({k: v for k, v in block.items() if k in REQUEST_DEFAULTS})
-
-
-# --------------------------------------------------------------------------------------------
-# python -m attnlab.cluster.validate
-# --------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from attnlab.cluster.cli import register
-
-    parser = argparse.ArgumentParser(
-        prog="python -m attnlab.cluster.validate",
-        description="Validate cluster configs offline and check that studies fit them (also: attnlab cluster).",
-    )
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as exc:
-        print(f"attnlab: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,6 +5,8 @@ Public API (no Ray needed to import any of it; only ``prepare(..., workers>1)`` 
 - ``prepare(source, path, out, shard_tokens=..., val_tokens=..., seed=0, workers=None)``: build shards.
 - ``verify(dir)``: re-check every shard's sha256 and counts.
 - ``TokenShards.open(dir)``, ``TrainSampler(shards, seq_len, global_batch, seed)``: read them.
+- ``open_data(spec)`` -> a ``DataSource`` (a prepared folder, or ``{synthetic: TASK, ...}``): what training
+  and evaluation read.
 - ``get_encoding()``, ``seed_tiktoken_cache()``, ``encode_document(text)``, ``EOT_ID``, ``GPT2_VOCAB``.
 - ``make_source(kind, ...)``, ``SOURCE_KINDS``; ``ensure_demo_corpus()`` (the offline demo texts).
 """
@@ -13,10 +15,12 @@ from attnlab.data.demo import ensure_demo_corpus
 from attnlab.data.prepare import prepare
 from attnlab.data.reader import TokenShards, TrainSampler
 from attnlab.data.shards import verify
+from attnlab.data.source import DataSource, open_data
 from attnlab.data.sources import SOURCE_KINDS, make_source
 from attnlab.data.tokenizer import EOT_ID, GPT2_VOCAB, encode_document, get_encoding, seed_tiktoken_cache
 
 __all__ = [
+    "DataSource",
     "EOT_ID",
     "GPT2_VOCAB",
     "SOURCE_KINDS",
@@ -26,6 +30,7 @@ __all__ = [
     "ensure_demo_corpus",
     "get_encoding",
     "make_source",
+    "open_data",
     "prepare",
     "seed_tiktoken_cache",
     "verify",

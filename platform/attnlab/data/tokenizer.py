@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.errors import UserError
+from attnlab.names import GPT2_VOCAB
 
 TOKENIZER_NAME = "tiktoken:gpt2"
-EOT_ID = 50256
-GPT2_VOCAB = 50257
+EOT_ID = 50256  # the last id of GPT2_VOCAB
 
 # tiktoken_ext/openai_public.py: the URLs tiktoken fetches for "gpt2" and the sha256 it expects.
 _GPT2_FILES = {

@@ -1,38 +1,26 @@
 """Extrapolation evaluation: validation loss at 1x..16x length for every p_eval and RoPE scaling, passkey
-retrieval, attention diagnostics; rows for the results store. No Ray here (callers wrap it in their tasks).
+retrieval, attention diagnostics; rows for the results store. No Ray here (a study wraps it in its own task).
 
-Public API:
-- ``evaluate_checkpoint(checkpoint, *, data, lengths, multiples, p_evals, rope_scalings, max_tokens, long_docs,
-  passkey, diagnostics, batch_size, device, context, store, key) -> list[dict]`` (``extrapolation.py``).
-- ``core``: ``window_token_stats``, ``mean_window_loss`` (shared with training's validation).
-- ``passkey``: ``build_prompt``, ``passkey_accuracy``, ``model_logprob``; ``diagnostics``: ``attention_diagnostics``.
+- ``plan``: ``EvalConfig`` (a study's ``eval:`` block; ``attnlab eval``'s flags) and the cells it expands into,
+  each with its own key;
+- ``measure``: model + data + cells -> scores (``score_windows``, ``bits_per_byte``, ``bucket_bounds``);
+- ``rows``: scores -> results-store rows;
+- ``extrapolation``: ``evaluate_checkpoint(checkpoint, config, *, data, context, store, device, skip) -> rows``;
+- ``passkey`` and ``diagnostics``: the two extra measurements.
 """
 
-from attnlab.evaluate.core import mean_window_loss, window_token_stats
-from attnlab.evaluate.extrapolation import (
-    BUCKETS,
-    LoadedCheckpoint,
-    bits_per_byte,
-    bucket_bounds,
-    evaluate_checkpoint,
-    parse_lengths,
-    parse_p_evals,
-    parse_rope_scalings,
-    plan_token_budget,
-    score_windows,
-)
+from attnlab.evaluate.extrapolation import LoadedCheckpoint, evaluate_checkpoint
+from attnlab.evaluate.measure import BUCKETS, bits_per_byte, bucket_bounds, score_windows
+from attnlab.evaluate.plan import DEFAULT_EVAL_TOKENS, EvalCell, EvalConfig
 
 __all__ = [
     "BUCKETS",
+    "DEFAULT_EVAL_TOKENS",
+    "EvalCell",
+    "EvalConfig",
     "LoadedCheckpoint",
     "bits_per_byte",
     "bucket_bounds",
     "evaluate_checkpoint",
-    "mean_window_loss",
-    "parse_lengths",
-    "parse_p_evals",
-    "parse_rope_scalings",
-    "plan_token_budget",
     "score_windows",
-    "window_token_stats",
 ]

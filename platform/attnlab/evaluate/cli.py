@@ -1,6 +1,7 @@
 """``attnlab eval CHECKPOINT``: argument handling and the printed tables only; the work is
-:func:`attnlab.evaluate.evaluate_checkpoint`. Lists (lengths, p_eval, rope) are parsed in the handler so a bad
-value is a one-line ``UserError``. No Ray here; torch is imported only when the command runs.
+:func:`attnlab.evaluate.evaluate_checkpoint`. The flags' lists (lengths, p_eval, rope) are parsed here into an
+``EvalConfig``, so a bad value is a one-line ``UserError``. No Ray here; torch is imported only when the command
+runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def add_parser(subparsers) -> None:
         "per metric; --store also writes the rows to a results store.",
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a checkpoint folder, or a run folder (its latest checkpoint)")
+                   help="a checkpoint folder, or a run folder (its latest checkpoint); a path or an s3://, gs:// URI")
     p.add_argument("--data", help="prepared data folder (default: the checkpoint's training data)")
     p.add_argument("--lengths", help="comma-separated eval lengths, e.g. 1024,2048 or 1k,2k "
                    "(default: --multiples x the training length)")
@@ -32,8 +33,8 @@ def add_parser(subparsers) -> None:
                    "including its p_train; a number replaces it at evaluation; default none)")
     p.add_argument("--rope", default="ntk", help="RoPE scaling beyond the training length: ntk, none or both "
                    "(default ntk)")
-    p.add_argument("--max-tokens", help="target tokens scored at every length (default: all the largest "
-                   "length allows, capped at 131072 on CPU / 4194304 on CUDA)")
+    p.add_argument("--max-tokens", help="target tokens scored at every length, whatever the device (default "
+                   "262144): max-tokens // L windows of length L")
     p.add_argument("--long-docs", action="store_true",
                    help="also evaluate on windows inside documents of at least L+1 tokens (window_mode long_docs)")
     p.add_argument("--passkey", action="store_true", help="also score passkey retrieval by length and depth")
@@ -43,7 +44,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", help="windows per forward (default: 8 at the training length, fewer for "
                    "longer windows, at least 1)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--store", help="results store URI to write the rows to (default: none, print only)")
+    p.add_argument("--store", help="results store (a path or an s3://, gs:// URI) to write the rows to (default: none, "
+                   "print only); cells already stored for this checkpoint are written again")
     p.add_argument("--study", help="study name of the rows (default: adhoc)")
     p.add_argument("--trial", help="trial name of the rows (default: the run folder's name)")
     p.add_argument("--format", default="markdown", help="markdown or csv (default markdown)")
@@ -65,39 +67,76 @@ def _positive_int(name: str, text: str | None) -> int | None:
     return value
 
 
+def _list(text: str) -> list[str]:
+    return [item.strip() for item in str(text).split(",")]
+
+
+def eval_config_from_args(args):
+    """The flags as an :class:`attnlab.evaluate.plan.EvalConfig` (each list parsed here; bad values: one line)."""
+    from attnlab.errors import UserError
+    from attnlab.evaluate.plan import EvalConfig
+    from attnlab.names import parse_lengths, parse_optional_number
+    from attnlab.validation import parse
+
+    fields: dict = {}
+    if args.lengths is not None:
+        fields["lengths"] = parse_lengths(args.lengths, field="--lengths")
+    else:
+        multiples = []
+        for item in _list(args.multiples):
+            try:
+                multiples.append(float(item))
+            except ValueError:
+                raise UserError(f"--multiples {item!r} is not allowed: use positive numbers, e.g. 1,2,4,8,16") from None
+        fields["multiples"] = multiples
+    p_evals = []
+    for item in _list(args.p_eval):
+        p = None if item.lower() == "train" else parse_optional_number(item, "--p-eval", minimum=1.0)
+        if p not in p_evals:
+            p_evals.append(p)
+    fields["p_eval"] = p_evals
+    ropes = []
+    for item in _list(args.rope):
+        names = ["ntk", "none"] if item == "both" else [item]
+        for name in names:
+            if name not in ("ntk", "none"):
+                raise UserError(f"--rope {item!r} is not allowed; use ntk, none or both")
+            if name not in ropes:
+                ropes.append(name)
+    fields["rope_scaling"] = ropes
+    for flag, name in (("--max-tokens", "max_tokens"), ("--passkey-trials", "passkey_trials"),
+                       ("--batch-size", "batch_size")):
+        value = _positive_int(flag, getattr(args, name))
+        if value is not None:
+            fields[name] = value
+    fields.update(long_docs=args.long_docs, passkey=args.passkey, diagnostics=args.diagnostics)
+    return parse(EvalConfig, fields, prefix="eval")
+
+
 def _eval(args) -> int:
     import pandas as pd
 
     from attnlab.errors import UserError
-    from attnlab.evaluate.extrapolation import evaluate_checkpoint, parse_lengths
+    from attnlab.evaluate.extrapolation import evaluate_checkpoint
+    from attnlab.location import Location
     from attnlab.results import reports
 
     if args.format not in ("markdown", "csv"):
         raise UserError(f"--format {args.format!r} is not allowed: use markdown or csv")
+    config = eval_config_from_args(args)
     context = {}
     if args.study:
         context["study"] = args.study
     if args.trial:
         context["trial"] = args.trial
     log = None if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
-    rows = evaluate_checkpoint(
-        args.checkpoint,
-        data=args.data,
-        lengths=None if args.lengths is None else args.lengths,
-        multiples=parse_lengths(args.multiples),
-        p_evals=args.p_eval,
-        rope_scalings=args.rope,
-        max_tokens=_positive_int("--max-tokens", args.max_tokens),
-        long_docs=args.long_docs,
-        passkey=args.passkey,
-        passkey_trials=_positive_int("--passkey-trials", args.passkey_trials),
-        diagnostics=args.diagnostics,
-        batch_size=_positive_int("--batch-size", args.batch_size),
-        device=args.device,
-        context=context,
-        store=args.store,
-        log=log,
-    )
+    data = None
+    if args.data:
+        from attnlab.data.source import resolve_data
+
+        data = resolve_data(args.data)
+    rows = evaluate_checkpoint(Location.parse(args.checkpoint, field="CHECKPOINT"), config, data=data,
+                               context=context, store=args.store, device=args.device, log=log)
     if not rows:
         raise UserError("eval produced no rows (no windows at any length?)")
     frame = pd.DataFrame(rows)

@@ -1,6 +1,6 @@
 """Passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attention"), in GPT-2 tokens, scored by likelihood.
 
-Prompt (the reference generator's format, research/data.md section 5)::
+Prompt (the reference generator's format, docs/protocol.md#passkey-retrieval)::
 
     <TASK>\\n<filler ...>\\nThe pass key is 12345. Remember it. 12345 is the pass key.\\n<filler ...>
     \\nWhat is the pass key? The pass key is    (one line)
@@ -221,7 +221,7 @@ def passkey_accuracy(logprob: LogProb, lengths: Iterable[int], *, depths: Sequen
 def model_logprob(model, *, rope_scaling: str = "none", attention=None, device=None, precision: str = "auto",
                   batch_size: int = 8) -> LogProb:
     """``logprob(tokens (B, T + 1)) -> (B, T)`` log-probabilities of ``tokens[:, 1:]`` under a GPT (no grad)."""
-    from attnlab.evaluate.core import window_token_stats
+    from attnlab.model.scoring import window_token_stats
 
     def logprob(tokens: np.ndarray) -> torch.Tensor:
         parts = [loss for _, loss, _ in window_token_stats(model, np.asarray(tokens), batch_size=batch_size,

@@ -1,4 +1,4 @@
-"""The model configuration and its presets (SPEC.md section 5).
+"""The model configuration and its presets (docs/protocol.md#presets).
 
 ``GPTConfig`` is a small frozen dataclass; presets are plain functions of the data's vocabulary. The
 ``tiny`` presets keep head dim 64 (it enters LSSA's ln(d)) so CPU proxies stay faithful.
@@ -10,17 +10,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from attnlab.attention import get_variant
-from attnlab.attention.spec import AttentionSpec
+from attnlab.attention import Backend, get_variant
+from attnlab.attention.sdpa import sdpa_unsupported_reason
+from attnlab.attention.spec import P_TRAIN_DEFAULT, AttentionSpec, parse_p_train
 from attnlab.errors import UserError
-from attnlab.model.rope import ROPE_SCALINGS
-
-GPT2_VOCAB = 50257
+from attnlab.names import GPT2_VOCAB
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """A GPT-2 style decoder with RoPE. ``attention``/``p_train``/``scale`` select the attention variant."""
+    """A GPT-2 style decoder with RoPE. ``attention``/``p_train``/``scale`` select the attention variant.
+
+    ``p_train``: ``"default"`` (the variant's own sharpening power: 15 for lssar, none for the others), None
+    (no sharpening) or a number >= 1 (docs/attention.md#sharpening).
+    """
 
     n_layer: int = 12
     n_head: int = 12
@@ -29,11 +32,11 @@ class GPTConfig:
     train_len: int = 1024
     rope_base: float = 10000.0
     attention: str = "softmax"
-    p_train: float | None = None
+    p_train: float | str | None = P_TRAIN_DEFAULT
     scale: str | float | None = None  # None: the variant's own scale
     bias: bool = True
     init_std: float = 0.02
-    attn_impl: str = "auto"
+    attn_impl: str = "auto"  # a Backend value: auto, dense, flex, sdpa (stored as the string)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "train_len"):
@@ -45,23 +48,38 @@ class GPTConfig:
         if self.head_dim % 2:
             raise UserError(f"model head dim {self.head_dim} (n_embd/n_head) must be even for RoPE")
         try:
-            self.attention_spec()
+            object.__setattr__(self, "p_train", parse_p_train(self.p_train, "model.p_train"))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        try:
+            spec = self.attention_spec()
         except ValueError as exc:
             raise UserError(f"model attention: {exc}") from None
+        self._check_attn_impl(spec)
+
+    def _check_attn_impl(self, spec: AttentionSpec) -> None:
+        try:
+            impl = Backend.parse(self.attn_impl, field="model.attn_impl")
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        object.__setattr__(self, "attn_impl", impl.value)
+        if impl is Backend.SDPA and sdpa_unsupported_reason(spec) is not None:
+            raise UserError(f"model.attn_impl='sdpa' cannot compute attention {spec.name!r} exactly: "
+                            f"{sdpa_unsupported_reason(spec)}; use auto, flex or dense")
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     def attention_spec(self, p: float | None | str = "train") -> AttentionSpec:
-        """The training-time spec, or (``p=...``) the same variant with another sharpening power."""
+        """The training-time spec (``p="train"``), or the same variant with sharpening power ``p`` (None:
+        no sharpening; ``"default"``: the variant's own)."""
         overrides = {}
         if self.scale is not None:
             overrides["scale"] = self.scale
         if p == "train":
-            if self.p_train is not None:
-                overrides["p"] = self.p_train
-        else:
+            p = self.p_train
+        if p != P_TRAIN_DEFAULT:
             overrides["p"] = p
         return get_variant(self.attention, **overrides)
 
@@ -92,8 +110,3 @@ def preset(name: str, **overrides) -> GPTConfig:
         raise UserError(f"model.{unknown[0]} is not a model field: use one of {', '.join(sorted(fields))}")
     return GPTConfig(**{**PRESETS[name], **overrides})
 
-
-def check_rope_scaling(value: str) -> str:
-    if value not in ROPE_SCALINGS:
-        raise UserError(f"rope_scaling={value!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
-    return value

@@ -1,4 +1,4 @@
-"""GPT-2 with RoPE + NTK scaling and any attention variant (SPEC.md section 5), read top to bottom.
+"""GPT-2 with RoPE + NTK scaling and any attention variant (docs/protocol.md#blocks), read top to bottom.
 
 Blocks as in llm.c's GPT-2: pre-LayerNorm with biases, tanh-GELU MLP (4x), tied input/output embeddings,
 init N(0, 0.02) with residual projections at 0.02/sqrt(2 * n_layer). The learned position table is replaced
@@ -9,6 +9,7 @@ No Ray imports here.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -23,6 +24,9 @@ from attnlab.model.rope import apply_rope, rope_base, rope_tables
 
 # Called as on_attention(layer_index, q, k) with q, k after RoPE, (B, H, T, D): for attention diagnostics.
 AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
+# What a block sees: the observer with its layer index bound, called as observe(q, k). Blocks take no layer
+# index, so one compiled block serves every layer (see compile.py).
+LayerObserver = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 class CausalSelfAttention(nn.Module):
@@ -33,14 +37,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_scaled = True
 
-    def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, layer: int,
-                on_attention: AttentionObserver | None):
+    def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, observe: LayerObserver | None = None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if on_attention is not None:
-            on_attention(layer, q.detach(), k.detach())
+        if observe is not None:
+            observe(q.detach(), k.detach())
         y = attend(q, k, v, spec, impl=impl)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -64,8 +67,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, spec, impl, layer, on_attention):
-        x = x + self.attn(self.ln_1(x), cos, sin, spec, impl, layer, on_attention)
+    def forward(self, x, cos, sin, spec, impl, observe: LayerObserver | None = None):
+        x = x + self.attn(self.ln_1(x), cos, sin, spec, impl, observe)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -107,7 +110,8 @@ class GPT(nn.Module):
         """The final-LayerNorm output ``(B, T, C)``.
 
         ``rope_scaling``: ``none`` or ``ntk`` (NTK-aware base for T > train_len); ``attention``: a spec to use
-        instead of the trained one (evaluation-time sharpening); ``on_attention``: diagnostics observer.
+        instead of the trained one (evaluation-time sharpening); ``on_attention``: diagnostics observer. With an
+        observer the blocks run eagerly even in a compiled model (:func:`attnlab.model.compile_model`).
         """
         B, T = idx.shape
         c = self.cfg
@@ -116,8 +120,18 @@ class GPT(nn.Module):
         spec = attention or self.spec
         impl = impl or c.attn_impl
         x = self.wte(idx)
+        if on_attention is not None:
+            return self._observed_blocks(x, cos, sin, spec, impl, on_attention)
+        for block in self.blocks:
+            x = block(x, cos, sin, spec, impl)
+        return self.ln_f(x)
+
+    @torch.compiler.disable
+    def _observed_blocks(self, x, cos, sin, spec, impl, on_attention: AttentionObserver) -> torch.Tensor:
+        # block.forward, not block(...): a compiled block's __call__ would trace the observer (a new closure
+        # per call, so a recompile per call); diagnostics run eagerly.
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, spec, impl, i, on_attention)
+            x = block.forward(x, cos, sin, spec, impl, functools.partial(on_attention, i))
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,

@@ -1,6 +1,6 @@
 """Rotary position embeddings (RoPE) with NTK-aware scaling for lengths beyond the training length.
 
-SPEC.md section 5: base 10000; at evaluation length ``L > L_train`` NTK-aware scaling sets the base to
+docs/protocol.md#ntk-aware-scaling (and docs/choices.md#ntk-formula): base 10000; at evaluation length ``L > L_train`` NTK-aware scaling sets the base to
 ``base * (L / L_train) ** (d / (d - 2))`` (inferred formula), for every variant alike; ``none`` keeps the base.
 No Ray, no attention math here.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-ROPE_SCALINGS = ("none", "ntk")
+from attnlab.names import ROPE_SCALINGS
 
 
 def ntk_base(base: float, head_dim: int, seq_len: int, train_len: int) -> float:

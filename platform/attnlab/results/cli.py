@@ -1,4 +1,4 @@
-"""``attnlab results table|curves|best|export|studies|schema``: reports from a results store.
+"""``attnlab results table|curves|best|compare|export|studies|schema``: reports from a results store.
 
 Thin argument handling only: reading is ``ResultsStore``, the reports are ``attnlab.results.reports``.
 No Ray here. Bad input raises ``UserError`` (printed by the top-level CLI as one line, exit 2).
@@ -79,7 +79,7 @@ def _table(args) -> int:
     if args.format == "csv":
         text = reports.to_csv(result)
     else:
-        text = reports.to_markdown(result, digits=args.digits)
+        text = reports.to_markdown(result, digits=args.digits, per_seed=args.per_seed)
         if args.reference:
             text += "\n\n" + reports.format_reference_table()
     _emit(text, args.out)
@@ -98,8 +98,14 @@ def _best(args) -> int:
     if args.top:
         ranking = ranking.head(args.top)
     text = reports.best_to_markdown(ranking, digits=args.digits) if args.format == "markdown" else \
-        ranking.to_csv(index=False, lineterminator="\n")
+        reports.best_to_csv(ranking)
     _emit(text, None)
+    return 0
+
+
+def _compare(args) -> int:
+    result = reports.compare(_load(args), a=args.a, b=args.b, at=args.at, metric=args.metric, step=args.step)
+    _emit(reports.format_comparison(result, digits=args.digits), None)
     return 0
 
 
@@ -146,12 +152,15 @@ def add_parser(subparsers) -> None:
 
     p = sub.add_parser("table", help="Table-4 layout: one row per configuration, one column per eval length",
                        description="One row per configuration (constant columns dropped from the label), one "
-                                   "column per eval length, mean ± sample std over seeds (n shown when > 1).")
+                                   "column per eval length: mean ± sample std over seeds (n) and the 95% Student "
+                                   "t interval of the mean; a single run is marked '1 seed'.")
     _store_options(p)
     _report_options(p)
-    p.add_argument("--format", choices=("markdown", "csv"), default="markdown")
+    p.add_argument("--format", choices=("markdown", "csv"), default="markdown",
+                   help="markdown (the paper's Table 4 layout, default) or csv (one column per statistic)")
     p.add_argument("--digits", type=int, default=4, help="decimals in markdown cells (default 4)")
-    p.add_argument("--reference", action="store_true", help="also print the paper's Table 4 (SPEC.md section 8)")
+    p.add_argument("--reference", action="store_true", help="also print the paper's Table 4 (docs/reference-numbers.md#table-4)")
+    p.add_argument("--per-seed", action="store_true", help="markdown cells also list each seed's value")
     p.add_argument("--out", default=None, metavar="FILE", help="write to FILE instead of stdout")
     p.set_defaults(func=_table)
 
@@ -160,7 +169,9 @@ def add_parser(subparsers) -> None:
                                    "paper's Figure 1), or with --by p against p per length (its Figure 2).")
     _store_options(p)
     _report_options(p)
-    p.add_argument("--by", choices=("length", "p"), default="length")
+    p.add_argument("--by", choices=("length", "p"), default="length",
+                   help="x axis: length (evaluation length, 1x..16x; default) or p (the sharpening power, one line "
+                        "per length; p_eval none = as trained)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for <metric>_vs_<by>.png/.html")
     p.set_defaults(func=_curves)
 
@@ -171,14 +182,29 @@ def add_parser(subparsers) -> None:
     _report_options(p)
     p.add_argument("--at", required=True, metavar="LENGTH", help="eval length (16384, 16k) or multiple of train_len (16x)")
     p.add_argument("--top", type=int, default=None, help="show only the first N")
-    p.add_argument("--format", choices=("markdown", "csv"), default="markdown")
-    p.add_argument("--digits", type=int, default=4)
+    p.add_argument("--format", choices=("markdown", "csv"), default="markdown", help="markdown (default) or csv")
+    p.add_argument("--digits", type=int, default=4, help="decimals in markdown cells (default 4)")
     p.set_defaults(func=_best)
+
+    p = sub.add_parser("compare", help="is configuration b different from a at one length? difference, interval, test",
+                       description="The difference b - a of the metric at one eval length, mean over seeds, with "
+                                   "the Welch 95% interval, Welch's t test and an exact permutation test, and a "
+                                   "plain verdict (not significant / n too small to test). --a/--b name an "
+                                   "attention variant, optionally pinned: --a softmax,p_eval=15. Each must pick "
+                                   "one configuration: pin the others with --where (e.g. --where rope_scaling=none).")
+    _store_options(p)
+    _report_options(p)
+    p.add_argument("--a", required=True, metavar="VARIANT[,COL=V]", help="the reference configuration, e.g. softmax")
+    p.add_argument("--b", required=True, metavar="VARIANT[,COL=V]", help="the configuration compared with it, e.g. lssar")
+    p.add_argument("--at", required=True, metavar="LENGTH", help="eval length (1024, 1k) or multiple of train_len (16x)")
+    p.add_argument("--digits", type=int, default=4, help="decimals in the printed difference and interval (default 4)")
+    p.set_defaults(func=_compare)
 
     p = sub.add_parser("export", help="write the selected rows as Parquet or CSV")
     _store_options(p)
     p.add_argument("--format", choices=("parquet", "csv"), default=None, help="default: from the --out suffix")
-    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="file to write: .parquet or .csv (a local path; the folder is created)")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("studies", help="list the studies in the store")

@@ -11,8 +11,16 @@ no store access, no network (the HTML page embeds its PNG). The rules shared by 
   bucket; plus study when rows span several). Columns constant over the selection are dropped from
   the label and stated once in the caption.
 - Cells aggregate over the rows of a configuration at one eval length (seeds, or repeated trials):
-  mean, **sample** standard deviation (ddof=1; none when n = 1) and n. NaN values (diverged runs)
-  are kept, so a diverged seed makes the mean NaN rather than silently vanishing.
+  mean, **sample** standard deviation (ddof=1; none when n = 1), n and the 95% **Student t interval of
+  the mean** (``mean ± t(0.975, n-1) · std / sqrt(n)``, :func:`attnlab.results.stats.t_interval`; none
+  when n < 2). NaN values (diverged runs) are kept, so a diverged seed makes the mean NaN rather than
+  silently vanishing. A cell with n = 1 is a single run and every table and figure marks it ("1 seed").
+- :func:`compare` tests the difference of two configurations at one length (Welch's t and an exact
+  permutation test, :mod:`attnlab.results.stats`) and says plainly when it is not significant or when
+  n < 2 leaves nothing to test.
+
+Reports never import Ray, never read a store and never touch the network; they take rows and return
+frames, text or files written where the caller says.
 """
 
 from __future__ import annotations
@@ -21,18 +29,21 @@ import base64
 import html
 import io
 import math
-import os
-import re
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from attnlab.errors import UserError
+from attnlab.names import is_missing, parse_at  # noqa: F401 - parse_at is part of this module's API
+import attnlab.results.stats as _stats_mod
 from attnlab.results.schema import COMPLETE_METRIC, CONFIG_COLUMNS, METRICS
 
 MISSING_CELL = "–"
+SINGLE_RUN = "1 seed"  # how tables and figures mark a cell measured on a single run
+CONFIDENCE = _stats_mod.CONFIDENCE
 
-# SPEC.md section 8: the paper's Table 4 (validation loss, GPT-2 124M trained at 1K, FineWeb).
+# docs/reference-numbers.md#table-4: the paper's Table 4 (validation loss, GPT-2 124M trained at 1K, FineWeb).
 # (attention, p, [loss at 1K, 2K, 4K, 8K]); p is the sharpening power (None = no sharpening).
 PAPER_TABLE4: tuple[tuple[str, float | None, tuple[float, float, float, float]], ...] = (
     ("softmax", None, (3.1911, 4.1662, 5.4513, 6.2823)),
@@ -63,11 +74,6 @@ def length_label(length: int) -> str:
     return str(length)
 
 
-def is_missing(value) -> bool:
-    """None, pandas' NA or NaN: the three ways rows read back from the store spell "no value"."""
-    return value is None or value is pd.NA or (isinstance(value, (float, np.floating)) and math.isnan(value))
-
-
 def format_value(value) -> str:
     """A label cell: null -> "none", 3.0 -> "3", other values as text."""
     if is_missing(value):
@@ -75,27 +81,6 @@ def format_value(value) -> str:
     if isinstance(value, (float, np.floating)) and float(value).is_integer():
         return str(int(value))
     return str(value)
-
-
-def parse_at(at, train_len: int | None = None):
-    """Parse ``best --at``: an int length (``16384``) or a multiple of train_len (``"16x"``).
-
-    Returns ``("length", int)`` or ``("multiple", float)``.
-    """
-    text = str(at).strip().lower()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)x", text)
-    if match:
-        multiple = float(match.group(1))
-        if multiple <= 0:
-            raise UserError(f"--at {at!r}: the multiple must be > 0")
-        return ("multiple", multiple)
-    match = re.fullmatch(r"(\d+)(k?)", text)
-    if match:
-        length = int(match.group(1)) * (1024 if match.group(2) else 1)
-        if length <= 0:
-            raise UserError(f"--at {at!r}: the length must be > 0")
-        return ("length", length)
-    raise UserError(f"--at {at!r}: give an eval length (16384, 16k) or a multiple of the training length (16x)")
 
 
 def select(df: pd.DataFrame, metric: str = "val_loss", step="final") -> pd.DataFrame:
@@ -166,24 +151,38 @@ def _sort_key(value):
     return (3, 0.0, str(value))
 
 
-def _stats(values: np.ndarray) -> tuple[float, float, int]:
+def _stats(values: np.ndarray) -> tuple[float, float, int, float, float]:
+    """(mean, sample std, n, CI low, CI high) of one cell; std and the interval are NaN when n = 1."""
     values = np.asarray(values, dtype=float)
     n = len(values)
     mean = float(np.mean(values))
     std = float(np.std(values, ddof=1)) if n > 1 else float("nan")
-    return mean, std, n
+    low, high = _stats_mod.t_interval(values, CONFIDENCE)
+    return mean, std, n, low, high
 
 
-def aggregate(rows: pd.DataFrame, group_columns: list[str]) -> pd.DataFrame:
-    """Long statistics: one row per (group, eval_len) with mean, std (ddof=1), n, sorted."""
+def _seed_values(group: pd.DataFrame) -> tuple:
+    """((seed, value), ...) of one cell, by seed (the per-seed values a table can show)."""
+    seeds = group["seed"].tolist() if "seed" in group.columns else [None] * len(group)
+    pairs = [(None if is_missing(s) else int(s), float(v)) for s, v in zip(seeds, group["value"].tolist())]
+    return tuple(sorted(pairs, key=lambda p: (p[0] is None, p[0] if p[0] is not None else 0)))
+
+
+def aggregate(rows: pd.DataFrame, group_columns: list[str], keep_values: bool = False) -> pd.DataFrame:
+    """Long statistics: one row per (group, eval_len) with mean, std (ddof=1), n, ci_low, ci_high (the 95%
+    Student t interval of the mean; NaN when n < 2), sorted. ``keep_values`` adds ``values``: the cell's
+    ((seed, value), ...) pairs."""
     records = []
     for keys, group in rows.groupby([*group_columns, "eval_len"], dropna=False, sort=False):
         keys = keys if isinstance(keys, tuple) else (keys,)
-        mean, std, n = _stats(group["value"].to_numpy())
+        mean, std, n, low, high = _stats(group["value"].to_numpy())
         record = dict(zip([*group_columns, "eval_len"], keys))
-        record.update(mean=mean, std=std, n=n)
+        record.update(mean=mean, std=std, n=n, ci_low=low, ci_high=high)
+        if keep_values:
+            record["values"] = _seed_values(group)
         records.append(record)
-    out = pd.DataFrame.from_records(records, columns=[*group_columns, "eval_len", "mean", "std", "n"])
+    columns = [*group_columns, "eval_len", "mean", "std", "n", "ci_low", "ci_high"]
+    out = pd.DataFrame.from_records(records, columns=[*columns, "values"] if keep_values else columns)
     order = sorted(range(len(out)), key=lambda i: tuple(_sort_key(out.iloc[i][c]) for c in [*group_columns, "eval_len"]))
     return out.iloc[order].reset_index(drop=True)
 
@@ -195,58 +194,74 @@ def _train_len(rows: pd.DataFrame) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------- table
+def _same(column: pd.Series, value) -> pd.Series:
+    """Rows of ``column`` equal to ``value`` (null matches null)."""
+    return column.isna() if _sort_key(value)[0] == 0 else column == value
+
+
 def table(df: pd.DataFrame, metric: str = "val_loss", step="final", lengths: list[int] | None = None) -> pd.DataFrame:
     """The paper's Table 4 layout: one row per configuration, one column group per eval length.
 
     Returns a DataFrame whose columns are the label columns (configuration columns that vary), then
-    ``mean@L``, ``std@L``, ``n@L`` for each eval length ``L`` ascending (std is NaN when n = 1, cells
-    with no rows are NaN with n = 0). ``attrs`` carries ``metric``, ``lengths``, ``label_columns``,
-    ``constants`` (the dropped constant columns and their value), ``train_len`` and ``step``.
+    ``mean@L``, ``std@L``, ``n@L``, ``ci_low@L``, ``ci_high@L`` for each eval length ``L`` ascending: mean,
+    sample std (NaN when n = 1), number of runs, and the 95% Student t interval of the mean over runs
+    (seeds) (NaN when n < 2). Cells with no rows are NaN with n = 0. ``attrs`` carries ``metric``,
+    ``lengths``, ``label_columns``, ``constants`` (the dropped constant columns and their value),
+    ``train_len``, ``step``, ``confidence`` (0.95) and ``seed_values`` (``{(row, L): ((seed, value), ...)}``,
+    what ``to_markdown(per_seed=True)`` prints).
     """
     rows = select(df, metric, step)
     columns, label_columns = _config_columns(rows)
     constants = _constants(rows, columns, label_columns)
-    stats = aggregate(rows, label_columns)
+    stats = aggregate(rows, label_columns, keep_values=True)
     all_lengths = sorted(int(x) for x in stats["eval_len"].unique())
     lengths = all_lengths if lengths is None else sorted(int(x) for x in lengths)
     configs = stats[label_columns].drop_duplicates().reset_index(drop=True)
     result = configs.copy()
+    seed_values: dict[tuple[int, int], tuple] = {}
     for length in lengths:
-        means, stds, ns = [], [], []
+        cells = {name: [] for name in ("mean", "std", "n", "ci_low", "ci_high")}
         at_length = stats[stats["eval_len"] == length]
         for i in range(len(configs)):
             match = at_length
             for c in label_columns:
-                value = configs.iloc[i][c]
-                if _sort_key(value)[0] == 0:
-                    match = match[match[c].isna()]
-                else:
-                    match = match[match[c] == value]
+                match = match[_same(match[c], configs.iloc[i][c])]
             if len(match):
-                means.append(float(match["mean"].iloc[0]))
-                stds.append(float(match["std"].iloc[0]))
-                ns.append(int(match["n"].iloc[0]))
+                first = match.iloc[0]
+                for name in cells:
+                    cells[name].append(int(first[name]) if name == "n" else float(first[name]))
+                seed_values[(i, length)] = first["values"]
             else:
-                means.append(float("nan"))
-                stds.append(float("nan"))
-                ns.append(0)
-        result[f"mean@{length}"] = means
-        result[f"std@{length}"] = stds
-        result[f"n@{length}"] = ns
+                for name in cells:
+                    cells[name].append(0 if name == "n" else float("nan"))
+        for name, values in cells.items():
+            result[f"{name}@{length}"] = values
     result.attrs.update(
         metric=metric, lengths=lengths, label_columns=label_columns, constants=constants,
-        train_len=_train_len(rows), step=step,
+        train_len=_train_len(rows), step=step, confidence=CONFIDENCE, seed_values=seed_values,
     )
     return result
 
 
-def _format_cell(mean: float, std: float, n: int, digits: int) -> str:
+def _number(value: float, digits: int) -> str:
+    return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _format_cell(mean: float, std: float, n: int, digits: int, low: float = math.nan, high: float = math.nan,
+                 values: tuple | None = None) -> str:
+    """``mean ± std (n=k) [low, high]``; ``mean (1 seed)`` for a single run; "–" for none; with ``values``,
+    the per-seed values after a semicolon."""
     if n == 0:
         return MISSING_CELL
-    text = "nan" if math.isnan(mean) else f"{mean:.{digits}f}"
-    if n > 1:
-        spread = "nan" if math.isnan(std) else f"{std:.{digits}f}"
-        text += f" ± {spread} (n={n})"
+    text = _number(mean, digits)
+    if n == 1:
+        text += f" ({SINGLE_RUN})"
+    else:
+        text += f" ± {_number(std, digits)} (n={n})"
+        if not (math.isnan(low) or math.isnan(high)):
+            text += f" [{_number(low, digits)}, {_number(high, digits)}]"
+    if values and n > 1:
+        text += "; " + ", ".join(f"{'?' if s is None else s}: {_number(v, digits)}" for s, v in values)
     return text
 
 
@@ -257,27 +272,34 @@ def _length_headers(lengths: list[int], train_len: int | None) -> list[str]:
 
 
 def caption(result: pd.DataFrame) -> str:
-    """One line: metric, step selection and the constant configuration columns."""
+    """One line: metric, step selection, how cells read, and the constant configuration columns."""
     attrs = result.attrs
     step = attrs.get("step", "final")
     step_text = "final step of each trial" if step == "final" else ("all steps" if step in ("all", None) else f"step {step}")
-    parts = [f"{attrs.get('metric', 'value')} ({step_text}; mean ± sample std over seeds when n > 1)"]
+    percent = f"{100 * attrs.get('confidence', CONFIDENCE):g}%"
+    parts = [f"{attrs.get('metric', 'value')} ({step_text}; mean ± sample std over n seeds, [{percent} Student t "
+             f"interval of the mean] when n > 1; '{SINGLE_RUN}' = a single run, no spread or interval)"]
     constants = attrs.get("constants") or {}
     if constants:
         parts.append("constant: " + ", ".join(f"{k}={format_value(v)}" for k, v in constants.items()))
     return "; ".join(parts)
 
 
-def formatted_cells(result: pd.DataFrame, digits: int = 4) -> tuple[list[str], list[list[str]]]:
-    """(header, body) of a table() result as display strings."""
+def formatted_cells(result: pd.DataFrame, digits: int = 4, per_seed: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(header, body) of a table() result as display strings (``per_seed``: cells also list seed: value)."""
     label_columns = result.attrs["label_columns"]
     lengths = result.attrs["lengths"]
+    seed_values = result.attrs.get("seed_values") or {}
     header = [*label_columns, *_length_headers(lengths, result.attrs.get("train_len"))]
     body = []
     for i in range(len(result)):
         row = result.iloc[i]
         cells = [format_value(row[c]) for c in label_columns]
-        cells += [_format_cell(row[f"mean@{L}"], row[f"std@{L}"], int(row[f"n@{L}"]), digits) for L in lengths]
+        for L in lengths:
+            low = row[f"ci_low@{L}"] if f"ci_low@{L}" in result.columns else math.nan
+            high = row[f"ci_high@{L}"] if f"ci_high@{L}" in result.columns else math.nan
+            cells.append(_format_cell(row[f"mean@{L}"], row[f"std@{L}"], int(row[f"n@{L}"]), digits, low, high,
+                                      seed_values.get((i, L)) if per_seed else None))
         body.append(cells)
     return header, body
 
@@ -291,21 +313,29 @@ def _markdown(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def to_markdown(result: pd.DataFrame, digits: int = 4, with_caption: bool = True) -> str:
-    """A table() result as a markdown table (cells "mean ± std (n=k)", "–" where nothing was measured)."""
-    header, body = formatted_cells(result, digits)
+def to_markdown(result: pd.DataFrame, digits: int = 4, with_caption: bool = True, per_seed: bool = False) -> str:
+    """A table() result as a markdown table: cells "mean ± std (n=k) [CI low, CI high]", "mean (1 seed)" for a
+    single run, "–" where nothing was measured; ``per_seed`` appends "; seed: value, ..." to cells with n > 1."""
+    header, body = formatted_cells(result, digits, per_seed=per_seed)
     text = _markdown(header, body)
     return (caption(result) + "\n\n" + text) if with_caption else text
 
 
 def to_csv(result: pd.DataFrame) -> str:
-    """A table() result as CSV with numeric columns (label columns, then mean@L, std@L, n@L)."""
-    return result.to_csv(index=False, lineterminator="\n")
+    """A table() result as CSV: label columns, then per length mean@L, std@L, n@L, ci_low@L, ci_high@L and
+    note@L ("1 seed" for a single run, else empty)."""
+    out = result.copy()
+    for L in result.attrs.get("lengths", []):
+        if f"n@{L}" in out.columns:
+            position = out.columns.get_loc(f"ci_high@{L}") + 1 if f"ci_high@{L}" in out.columns else \
+                out.columns.get_loc(f"n@{L}") + 1
+            out.insert(position, f"note@{L}", [SINGLE_RUN if n == 1 else "" for n in out[f"n@{L}"]])
+    return out.to_csv(index=False, lineterminator="\n")
 
 
 # ---------------------------------------------------------------------------------------- reference
 def reference_table() -> pd.DataFrame:
-    """SPEC.md section 8 (the paper's Table 4) as a DataFrame: attention, p, loss@1024..8192."""
+    """The paper's Table 4 (docs/reference-numbers.md#table-4) as a DataFrame: attention, p, loss@1024..8192."""
     records = [
         {"attention": name, "p": p, **{f"mean@{L}": v for L, v in zip(PAPER_TABLE4_LENGTHS, values)}}
         for name, p, values in PAPER_TABLE4
@@ -322,13 +352,8 @@ def format_reference_table() -> str:
 
 
 # ---------------------------------------------------------------------------------------- best
-def best(df: pd.DataFrame, at, metric: str = "val_loss", step="final") -> pd.DataFrame:
-    """Rank configurations by ``metric`` at one eval length (``at``: ``16384``, ``"16k"`` or ``"16x"``).
-
-    Lower is better unless the metric is registered as higher-is-better (accuracies). NaN ranks last.
-    Returns columns: rank (1 = best), the label columns, eval_len, mean, std, n.
-    """
-    rows = select(df, metric, step)
+def _rows_at(rows: pd.DataFrame, at, metric: str) -> pd.DataFrame:
+    """The rows at one eval length (``at``: ``16384``, ``"16k"`` or ``"16x"`` the training length)."""
     kind, amount = parse_at(at)
     if kind == "length":
         picked = rows[rows["eval_len"] == amount]
@@ -337,6 +362,19 @@ def best(df: pd.DataFrame, at, metric: str = "val_loss", step="final") -> pd.Dat
     if len(picked) == 0:
         available = ", ".join(str(int(x)) for x in sorted(rows["eval_len"].unique()))
         raise UserError(f"--at {at!r}: no {metric!r} rows at that length; eval lengths present: {available}")
+    return picked
+
+
+def best(df: pd.DataFrame, at, metric: str = "val_loss", step="final") -> pd.DataFrame:
+    """Rank configurations by ``metric`` at one eval length (``at``: ``16384``, ``"16k"`` or ``"16x"``).
+
+    Lower is better unless the metric is registered as higher-is-better (accuracies). NaN ranks last.
+    Returns columns: rank (1 = best), the label columns, eval_len, mean, std, n, ci_low, ci_high (the 95%
+    Student t interval of the mean; NaN when n < 2). A ranking is not a test: use :func:`compare` to ask
+    whether two ranks really differ.
+    """
+    rows = select(df, metric, step)
+    picked = _rows_at(rows, at, metric)
     _, label_columns = _config_columns(rows)
     stats = aggregate(picked, label_columns)
     higher = METRICS[metric].higher_is_better if metric in METRICS else False
@@ -356,9 +394,288 @@ def best_to_markdown(ranking: pd.DataFrame, digits: int = 4) -> str:
     for i in range(len(ranking)):
         row = ranking.iloc[i]
         body.append([str(int(row["rank"])), *(format_value(row[c]) for c in label_columns),
-                     str(int(row["eval_len"])), _format_cell(row["mean"], row["std"], int(row["n"]), digits)])
+                     str(int(row["eval_len"])),
+                     _format_cell(row["mean"], row["std"], int(row["n"]), digits,
+                                  row.get("ci_low", math.nan), row.get("ci_high", math.nan))])
     direction = "higher is better" if ranking.attrs.get("higher_is_better") else "lower is better"
-    return f"ranking at {ranking.attrs.get('at')} ({direction})\n\n" + _markdown(header, body)
+    percent = f"{100 * CONFIDENCE:g}%"
+    return (f"ranking at {ranking.attrs.get('at')} ({direction}; mean ± sample std (n), [{percent} Student t "
+            f"interval]; '{SINGLE_RUN}' = a single run; a rank is not a test: see `attnlab results compare`)\n\n"
+            + _markdown(header, body))
+
+
+def best_to_csv(ranking: pd.DataFrame) -> str:
+    """A best() ranking as CSV, with a ``note`` column ("1 seed" for a single run)."""
+    out = ranking.copy()
+    out["note"] = [SINGLE_RUN if int(n) == 1 else "" for n in out["n"]]
+    return out.to_csv(index=False, lineterminator="\n")
+
+
+# ---------------------------------------------------------------------------------------- compare
+@dataclass
+class Comparison:
+    """The difference ``b - a`` of one metric at one eval length between two configurations, with its test.
+
+    ``a_values``/``b_values`` are the per-run ``(seed, value)`` pairs used (NaN values, diverged runs, are left
+    out and listed in ``notes``). ``test`` is None when either side has fewer than 2 runs. ``significant`` is
+    Welch's two-sided p < ``alpha``; when Welch's t is undefined (no spread on either side) the permutation
+    test decides; None when there is no test.
+    """
+
+    metric: str
+    eval_len: int
+    train_len: int | None
+    step: object
+    a: str                              # the --a text as given
+    b: str
+    a_config: dict                      # the configuration columns of each side that differ between them
+    b_config: dict
+    constants: dict                     # the configuration columns both sides share
+    a_values: list
+    b_values: list
+    higher_is_better: bool
+    confidence: float
+    alpha: float
+    test: _stats_mod.TestResult | None
+    significant: bool | None
+    verdict: str
+    notes: list = field(default_factory=list)
+
+    @property
+    def n_a(self) -> int:
+        return len(self.a_values)
+
+    @property
+    def n_b(self) -> int:
+        return len(self.b_values)
+
+    @property
+    def mean_a(self) -> float:
+        return float(np.mean([v for _, v in self.a_values])) if self.a_values else math.nan
+
+    @property
+    def mean_b(self) -> float:
+        return float(np.mean([v for _, v in self.b_values])) if self.b_values else math.nan
+
+    @property
+    def diff(self) -> float:
+        """mean(b) - mean(a)."""
+        return self.mean_b - self.mean_a
+
+    @property
+    def ci(self) -> tuple[float, float]:
+        """The Welch interval of ``diff`` (NaN, NaN without a test)."""
+        return self.test.ci if self.test else (math.nan, math.nan)
+
+    @property
+    def p_value(self) -> float:
+        """Welch's two-sided p (NaN without a test or when Welch's t is undefined)."""
+        return self.test.p_welch if self.test else math.nan
+
+    def to_text(self, digits: int = 4) -> str:
+        return format_comparison(self, digits)
+
+
+def _parse_side(text: str, flag: str) -> tuple[str, dict[str, str]]:
+    """``ATTENTION[,COLUMN=VALUE...]`` -> (attention, {column: normalised value text})."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts[0] or "=" in parts[0]:
+        raise UserError(f"{flag} {text!r}: start with the attention variant, e.g. {flag} lssar or "
+                        f"{flag} lssar,p_eval=15")
+    pins: dict[str, str] = {}
+    for part in parts[1:]:
+        name, sep, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise UserError(f"{flag} {text!r}: qualifiers are COLUMN=VALUE, e.g. {flag} {parts[0]},p_eval=15")
+        if name not in CONFIG_COLUMNS and name != "study":
+            raise UserError(f"{flag} {text!r}: {name!r} is not a configuration column; allowed: "
+                            f"{', '.join(['study', *CONFIG_COLUMNS])}")
+        pins[name] = _normalise(value)
+    return parts[0], pins
+
+
+def _normalise(text) -> str:
+    """A value as the text reports show for it ("none", "15", "ntk"), so user text and stored values compare."""
+    if isinstance(text, str):
+        if text.strip().lower() == "none":
+            return "none"
+        try:
+            return format_value(float(text))
+        except ValueError:
+            return text.strip()
+    return format_value(text)
+
+
+def _side_rows(picked: pd.DataFrame, all_rows: pd.DataFrame, spec: str, flag: str, metric: str,
+               at, config_columns: list[str]) -> pd.DataFrame:
+    attention, pins = _parse_side(spec, flag)
+    where = f"at {at}"
+    mine = picked[picked["attention"] == attention]
+    if len(mine) == 0:
+        elsewhere = all_rows[all_rows["attention"] == attention]
+        if len(elsewhere):
+            lengths = ", ".join(str(int(x)) for x in sorted(elsewhere["eval_len"].unique()))
+            raise UserError(f"{flag} {attention!r}: no {metric!r} rows {where}; it has rows at eval lengths {lengths}")
+        present = ", ".join(sorted(str(x) for x in all_rows["attention"].unique()))
+        raise UserError(f"{flag} {attention!r}: no {metric!r} rows for that attention variant; variants present: "
+                        f"{present}")
+    for name, value in pins.items():
+        if name not in mine.columns:
+            raise UserError(f"{flag} {spec!r}: the rows have no {name!r} column")
+        kept = mine[[_normalise(v) == value for v in mine[name].tolist()]]
+        if len(kept) == 0:
+            values = ", ".join(sorted({_normalise(v) for v in mine[name].tolist()}, key=str))
+            raise UserError(f"{flag} {spec!r}: no rows with {name}={value} {where}; {name} values for "
+                            f"{attention}: {values}")
+        mine = kept
+    varying = [c for c in config_columns if c in mine.columns and mine[c].nunique(dropna=False) > 1]
+    if varying:
+        configs = mine[varying].drop_duplicates()
+        configs = configs.iloc[sorted(range(len(configs)),
+                                      key=lambda i: tuple(_sort_key(configs.iloc[i][c]) for c in varying))]
+        listed = "; ".join(", ".join(f"{c}={format_value(r[c])}" for c in varying) for _, r in configs.iterrows())
+        first = configs.iloc[0]
+        hint = ",".join(f"{c}={format_value(first[c])}" for c in varying)
+        pins_flags = " ".join(f"--where {c}=VALUE" for c in varying)
+        raise UserError(f"{flag} {spec!r} matches {len(configs)} configurations {where} ({listed}): pick one with "
+                        f"{flag} {attention},{hint} (or {pins_flags} for both sides)")
+    return mine
+
+
+def _plain(value):
+    """None for every spelling of missing; numpy scalars as Python numbers."""
+    return None if is_missing(value) else (value.item() if isinstance(value, np.generic) else value)
+
+
+def compare(df: pd.DataFrame, a: str, b: str, at, metric: str = "val_loss", step="final",
+            confidence: float = CONFIDENCE, alpha: float = _stats_mod.ALPHA) -> Comparison:
+    """Compare configuration ``b`` with configuration ``a`` on ``metric`` at one eval length ``at``.
+
+    ``a`` and ``b`` name an attention variant, optionally pinned further with configuration columns:
+    ``"lssar"``, ``"softmax,p_eval=15"``, ``"lssa,rope_scaling=none"``. Each must pick exactly one
+    configuration among the rows (narrow ``df`` first, e.g. ``--where rope_scaling=none``); otherwise a
+    one-line :class:`UserError` lists the configurations and how to pick one. ``at`` is a length
+    (``1024``, ``"1k"``) or a multiple of the training length (``"16x"``).
+
+    The difference is **b - a** (mean over runs, i.e. seeds). With at least 2 runs on each side it carries
+    the Welch interval and Welch's two-sided t test, plus an exact permutation test
+    (:func:`attnlab.results.stats.two_sample_test`); the verdict says plainly whether the difference is
+    significant at ``alpha`` and when n is too small to test at all.
+    """
+    rows = select(df, metric, step)
+    picked = _rows_at(rows, at, metric)
+    config_columns, _ = _config_columns(rows)
+    side_a = _side_rows(picked, rows, a, "--a", metric, at, config_columns)
+    side_b = _side_rows(picked, rows, b, "--b", metric, at, config_columns)
+    if set(side_a.index) == set(side_b.index):
+        raise UserError(f"--a {a!r} and --b {b!r} pick the same configuration; compare two different ones")
+    present = [c for c in config_columns if c in rows.columns]
+    differing = [c for c in present if _normalise(side_a[c].iloc[0]) != _normalise(side_b[c].iloc[0])]
+    a_config = {c: _plain(side_a[c].iloc[0]) for c in differing}
+    b_config = {c: _plain(side_b[c].iloc[0]) for c in differing}
+    constants = {c: _plain(side_a[c].iloc[0]) for c in present if c not in differing
+                 and not (c in ("layer", "bucket", "preset", "data", "knobs") and is_missing(side_a[c].iloc[0]))}
+
+    notes: list[str] = []
+    values = {}
+    for name, side in (("a", side_a), ("b", side_b)):
+        pairs = list(_seed_values(side))
+        bad = [s for s, v in pairs if not math.isfinite(v)]
+        if bad:
+            notes.append(f"{name}: left out {len(bad)} run(s) with a non-finite value (diverged): seed(s) "
+                         f"{', '.join(str(s) for s in bad)}")
+        values[name] = [(s, v) for s, v in pairs if math.isfinite(v)]
+    higher = METRICS[metric].higher_is_better if metric in METRICS else False
+    eval_len = int(side_a["eval_len"].iloc[0])
+    train_len = _train_len(pd.concat([side_a, side_b]))
+
+    test, significant = None, None
+    n_a, n_b = len(values["a"]), len(values["b"])
+    if n_a < 2 or n_b < 2:
+        few = [f"{name} has n={n}" for name, n in (("a", n_a), ("b", n_b)) if n < 2]
+        verdict = (f"no test: {' and '.join(few)}; a test needs at least 2 runs (seeds) on each side, so this "
+                   f"difference cannot be told from run-to-run noise")
+    else:
+        test = _stats_mod.two_sample_test([v for _, v in values["a"]], [v for _, v in values["b"]], confidence)
+        notes.extend(test.notes)
+        if math.isnan(test.p_welch):
+            if test.diff == 0:
+                verdict = "no difference: every run on both sides gave the same value"
+                significant = False
+            else:
+                significant = test.p_permutation < alpha
+                verdict = (f"{'significant' if significant else 'not significant'} at the {100 * alpha:g}% level "
+                           f"by the permutation test (p = {test.p_permutation:.3g}); Welch's t is undefined "
+                           f"(no spread within either side)")
+        else:
+            significant = test.p_welch < alpha
+            if significant:
+                better = (test.diff > 0) == higher
+                verdict = (f"significant at the {100 * alpha:g}% level (Welch p = {test.p_welch:.3g}): b is "
+                           f"{'higher' if test.diff > 0 else 'lower'} than a ({'better' if better else 'worse'}"
+                           f" for {metric}, {'higher' if higher else 'lower'} is better)")
+            else:
+                interval = (f"; the {100 * confidence:g}% interval includes 0"
+                            if math.isclose(confidence, 1 - alpha) else "")
+                verdict = (f"not significant at the {100 * alpha:g}% level (Welch p = {test.p_welch:.3g}{interval}): "
+                           f"these runs cannot tell a from b")
+        if test.min_p_permutation >= alpha:
+            notes.append(f"with {n_a} vs {n_b} runs the exact permutation test cannot go below p = "
+                         f"{test.min_p_permutation:.3g}, so on its own it can never reach the "
+                         f"{100 * alpha:g}% level; more seeds are needed for a distribution-free test")
+    return Comparison(metric=metric, eval_len=eval_len, train_len=train_len, step=step, a=str(a), b=str(b),
+                      a_config=a_config, b_config=b_config, constants=constants, a_values=values["a"],
+                      b_values=values["b"], higher_is_better=higher, confidence=confidence, alpha=alpha,
+                      test=test, significant=significant, verdict=verdict, notes=notes)
+
+
+def _signed(value: float, digits: int) -> str:
+    return "nan" if math.isnan(value) else f"{value:+.{digits}f}"
+
+
+def format_comparison(result: Comparison, digits: int = 4) -> str:
+    """The comparison as a few lines of text: each side's runs, b - a with its interval, the tests, the verdict."""
+    length = length_label(result.eval_len)
+    if result.train_len:
+        length += f" ({result.eval_len / result.train_len:g}x)"
+    step = result.step
+    step_text = "final step of each trial" if step == "final" else ("all steps" if step in ("all", None) else f"step {step}")
+    lines = [f"compare {result.metric} at {length} ({step_text}); difference = b - a "
+             f"({'higher' if result.higher_is_better else 'lower'} is better)"]
+    if result.constants:
+        lines.append("constant: " + ", ".join(f"{k}={format_value(v)}" for k, v in result.constants.items()))
+    percent = f"{100 * result.confidence:g}%"
+    for name, spec, config, pairs in (("a", result.a, result.a_config, result.a_values),
+                                      ("b", result.b, result.b_config, result.b_values)):
+        label = ", ".join(f"{k}={format_value(v)}" for k, v in config.items()) or spec
+        vals = np.array([v for _, v in pairs], dtype=float)
+        if len(vals) == 0:
+            summary = "no finite values"
+        elif len(vals) == 1:
+            summary = f"{_number(float(vals[0]), digits)} ({SINGLE_RUN})"
+        else:
+            low, high = _stats_mod.t_interval(vals, result.confidence)
+            summary = (f"{_number(float(vals.mean()), digits)} ± {_number(float(vals.std(ddof=1)), digits)} "
+                       f"(n={len(vals)}) [{percent} CI {_number(low, digits)}, {_number(high, digits)}]")
+        seeds = ", ".join(f"{'?' if s is None else s}: {_number(v, digits)}" for s, v in pairs)
+        lines.append(f"{name}: {label}: {summary}; per seed {seeds or '-'}")
+    test = result.test
+    if test is None:
+        lines.append(f"b - a = {_signed(result.diff, digits)} (no interval, no test)")
+    else:
+        if math.isnan(test.p_welch):
+            lines.append(f"b - a = {_signed(test.diff, digits)}; Welch's t undefined")
+        else:
+            lines.append(f"b - a = {_signed(test.diff, digits)}, {percent} CI [{_signed(test.ci[0], digits)}, "
+                         f"{_signed(test.ci[1], digits)}] (Welch's t = {test.t:.3g}, df = {test.df:.3g}, "
+                         f"p = {test.p_welch:.3g})")
+        how = "exact over" if test.exact else "sampled,"
+        lines.append(f"permutation test ({how} {test.permutation_splits} splits of the pooled runs): "
+                     f"p = {test.p_permutation:.3g}")
+    lines.append(f"verdict: {result.verdict}")
+    lines += [f"note: {note}" for note in result.notes]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- curves
@@ -389,15 +706,62 @@ td,th{{border:1px solid #bbb;padding:4px 8px;text-align:right}} th{{background:#
 """
 
 
-def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "length", step="final",
-           digits: int = 4) -> dict[str, str]:
-    """Plot ``metric`` against eval length (log2 x axis, one line per configuration; the paper's
-    Figure 1) or, with ``by="p"``, against the sharpening power p (one line per eval length and
-    configuration; its Figure 2). Error bars show the sample std when n > 1.
+# Lines of one figure never share a style: colour, line style and marker all change from line to line, so two
+# lines that coincide (p_eval none vs 15 of a p = 15 model) still show as two.
+_LINE_STYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
-    Writes ``<metric>_vs_<by>.png`` and a self-contained ``<metric>_vs_<by>.html`` (the PNG inlined as
-    base64 plus the numbers as a table) into ``out_dir``; returns ``{"png": path, "html": path}``.
-    """
+
+def _plot_line(axes, xs: np.ndarray, ys: np.ndarray, errs: np.ndarray, ns: np.ndarray, label: str,
+               index: int = 0) -> bool:
+    """One line with std error bars; points with n = 1 hollow, "(1 seed)" in the label when all are.
+    Returns whether any single-run point was drawn."""
+    single = np.asarray(ns) == 1
+    if len(single) and single.all():
+        label = f"{label} ({SINGLE_RUN})"
+    marker = _MARKERS[index % len(_MARKERS)]
+    line = axes.errorbar(xs, ys, yerr=errs if errs.any() else None, marker=marker, capsize=3, label=label,
+                         linestyle=_LINE_STYLES[index % len(_LINE_STYLES)], color=f"C{index % 10}", alpha=0.9)
+    if single.any():
+        color = line.lines[0].get_color()
+        axes.plot(xs[single], ys[single], linestyle="none", marker=marker, markersize=7, markerfacecolor="white",
+                  markeredgecolor=color, markeredgewidth=1.5, zorder=3)
+    return bool(single.any())
+
+
+def metric_axis_label(metric: str) -> str:
+    """The y axis of a figure: what the metric is and its unit (losses are natural-log cross-entropies)."""
+    if metric in ("val_loss", "loss") or metric.endswith("_loss"):
+        return f"{metric} (nats per token)"
+    if metric == "acc":
+        return "acc (fraction of target tokens right)"
+    if metric == "ppl":
+        return "ppl (perplexity, exp of the loss in nats)"
+    return metric
+
+
+def _length_tick(length: int, train_len) -> str:
+    """``1K`` over ``1x``: the length and, when every row was trained at one length, its multiple."""
+    if train_len:
+        multiple = length / float(train_len)
+        return f"{length_label(length)}\n{multiple:g}x"
+    return length_label(length)
+
+
+def _figure_title(df: pd.DataFrame, metric: str, by: str, p_column: str | None = None) -> str:
+    """The metric against what, for which study (the settings every line shares go under it)."""
+    studies = sorted({str(s) for s in df["study"].dropna().unique()}) if "study" in df.columns else []
+    against = "evaluation length" if by == "length" else f"{p_column or 'p'}"
+    return f"{metric} vs {against}" + (f" — study {', '.join(studies)}" if studies else "")
+
+
+def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length", step="final", digits: int = 4):
+    """The figure :func:`curves` saves, and what its page shows: ``(figure, title, caption, header, body)``.
+
+    The title names the metric and the study; the line under it the settings every line shares. Every line has
+    its own colour, line style and marker (lines that coincide stay visible). Length figures mark the training
+    length and label each tick with its multiple (1x..16x); the y axis says the unit (nats per token for
+    losses). In ``by="p"`` figures ``p_eval`` none reads "as trained" (the model's own p_train)."""
     if by not in ("length", "p"):
         raise UserError(f"--by {by!r}: allowed: length, p")
     import matplotlib
@@ -408,8 +772,11 @@ def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "
     rows = select(df, metric, step)
     result = table(df, metric=metric, step=step)
     label_columns = result.attrs["label_columns"]
-    figure = Figure(figsize=(8, 5), dpi=100)
+    train_len = result.attrs.get("train_len")
+    figure = Figure(figsize=(9, 5.5), dpi=100)
     axes = figure.add_subplot(1, 1, 1)
+    single_runs = False
+    p_column = None
 
     if by == "length":
         lengths = result.attrs["lengths"]
@@ -419,12 +786,17 @@ def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "
             xs = np.array(lengths, dtype=float)[n > 0]
             ys = np.array([row[f"mean@{L}"] for L in lengths])[n > 0]
             errs = np.nan_to_num(np.array([row[f"std@{L}"] for L in lengths])[n > 0])
-            axes.errorbar(xs, ys, yerr=errs if errs.any() else None, marker="o", capsize=3,
-                          label=_config_label(row, label_columns))
+            single_runs |= _plot_line(axes, xs, ys, errs, n[n > 0], _config_label(row, label_columns), index=i)
         axes.set_xscale("log", base=2)
         axes.set_xticks(lengths)
-        axes.set_xticklabels([length_label(L) for L in lengths])
-        axes.set_xlabel("evaluation length (tokens, log2 scale)")
+        axes.set_xticklabels([_length_tick(L, train_len) for L in lengths])
+        axes.minorticks_off()
+        if train_len:
+            axes.axvline(float(train_len), color="0.4", linestyle=(0, (1, 3)), linewidth=1.2,
+                         label=f"training length ({length_label(train_len)})")
+            axes.set_xlabel("evaluation length (tokens, log2 scale; below: multiple of the training length)")
+        else:
+            axes.set_xlabel("evaluation length (tokens, log2 scale; the rows were trained at several lengths)")
         header, body = formatted_cells(result, digits)
     else:
         p_column = _p_column(rows)
@@ -433,54 +805,94 @@ def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "
         p_values = sorted(stats[p_column].drop_duplicates().tolist(), key=_sort_key)
         positions = {format_value(p): i for i, p in enumerate(p_values)}
         line_columns = [*group_columns, "eval_len"]
-        for _, line in stats.groupby(line_columns, dropna=False, sort=False):
+        for index, (_, line) in enumerate(stats.groupby(line_columns, dropna=False, sort=False)):
             first = line.iloc[0]
-            label = ", ".join([*(f"{c}={format_value(first[c])}" for c in group_columns),
-                               f"L={length_label(first['eval_len'])}"])
+            length = length_label(first["eval_len"])
+            if train_len:
+                length += f" ({int(first['eval_len']) / float(train_len):g}x)"
+            label = ", ".join([*(f"{c}={format_value(first[c])}" for c in group_columns), f"L={length}"])
             xs = [positions[format_value(p)] for p in line[p_column]]
             errs = np.nan_to_num(line["std"].to_numpy(float))
-            axes.errorbar(xs, line["mean"].to_numpy(float), yerr=errs if errs.any() else None,
-                          marker="o", capsize=3, label=label)
+            single_runs |= _plot_line(axes, np.array(xs, dtype=float), line["mean"].to_numpy(float), errs,
+                                      line["n"].to_numpy(int), label, index=index)
         axes.set_xticks(range(len(p_values)))
-        axes.set_xticklabels([format_value(p) for p in p_values])
-        axes.set_xlabel(f"{p_column} (sharpening power; none = no sharpening)")
+        if p_column == "p_eval":  # p_eval none: the model evaluated as it was trained (its own p_train)
+            axes.set_xticklabels(["as trained" if is_missing(p) else format_value(p) for p in p_values])
+            axes.set_xlabel("p_eval (sharpening power at evaluation; as trained = the model's own p_train)")
+        else:
+            axes.set_xticklabels(["none" if is_missing(p) else format_value(p) for p in p_values])
+            axes.set_xlabel("p_train (sharpening power in training; none = no sharpening)")
         header = [*group_columns, p_column, "eval_len", metric]
         body = [[*(format_value(r[c]) for c in group_columns), format_value(r[p_column]), str(int(r["eval_len"])),
-                 _format_cell(r["mean"], r["std"], int(r["n"]), digits)] for _, r in stats.iterrows()]
+                 _format_cell(r["mean"], r["std"], int(r["n"]), digits, r["ci_low"], r["ci_high"])]
+                for _, r in stats.iterrows()]
 
-    axes.set_ylabel(metric)
-    title = f"{metric} vs {'evaluation length' if by == 'length' else 'p'}"
-    axes.set_title(title)
+    axes.set_ylabel(metric_axis_label(metric))
+    title = _figure_title(df, metric, by, p_column)
+    constants = {k: v for k, v in (result.attrs.get("constants") or {}).items() if k not in ("study",)}
+    subtitle = ", ".join(f"{k}={format_value(v)}" for k, v in constants.items())
+    subtitle = (f"fixed: {subtitle}; " if subtitle else "") + "error bars: sample std over seeds"
+    figure.suptitle(title, fontsize="medium")
+    axes.set_title(subtitle, fontsize="small", color="0.3")
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.tight_layout()
+    handles, labels = axes.get_legend_handles_labels()
+    if single_runs:
+        from matplotlib.lines import Line2D
 
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{metric}_vs_{by}")
+        handles.append(Line2D([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="0.3",
+                              label=f"hollow marker: {SINGLE_RUN} (no spread)"))
+        labels.append(handles[-1].get_label())
+    # The legend sits under the plot, never on a line; the figure grows with it.
+    figure.set_size_inches(9, 5.5 + 0.2 * len(labels))
+    axes.legend(handles, labels, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
+                frameon=False)
+    figure.tight_layout()
+    return figure, title, caption(result), header, body
+
+
+def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "length", step="final",
+           digits: int = 4) -> dict[str, str]:
+    """Plot ``metric`` against eval length (log2 x axis, one line per configuration; the paper's
+    Figure 1) or, with ``by="p"``, against the sharpening power p (one line per eval length and
+    configuration; its Figure 2); see :func:`curve_figure`. Error bars show the sample std when n > 1; a point
+    measured on a single run is drawn hollow, a line made only of single runs says "(1 seed)" in its legend
+    label, and the legend explains the hollow marker whenever one is drawn.
+
+    Writes ``<metric>_vs_<by>.png`` and a self-contained ``<metric>_vs_<by>.html`` (the PNG inlined as
+    base64 plus the numbers as a table) into ``out_dir``; returns ``{"png": path, "html": path}``.
+    """
+    from attnlab.location import Location
+
+    figure, title, caption_text, header, body = curve_figure(df, metric, by, step, digits)
+    out = Location.parse(out_dir, field="--out")
+    stem = f"{metric}_vs_{by}"
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     png_bytes = buffer.getvalue()
-    with open(stem + ".png", "wb") as handle:
-        handle.write(png_bytes)
-    with open(stem + ".html", "w", encoding="utf-8") as handle:
-        handle.write(_html_page(title, caption(result), png_bytes, header, body))
-    return {"png": stem + ".png", "html": stem + ".html"}
+    out.write_bytes(stem + ".png", png_bytes)
+    out.write_text(stem + ".html", _html_page(title, caption_text, png_bytes, header, body))
+    return {"png": out.child(stem + ".png").uri, "html": out.child(stem + ".html").uri}
 
 
 # ---------------------------------------------------------------------------------------- export
 def export(df: pd.DataFrame, path: str, format: str | None = None) -> str:
-    """Write rows to ``path`` as Parquet or CSV (``format`` defaults to the file suffix). Returns path."""
+    """Write rows to ``path`` (a local path or an ``s3://`` / ``gs://`` URI) as Parquet or CSV (``format``
+    defaults to the file suffix). Returns the location written."""
+    from attnlab.location import Location
+
     if format is None:
         format = "csv" if str(path).lower().endswith(".csv") else "parquet"
     if format not in ("parquet", "csv"):
         raise UserError(f"--format {format!r}: allowed: parquet, csv")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    target = Location.parse(path, field="--out")
     if format == "csv":
-        df.to_csv(path, index=False)
+        data = df.to_csv(index=False).encode("utf-8")
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), path)
-    return path
+        buffer = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), buffer)
+        data = buffer.getvalue()
+    target.parent.write_bytes(target.name, data)
+    return target.uri

@@ -13,8 +13,9 @@ Conventions:
 - ``value`` may be NaN or infinite: a diverged run must still be recordable.
 - ``metric`` must be a registered name (:data:`METRICS`); typos would otherwise vanish silently from
   tables. Add new metrics with :func:`register_metric`.
-- The marker row ``metric="complete"`` says a trial finished writing its results (see
-  ``ResultsStore.mark_complete``); reports ignore it.
+- ``config_hash`` is the training run's key (``TrainConfig.train_key``) and ``eval_key`` the evaluation
+  cell's (``attnlab.evaluate.plan.EvalCell.key``): a study re-run measures only cells whose key has no rows.
+- ``metric="complete"`` marker rows (written by stores of schema version 1) are read and ignored by reports.
 
 This module is pure Python + pyarrow: no Ray, no pandas-only logic, no file I/O.
 """
@@ -30,12 +31,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from attnlab.errors import UserError
+from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: eval_key (rows of version 1 read it as null)
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
-ROPE_SCALINGS = ("ntk", "none")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("preset", "str", False, "model preset name"),
     Column("data", "str", False, "data set / folder the metric was computed on"),
     Column("knobs", "str", False, 'other searched settings of the trial, e.g. "lr=0.001,model.n_layer=4"'),
+    Column("eval_key", "str", False, "identity of the evaluation cell the row belongs to (see attnlab.evaluate.plan)"),
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
@@ -96,7 +98,6 @@ ARROW_SCHEMA = pa.schema(
     metadata={SCHEMA_VERSION_METADATA_KEY: str(SCHEMA_VERSION).encode()},
 )
 
-_STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ for _name, _higher, _doc in (
     ("passkey_rank", False, "mean rank of the true passkey among distractors (0 = first)"),
     ("entropy", False, "mean attention-row entropy (nats), per layer"),
     ("sink_mass", False, "mean attention weight on the first token, per layer"),
-    (COMPLETE_METRIC, True, "marker: the trial finished writing its results; value = rows written"),
+    (COMPLETE_METRIC, True, "marker of schema version 1 stores: a trial had written its results (ignored)"),
 ):
     register_metric(_name, _higher, _doc)
 
@@ -146,22 +147,9 @@ def describe_schema() -> str:
     return "\n".join(lines)
 
 
-def _is_missing(value) -> bool:
-    if value is None:
-        return True
-    try:
-        import pandas as pd
-
-        if value is pd.NA or value is pd.NaT:
-            return True
-    except ImportError:  # pragma: no cover - pandas is a dependency
-        pass
-    return False
-
-
 def _describe_row(index: int, row: dict) -> str:
     parts = [f"row {index}"]
-    ident = [f"{k}={row[k]!r}" for k in ("trial", "metric", "eval_len") if k in row and not _is_missing(row[k])]
+    ident = [f"{k}={row[k]!r}" for k in ("trial", "metric", "eval_len") if k in row and not is_missing(row[k])]
     if ident:
         parts.append("(" + ", ".join(ident) + ")")
     return " ".join(parts)
@@ -170,8 +158,9 @@ def _describe_row(index: int, row: dict) -> str:
 def _coerce(column: Column, value, where: str):
     """Return the stored form of one cell, or raise UserError naming the row and column."""
     name = column.name
-    if _is_missing(value) or (name != "value" and isinstance(value, float) and math.isnan(value)):
-        # Outside ``value``, NaN is how pandas spells "missing" (e.g. p_eval = none, an empty bucket).
+    if is_missing(value) and not (name == "value" and isinstance(value, numbers.Real)):
+        # Outside ``value``, NaN is how pandas spells "missing" (e.g. p_eval = none, an empty bucket);
+        # in ``value`` a NaN is a measured number (a diverged run).
         if column.required:
             raise UserError(f"results {where}: column {name!r} is required ({column.doc}), got a missing value")
         return None
@@ -234,14 +223,14 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
     for column in COLUMNS:
         if column.name == "schema_version":
             given = row.get("schema_version")
-            if not _is_missing(given) and given != SCHEMA_VERSION:
+            if not is_missing(given) and given != SCHEMA_VERSION:
                 raise UserError(
                     f"results {where}: column 'schema_version' is {given!r}; this writer only writes "
                     f"version {SCHEMA_VERSION}"
                 )
             out["schema_version"] = SCHEMA_VERSION
             continue
-        if column.name == "created_at" and _is_missing(row.get("created_at")):
+        if column.name == "created_at" and is_missing(row.get("created_at")):
             out["created_at"] = now or _dt.datetime.now(_dt.timezone.utc)
             continue
         if column.name not in row and column.required:
@@ -257,11 +246,8 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
         raise UserError(
             f"results {where}: column 'rope_scaling' is {out['rope_scaling']!r}; allowed: {', '.join(ROPE_SCALINGS)}"
         )
-    if not _STUDY_NAME.match(out["study"]):
-        raise UserError(
-            f"results {where}: column 'study' is {out['study']!r}; use letters, digits and . _ + - "
-            "(it names a folder), at most 200 characters, starting with a letter or digit"
-        )
+    if not STUDY_NAME.match(out["study"]):
+        raise UserError(f"results {where}: column 'study' is {out['study']!r}; use {STUDY_NAME_RULE}")
     for name in ("step", "tokens", "seed", "n_tokens", "layer"):
         if out[name] is not None and out[name] < 0:
             raise UserError(f"results {where}: column {name!r} must be >= 0, got {out[name]}")

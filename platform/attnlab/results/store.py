@@ -10,8 +10,8 @@ Layout (``ROOT`` is a local folder or any pyarrow filesystem URI: ``file://``, `
 - Local disks: write ``.tmp-...`` beside the target, then rename it over the target (atomic on POSIX).
   Object stores: write the object directly (an object only becomes visible once its upload completes).
   Readers skip names starting with ``.`` or ``_``, so they never see a half-written file.
-- "Complete": a trial is complete once a marker row ``metric="complete"`` with its ``config_hash`` is
-  stored (``mark_complete``; written last, after the trial's results). ``has_complete`` checks it.
+- "Done": an evaluation cell is done once rows with its ``eval_key`` are stored (a file appears whole, so
+  rows of a cell are all there or none); ``stored_eval_keys`` lists them for a training run.
 - Reads read the whole dataset (or one study folder) with ``pyarrow.dataset`` against the current
   schema, so columns an older file lacks read as null.
 
@@ -35,11 +35,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from attnlab.errors import UserError
+from attnlab.location import Location
+from attnlab.names import STUDY_NAME
 from attnlab.results.schema import (
-    _STUDY_NAME,
     ARROW_SCHEMA,
     COLUMN_NAMES,
-    COMPLETE_METRIC,
     SCHEMA_VERSION,
     empty_table,
     rows_to_table,
@@ -49,23 +49,6 @@ DEFAULT_STORE_URI = "results"
 _STUDY_PREFIX = "study="
 _NULLABLE_INT_COLUMNS = ("layer", "n_tokens")
 _SORT_COLUMNS = ("study", "trial", "step", "metric", "eval_len", "p_eval", "layer", "bucket")
-
-
-def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    """Split a store URI into (filesystem, root path); a plain path is a local folder."""
-    if not isinstance(uri, (str, os.PathLike)) or not str(uri):
-        raise UserError(f"results store URI must be a non-empty path or URI, got {uri!r}")
-    uri = os.fspath(uri)
-    if "://" not in uri:
-        uri = os.path.abspath(os.path.expanduser(uri))
-    try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
-        raise UserError(
-            f"results store URI {uri!r} is not usable: {str(exc).splitlines()[0]} "
-            "(use a local folder, file://, s3:// or gs://)"
-        ) from None
-    return fs, path.rstrip("/") or "/"
 
 
 def _key_parts(key) -> list:
@@ -130,10 +113,11 @@ class ResultsStore:
     >>> df = store.read(study="table4", metric="val_loss", eval_len=[1024, 2048])
     """
 
-    def __init__(self, uri: str | os.PathLike = DEFAULT_STORE_URI):
-        self.uri = os.fspath(uri)
-        self.filesystem, self.root = _resolve(self.uri)
-        self._local = isinstance(self.filesystem, pafs.LocalFileSystem)
+    def __init__(self, uri: str | os.PathLike | Location = DEFAULT_STORE_URI):
+        self.location = Location.parse(uri, field="store")
+        self.uri = self.location.uri
+        self.filesystem, self.root = self.location.fs, self.location.path.rstrip("/") or "/"
+        self._local = self.location.is_local
 
     def __repr__(self) -> str:
         return f"ResultsStore({self.uri!r})"
@@ -185,20 +169,6 @@ class ResultsStore:
             raise UserError(f"results rows must be a list of dicts or a DataFrame, got {type(rows).__name__}")
         return list(rows)
 
-    def mark_complete(self, template: Mapping, n_rows: int | None = None) -> str:
-        """Write the marker row saying the trial of ``template`` (any of its result rows) is complete.
-
-        Call it after the trial's results are written. The marker copies the identity columns of
-        ``template`` and stores ``n_rows`` (rows written by the trial) as its value.
-        """
-        row = {k: v for k, v in dict(template).items() if k not in ("created_at", "schema_version")}
-        row.update(metric=COMPLETE_METRIC, value=float("nan") if n_rows is None else float(n_rows))
-        row.setdefault("eval_len", row.get("train_len"))
-        row.setdefault("window_mode", "none")
-        for optional in ("layer", "bucket", "n_tokens"):
-            row.pop(optional, None)
-        return self.write([row], key=("__complete__", row.get("trial"), row.get("config_hash")))
-
     # ------------------------------------------------------------------ reading
     def _data_files(self, study: str | None = None) -> list[str]:
         base = self.root if study is None else self.study_dir(study)
@@ -228,7 +198,7 @@ class ResultsStore:
 
     def read_table(self, study: str | None = None, columns: list[str] | None = None, **filters) -> pa.Table:
         """Like :meth:`read`, as an Arrow table."""
-        if isinstance(study, str) and not _STUDY_NAME.match(study):
+        if isinstance(study, str) and not STUDY_NAME.match(study):
             raise UserError(f"study {study!r} is not a valid study name (letters, digits and . _ + -)")
         if study is not None:
             filters = {"study": study, **filters}
@@ -285,14 +255,7 @@ class ResultsStore:
                 frame[name] = frame[name].astype("Int64")
         return frame
 
-    def has_complete(self, config_hash: str, expected: int | None = None, study: str | None = None) -> bool:
-        """True when a ``metric="complete"`` marker for ``config_hash`` is stored (see :meth:`mark_complete`)
-        and, if ``expected`` is given, at least that many result rows (markers excluded) exist for it."""
-        table = self.read_table(study, columns=["metric"], config_hash=config_hash)
-        metrics = table.column("metric")
-        n_markers = pc.sum(pc.equal(metrics, COMPLETE_METRIC)).as_py() or 0
-        if n_markers == 0:
-            return False
-        if expected is None:
-            return True
-        return table.num_rows - n_markers >= expected
+    def stored_eval_keys(self, study: str, config_hash: str) -> set[str]:
+        """The evaluation cells (``eval_key``) stored for one training run (``config_hash``) of a study."""
+        table = self.read_table(study, columns=["eval_key"], config_hash=config_hash)
+        return {key for key in table.column("eval_key").to_pylist() if key}

@@ -1,9 +1,11 @@
-"""Studies: a YAML spec (``spec``: typed, validated, no Ray) run as a Ray Tune + Optuna search (``runner``: the
-only Tune/Optuna code), submitted as a Ray Job (``submit``), with the ``attnlab study`` commands (``cli``).
+"""Studies: a YAML spec (``spec``: a typed tree embedding the training and evaluation configs, no Ray) run as a
+Ray Tune + Optuna search (``runner``: the only Tune/Optuna code) whose trials compose steps with their own
+identities (``trial``: plan, train, evaluate, report), keeping their state under one storage location
+(``state``), submitted as a Ray Job (``submit``), with the ``attnlab study`` commands (``cli``).
 
 Public API: ``load_spec(path) -> StudySpec``; ``attnlab.study.runner.run_study(spec, store=None, storage=None,
 resume=None) -> StudySummary``; ``attnlab.study.submit.submit_study(study, address, ...) -> job id``.
-Importing this package imports neither Ray nor torch.
+Importing this package does not import Ray.
 """
 
 from attnlab.study.spec import StudySpec, load_spec

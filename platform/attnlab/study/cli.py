@@ -20,22 +20,28 @@ def add_parser(subparsers) -> None:
 
     run = sub.add_parser(
         "run", help="run a study on the current Ray cluster (RAY_ADDRESS, or an embedded local one)",
-        description="Run STUDY.yaml. Running it again resumes its Tune state (finished trials are not re-run) "
-                    "and trials whose results are complete in the store are never retrained.")
-    run.add_argument("study", metavar="STUDY.yaml")
-    run.add_argument("--store", help="results store URI (default: the study's store:, else ./results)")
-    run.add_argument("--storage", help="folder for Tune state, runs and the Optuna SQLite file (default ./runs)")
+        description="Run STUDY.yaml. Running it again resumes its Tune state (finished trials are not re-run); a "
+                    "finished training run is never trained again, and only evaluation cells with no rows in the "
+                    "store are measured (add a p_eval value or a length and re-run: nothing retrains).")
+    run.add_argument("study", metavar="STUDY.yaml", help="the study file (examples: studies/*.yaml)")
+    run.add_argument("--store", help="results store, a path or an s3://, gs:// URI (default: the study's store:, else "
+                     "$ATTNLAB_STORAGE/results, else ./results)")
+    run.add_argument("--storage", help="where the study keeps its Tune state, training runs and trial status, a path "
+                     "or an s3://, gs:// URI (default: $ATTNLAB_STORAGE/runs, else ./runs)")
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="require existing Tune state and resume it")
     mode.add_argument("--fresh", action="store_true",
                       help="start a new search even if Tune state exists (the old state is moved aside)")
-    run.add_argument("--curves", metavar="DIR", help="where to write the curves (default <storage>/<study>/curves)")
+    run.add_argument("--curves", metavar="DIR", help="a local folder for the curves (default <storage>/<study>/curves)")
+    run.add_argument("--verbose", action="store_true",
+                     help="show Ray's and Tune's own output here (default: a log file, whose path is printed, and a "
+                     "line per trial change)")
     run.set_defaults(func=_run)
 
     val = sub.add_parser("validate", help="check a study file and print its trials and resources",
                          description="Validate STUDY.yaml: exit 0 and print the resolved trial count and "
                                      "resources, or exit 2 with a one-line error.")
-    val.add_argument("study", metavar="STUDY.yaml", nargs="+")
+    val.add_argument("study", metavar="STUDY.yaml", nargs="+", help="study files to check (nothing runs)")
     val.add_argument("--cluster", metavar="CLUSTER.yaml", help="also check the resources fit this cluster config")
     val.set_defaults(func=_validate)
 
@@ -50,7 +56,8 @@ def _run(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.study)
     resume = True if args.resume else (False if args.fresh else None)
-    summary = run_study(spec, store=args.store, storage=args.storage, resume=resume, curves_dir=args.curves)
+    summary = run_study(spec, store=args.store, storage=args.storage, resume=resume, curves_dir=args.curves,
+                        verbose=1 if args.verbose else 0, quiet=not args.verbose)
     return 1 if summary.trials and summary.count("failed") == len(summary.trials) else 0
 
 

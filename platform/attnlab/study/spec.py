@@ -1,46 +1,54 @@
-"""The study spec: one YAML file in ``studies/``, validated into a typed model (pydantic v2, extra fields refused).
+"""The study spec: one YAML file in ``studies/``, validated into a typed tree (pydantic v2, extra fields refused).
 
-A study names a model preset, the data, a training budget, the resources of one trial, a search engine, a
-search space, an objective, a pruning scheduler and the evaluation to run on each trained checkpoint. Every
-problem is reported as ONE line naming the field, the value and what is allowed (``UserError``), YAML syntax
-errors included. This module also expands the space into trial points (grid, seeded random draws) and turns a
-point into the trial's ``TrainConfig``; the Optuna define-by-run space lives in ``runner.py``.
+A study **embeds** the two configurations the rest of attnlab uses, rather than a second language remapped into
+them: ``train:`` is a :class:`attnlab.train.config.TrainConfig` (the base training config of every trial, the
+fields ``attnlab train --config`` reads) and ``eval:`` is an :class:`attnlab.evaluate.plan.EvalConfig` (what
+``attnlab eval`` builds from its flags). Around them: the trials' own resources, a search engine, a search
+space (each point sets fields of ``train``), objectives and a pruning scheduler. Every problem is ONE line
+naming the field, the value and what is allowed (``UserError``), YAML syntax errors included.
 
 Never imports Ray or Optuna, never touches the network or the file system beyond reading the YAML file.
 
-Shape (every block but ``name`` optional)::
+Shape (``name`` and ``train.preset`` / ``train.data`` required)::
 
-    name: smoke                       # [A-Za-z0-9][A-Za-z0-9._+-]*
-    model: {preset: tiny, n_layer: 2} # a preset plus any GPTConfig override
-    data: demo                        # demo | a prepared folder | {synthetic: TASK, ...}
-    train: {steps: 40, lr: 1e-3, ...} # any TrainConfig field, or `tokens:` (a budget; steps = tokens / tokens_per_step)
-    resources: {workers_per_trial: 1, gpus_per_worker: 0, cpus_per_worker: 0.5, max_concurrent_trials: 1,
-                trial_cpus: 0.5}
+    name: smoke                       # letters, digits and . _ + - (it names folders)
+    train:                            # a TrainConfig: every trial's training config before its point is applied
+      preset: tiny
+      data: demo                      # demo | a prepared folder (path or s3://, gs:// URI) | {synthetic: TASK, ...}
+      steps: 40                       # or tokens: N (a budget; steps = ceil(N / tokens_per_step))
+      lr: 1.0e-3
+      workers: 1                      # Ray Train workers per trial; gpus_per_worker: 0 (CPU) or > 0
+      cpus_per_worker: 0.5
+      model: {n_layer: 2}             # overrides of the preset
+    eval: {multiples: [1, 2, 4, 8, 16], p_eval: [none, 15], rope_scaling: [ntk], max_tokens: 16384}
+    resources: {max_concurrent_trials: 1, trial_cpus: 0.5}   # the Tune trial driver and how many run at once
     search: {engine: grid|random|optuna, num_samples: 8, seed: 0, sampler: tpe|random|nsgaii}
     space:
       attention: [softmax, lssa, lssar]
       scale: [logd_logn, 2.5]                 # or {low: 1.0, high: 8.0} (a coefficient of ln N)
-      p_train: {values: [3, 15], when: [softmax, lssa]}   # or {low: 1, high: 63, when: [...]}
+      p_train: {values: [off, 3, 15], when: [softmax, lssa]}   # off: no sharpening; default: the variant's own
       seeds: [0, 1]
-      lr: [3e-4, 1e-3]                        # any TrainConfig field; model.<field> for the model
+      lr: [3e-4, 1e-3]                        # any training field that changes the weights; model.<field>
     objective: val_loss@16x                   # or a list: [val_loss@1x, val_loss@16x] (Pareto front)
     scheduler: {type: asha, grace_period: 20, reduction_factor: 2}   # or none
-    eval: {multiples: [1, 2, 4, 8, 16], p_eval: [none, 15], rope_scaling: [ntk], max_tokens: 16384}
-    storage: sqlite:////abs/optuna.db         # Optuna RDB URL; default SQLite next to the Tune state
-    store: results                            # results store URI
+    storage: sqlite:////abs/optuna.db         # Optuna RDB URL; default SQLite next to the study state
+    store: results                            # results store (path or URI)
+    trackers: [mlflow, wandb]                 # opt-in: Tune's MLflow / W&B logger callbacks
 
 Axes: a plain list is a choice; a mapping ``{values: [...]}`` or ``{low, high[, log][, step]}`` is a choice or
 a range (int range when both bounds are integers, float otherwise), and ``when: [attention names]`` makes the
-axis conditional: it is only sampled for those attention variants (elsewhere the knob keeps its default).
+axis conditional: it is only sampled for those attention variants (elsewhere the field keeps its ``train``
+value). RoPE scaling and p_eval are not searched: every trial is evaluated with all of ``eval``'s settings.
 
 Objective syntax: ``METRIC@AT[,p_eval=P][,rope=R]`` where ``AT`` is a multiple of the training length (``16x``)
-or a length in tokens (``1024``, ``16k``); ``p_eval`` defaults to ``none`` (no eval-time sharpening) and
-``rope`` to the first ``eval.rope_scaling``. A list entry may be ``{metric: ..., mode: min|max}``; the mode
-defaults to the metric's direction (loss: min, accuracy: max).
+or a length in tokens (``1024``, ``16k``); ``p_eval`` defaults to ``none`` (as trained) and ``rope`` to the
+first ``eval.rope_scaling``. A list entry may be ``{metric: ..., mode: min|max}``; the mode defaults to the
+metric's direction (loss: min, accuracy: max).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -55,28 +63,37 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attnlab.errors import UserError
+from attnlab.evaluate.plan import EvalConfig
+from attnlab.names import (
+    ROPE_SCALINGS,
+    STUDY_NAME,
+    STUDY_NAME_RULE,
+    is_none_word,
+    parse_at,
+    parse_optional_number,
+    resolve_at,
+)
+from attnlab.train.config import RUN_SETTINGS, TrainConfig
 from attnlab.validation import describe
 
-STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 ENGINES = ("grid", "random", "optuna")
 SAMPLERS = ("tpe", "random", "nsgaii")
-ROPE_SCALINGS = ("ntk", "none")
-DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
-# TrainConfig fields a study sets elsewhere: the model block, the data line, or resources.
-_TRAIN_ELSEWHERE = {
-    "preset": "model.preset", "model": "model:", "data": "data:", "workers": "resources.workers_per_trial",
-    "gpu": "resources.gpus_per_worker", "gpus_per_worker": "resources.gpus_per_worker",
-    "cpus_per_worker": "resources.cpus_per_worker",
+# Space axes with their own field; any other key is a training field or model.<field>.
+_NAMED_AXES = ("attention", "scale", "p_train", "seeds")
+# Training fields a search axis may not set: the named axes' own, the data and model blocks, and how a run is
+# executed (RUN_SETTINGS: they do not change the weights).
+_NOT_SEARCHED = {"preset": "train.preset", "model": "model.<field> axes", "data": "train.data",
+                 "seed": "space.seeds", "attention": "space.attention", **{k: f"train.{k}" for k in RUN_SETTINGS}}
+_MODEL_NOT_SEARCHED = ("attention", "p_train", "scale", "train_len", "attn_impl", "vocab_size")
+# Where the blocks of the earlier study layout went: refused with a pointer, never silently remapped.
+_MOVED = {
+    "model": "the model is part of the training config: write train.preset and train.model (overrides)",
+    "data": "the data is part of the training config: write train.data",
+    "resources.workers_per_trial": "write train.workers",
+    "resources.gpus_per_worker": "write train.gpus_per_worker (0 = CPU workers)",
+    "resources.cpus_per_worker": "write train.cpus_per_worker",
+    "space.rope_scaling": "every trial is evaluated with all RoPE settings: write eval.rope_scaling",
 }
-# Space axes with their own field; any other key must be a TrainConfig field or model.<field>.
-_NAMED_AXES = ("attention", "scale", "p_train", "rope_scaling", "seeds")
-
-
-def _none_or(value):
-    """YAML's ``none``/``null``/``~`` all mean "no value" where a knob allows it."""
-    if isinstance(value, str) and value.strip().lower() in ("none", "null"):
-        return None
-    return value
 
 
 class _Strict(BaseModel):
@@ -113,7 +130,7 @@ class Axis(_Strict):
         if self.values is not None:
             if not self.values:
                 raise ValueError("values must not be empty")
-            object.__setattr__(self, "values", [_none_or(v) for v in self.values])
+            object.__setattr__(self, "values", [None if is_none_word(v) else v for v in self.values])
         else:
             if self.low is None or self.high is None:
                 raise ValueError("a range needs both low and high")
@@ -154,14 +171,14 @@ class Axis(_Strict):
 
 
 class Space(BaseModel):
-    """The search space. Named axes plus any TrainConfig field (``lr``) or model field (``model.n_layer``)."""
+    """The search space. Named axes plus any training field that changes the weights (``lr``) or a model field
+    (``model.n_layer``)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     attention: list[str] | None = None
     scale: Axis | None = None
     p_train: Axis | None = None
-    rope_scaling: list[Literal["ntk", "none"]] | None = None  # an eval-only axis: merged into eval.rope_scaling
     seeds: list[int] | None = None
 
     @field_validator("attention", mode="before")
@@ -194,23 +211,21 @@ class Space(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _extra_knobs(self) -> "Space":
+    def _extra_knobs(self) -> Space:
         from attnlab.model.config import GPTConfig
-        from attnlab.train.config import TrainConfig
-        import dataclasses
 
-        model_fields = {f.name for f in dataclasses.fields(GPTConfig)}
+        model_fields = {f.name for f in dataclasses.fields(GPTConfig)} - set(_MODEL_NOT_SEARCHED)
         parsed = {}
         for key, raw in (self.model_extra or {}).items():
             if key.startswith("model."):
                 if key[6:] not in model_fields:
-                    raise ValueError(f"{key} is not a model field; use model.<one of {', '.join(sorted(model_fields))}>")
-            elif key in _TRAIN_ELSEWHERE or key in ("seed", "tokens"):
-                where = "space.seeds" if key == "seed" else _TRAIN_ELSEWHERE.get(key, "train.tokens")
-                raise ValueError(f"{key} cannot be searched here (set {where})")
+                    raise ValueError(f"{key} is not a searchable model field; use model.<one of "
+                                     f"{', '.join(sorted(model_fields))}>")
+            elif key in _NOT_SEARCHED:
+                raise ValueError(f"{key} cannot be searched here (set {_NOT_SEARCHED[key]})")
             elif key not in TrainConfig.model_fields:
-                raise ValueError(f"{key} is not a search axis: use attention, scale, p_train, rope_scaling, seeds, "
-                                 "a training field (lr, steps, ...) or model.<field>")
+                raise ValueError(f"{key} is not a search axis: use attention, scale, p_train, seeds, a training field "
+                                 "(lr, steps, ...) or model.<field>")
             try:
                 parsed[key] = Axis.model_validate(raw)
             except pydantic.ValidationError as exc:
@@ -219,7 +234,7 @@ class Space(BaseModel):
         return self
 
     def knobs(self) -> dict[str, Axis]:
-        """Every training axis (not attention/seeds/rope), by its point key."""
+        """Every training axis (not attention/seeds), by its point key."""
         out = {}
         if self.scale is not None:
             out["scale"] = self.scale
@@ -230,9 +245,8 @@ class Space(BaseModel):
 
 
 class Resources(_Strict):
-    workers_per_trial: int = Field(default=1, ge=1)
-    gpus_per_worker: float = Field(default=0.0, ge=0)
-    cpus_per_worker: float = Field(default=1.0, gt=0)
+    """What a study asks for beyond its trials' training workers (those are ``train.workers`` & co)."""
+
     max_concurrent_trials: int = Field(default=1, ge=1)
     trial_cpus: float = Field(default=0.5, gt=0)  # the Tune trial (the Train driver) itself
 
@@ -276,52 +290,6 @@ class Scheduler(_Strict):
         return value
 
 
-class EvalSpec(_Strict):
-    multiples: list[float] | None = None
-    lengths: list[int] | None = None
-    p_eval: list[float | None] = Field(default_factory=lambda: [None])
-    rope_scaling: list[Literal["ntk", "none"]] = Field(default_factory=lambda: ["ntk"])
-    max_tokens: int | None = Field(default=None, gt=0)
-    long_docs: bool = False
-    passkey: bool = False
-    diagnostics: bool = False
-
-    @field_validator("p_eval", mode="before")
-    @classmethod
-    def _p_none(cls, value):
-        if not isinstance(value, list):
-            value = [value]
-        return [_none_or(v) for v in value]
-
-    @field_validator("rope_scaling", mode="before")
-    @classmethod
-    def _rope_list(cls, value):
-        return [value] if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _lengths(self) -> "EvalSpec":
-        if self.multiples is not None and self.lengths is not None:
-            raise ValueError("give multiples or lengths, not both")
-        for name in ("multiples", "lengths", "p_eval", "rope_scaling"):
-            value = getattr(self, name)
-            if value is not None and not value:
-                raise ValueError(f"{name} must not be empty")
-            if value is not None and len(set(map(str, value))) != len(value):
-                raise ValueError(f"{name}={value} repeats a value")
-        if self.multiples is None and self.lengths is None:
-            object.__setattr__(self, "multiples", [float(m) for m in DEFAULT_MULTIPLES])
-        if any(m <= 0 for m in self.multiples or []) or any(n <= 0 for n in self.lengths or []):
-            raise ValueError("multiples and lengths must be > 0")
-        if any(p is not None and p < 1 for p in self.p_eval):
-            raise ValueError(f"p_eval={self.p_eval}: each must be none or a number >= 1")
-        return self
-
-    def eval_lengths(self, train_len: int) -> list[int]:
-        if self.lengths is not None:
-            return sorted(self.lengths)
-        return sorted(int(round(m * train_len)) for m in self.multiples)
-
-
 class Objective(_Strict):
     """One objective: ``METRIC@AT[,p_eval=P][,rope=R]`` and a mode."""
 
@@ -359,6 +327,7 @@ def parse_objective(text: str) -> dict:
     """``"val_loss@16x,p_eval=15"`` -> ``{"metric", "multiple" | "length", "p_eval", "rope", "key"}``."""
     from attnlab.results.schema import COMPLETE_METRIC, METRICS
 
+
     match = _OBJECTIVE.match(str(text).replace(" ", ""))
     if not match:
         raise ValueError("use METRIC@AT[,p_eval=P][,rope=R], e.g. val_loss@16x, val_loss@1024,p_eval=15")
@@ -368,20 +337,12 @@ def parse_objective(text: str) -> dict:
                          f"{', '.join(sorted(set(METRICS) - {COMPLETE_METRIC}))}")
     at = match["at"]
     out: dict = {"metric": metric, "multiple": None, "length": None, "p_eval": None, "rope": None}
-    if at.endswith("x"):
-        out["multiple"] = float(at[:-1])
-        if out["multiple"] <= 0:
-            raise ValueError("the multiple must be > 0")
-    else:
-        out["length"] = int(at[:-1]) * 1024 if at.endswith("k") else int(at)
+    kind, number = parse_at(at, field="objective")
+    out[kind] = number
     for opt in filter(None, (match["opts"] or "").split(",")):
         name, value = opt.split("=", 1)
         if name == "p_eval":
-            value = _none_or(value)
-            try:
-                out["p_eval"] = None if value is None else float(value)
-            except ValueError:
-                raise ValueError(f"p_eval={value!r} must be none or a number") from None
+            out["p_eval"] = parse_optional_number(value, "p_eval")
         elif name == "rope":
             if value not in ROPE_SCALINGS:
                 raise ValueError(f"rope={value!r} must be one of {', '.join(ROPE_SCALINGS)}")
@@ -400,39 +361,57 @@ def parse_objective(text: str) -> dict:
 class StudySpec(_Strict):
     name: str
     description: str = ""
-    model: dict[str, Any] = Field(default_factory=lambda: {"preset": "tiny"})
-    data: str | dict[str, Any] = "demo"
-    train: dict[str, Any] = Field(default_factory=dict)
+    train: TrainConfig
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     resources: Resources = Field(default_factory=Resources)
     search: Search = Field(default_factory=Search)
     space: Space = Field(default_factory=Space)
     objective: list[Objective] = Field(default_factory=lambda: [Objective(metric="val_loss@1x")])
     scheduler: Scheduler = Field(default_factory=Scheduler)
-    eval: EvalSpec = Field(default_factory=EvalSpec)
     storage: str | None = None  # Optuna RDB URL
-    store: str | None = None  # results store URI
+    store: str | None = None  # results store (path or URI)
+    # Also log every trial where a lab already looks, through Ray Tune's own logger callbacks (opt-in):
+    # mlflow (MLFLOW_TRACKING_URI, default <storage>/<study>/mlruns) and wandb (WANDB_PROJECT, default the study)
+    trackers: list[Literal["mlflow", "wandb"]] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_layout(cls, data):
+        """Blocks of the earlier study layout are refused with where they went (:data:`_MOVED`)."""
+        if not isinstance(data, dict):
+            return data
+        for key in ("model", "data"):
+            if key in data:
+                raise ValueError(f"{key}: {_MOVED[key]}")
+        for block in ("resources", "space"):
+            inner = data.get(block)
+            if isinstance(inner, dict):
+                for key in inner:
+                    if f"{block}.{key}" in _MOVED:
+                        raise ValueError(f"{block}.{key}: {_MOVED[f'{block}.{key}']}")
+        return data
 
     @field_validator("name")
     @classmethod
     def _name(cls, value):
         if not STUDY_NAME.match(value):
-            raise ValueError("use letters, digits and . _ + - (it names folders), starting with a letter or digit")
+            raise ValueError(f"use {STUDY_NAME_RULE}")
         return value
 
-    @field_validator("model", mode="before")
+    @field_validator("train", mode="before")
     @classmethod
-    def _model(cls, value):
-        if isinstance(value, str):
-            return {"preset": value}
-        return value
-
-    @field_validator("data")
-    @classmethod
-    def _data(cls, value):
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("use demo, a folder made by `attnlab data prepare`, or {synthetic: TASK, ...}")
-        if isinstance(value, dict) and "synthetic" not in value:
-            raise ValueError("a data mapping needs a synthetic: TASK key")
+    def _train_needs(cls, value):
+        if isinstance(value, dict):
+            data_rule = "demo, a folder made by `attnlab data prepare` (path or URI), or {synthetic: TASK, ...}"
+            if "preset" not in value:
+                raise ValueError("train.preset is required: a model preset, e.g. tiny or gpt2-small")
+            data = value.get("data")
+            if data is None or (isinstance(data, str) and not data.strip()):
+                raise ValueError(f"train.data is required: {data_rule}")
+            if isinstance(data, dict) and "synthetic" not in data:
+                raise ValueError("train.data: a data mapping needs a synthetic: TASK key")
+            if not isinstance(data, (str, dict)):
+                raise ValueError(f"train.data={data!r} is not allowed: use {data_rule}")
         return value
 
     @field_validator("objective", mode="before")
@@ -462,26 +441,16 @@ class StudySpec(_Strict):
 
     # ------------------------------------------------------------------------------------------ checks
     @model_validator(mode="after")
-    def _coherent(self) -> "StudySpec":
-        for key in self.train:
-            if key in _TRAIN_ELSEWHERE:
-                raise ValueError(f"train.{key} is set elsewhere in a study: use {_TRAIN_ELSEWHERE[key]}")
-        if "tokens" in self.train and "steps" in self.train:
-            raise ValueError("train: give steps or tokens (a budget), not both")
-        if "tokens" in self.train:
-            tokens = self.train["tokens"]
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-                raise ValueError(f"train.tokens={tokens!r} must be a positive integer")
-        if "preset" not in self.model:
-            raise ValueError("model.preset is required (e.g. tiny, gpt2-small)")
+    def _coherent(self) -> StudySpec:
+        set_in_train = self.train.model_fields_set
         for axis in ("attention", "scale", "p_train"):
-            if getattr(self.space, axis) is not None and axis in self.train:
+            if getattr(self.space, axis) is not None and axis in set_in_train:
                 raise ValueError(f"train.{axis} and space.{axis} are both set: keep one")
-        if self.space.seeds is not None and "seed" in self.train:
+        if self.space.seeds is not None and "seed" in set_in_train:
             raise ValueError("train.seed and space.seeds are both set: keep one")
         for key in self.space.model_extra or {}:
-            if key in self.train or (key.startswith("model.") and key[6:] in self.model):
-                raise ValueError(f"{key} is set both in space and in {'model' if '.' in key else 'train'}: keep one")
+            if key in set_in_train or (key.startswith("model.") and key[6:] in self.train.model):
+                raise ValueError(f"{key} is set both in space and in train: keep one")
         names = self.attentions()
         for key, axis in self.space.knobs().items():
             for name in axis.when or []:
@@ -491,17 +460,12 @@ class StudySpec(_Strict):
             if self.search.engine == "grid" and axis.is_range:
                 raise ValueError(f"space.{key} is a low/high range; a grid needs values: [...] (or use engine: "
                                  "random or optuna)")
-        if self.space.rope_scaling is not None:
-            if "rope_scaling" in self.eval.model_fields_set and \
-                    list(self.eval.rope_scaling) != list(self.space.rope_scaling):
-                raise ValueError("space.rope_scaling and eval.rope_scaling are both set: keep one (it is an "
-                                 "evaluation-only axis; no retraining)")
-            object.__setattr__(self.eval, "rope_scaling", list(self.space.rope_scaling))
         if len(self.objective) > 1 and self.search.engine != "optuna":
             raise ValueError(f"objective lists {len(self.objective)} metrics; several objectives (a Pareto front) "
                              "need search.engine: optuna")
         if self.search.engine in ("random", "optuna") and self.search.num_samples is None:
             raise ValueError(f"search.num_samples is required with engine: {self.search.engine}")
+        lengths = self.eval.eval_lengths(self.train.seq_length)
         for obj in self.objective:
             parts = obj.parts
             if parts["p_eval"] not in self.eval.p_eval:
@@ -510,14 +474,9 @@ class StudySpec(_Strict):
             if parts["rope"] is not None and parts["rope"] not in self.eval.rope_scaling:
                 raise ValueError(f"objective {obj.metric}: rope={parts['rope']} is not evaluated "
                                  f"(eval.rope_scaling: {self.eval.rope_scaling})")
-            if parts["multiple"] is not None and self.eval.multiples is not None and \
-                    parts["multiple"] not in self.eval.multiples:
-                raise ValueError(f"objective {obj.metric}: {parts['multiple']:g}x is not among eval.multiples "
-                                 f"{[f'{m:g}' for m in self.eval.multiples]}")
-            if parts["length"] is not None and self.eval.lengths is not None and \
-                    parts["length"] not in self.eval.lengths:
-                raise ValueError(f"objective {obj.metric}: length {parts['length']} is not among eval.lengths "
-                                 f"{self.eval.lengths}")
+            at = ("multiple", parts["multiple"]) if parts["multiple"] is not None else ("length", parts["length"])
+            if resolve_at(at, self.train.seq_length) not in lengths:
+                raise ValueError(f"objective {obj.metric}: that length is not evaluated (eval lengths: {lengths})")
             if parts["metric"].startswith("passkey") and not self.eval.passkey:
                 raise ValueError(f"objective {obj.metric} needs eval.passkey: true")
         # Every point must make a valid training config (checked on the grid, or axis by axis).
@@ -543,7 +502,7 @@ class StudySpec(_Strict):
                 points += [{**base, key: v} for v in values]
         for point in points:
             try:
-                self.train_config(point, data="")
+                self.train_config(point)
             except UserError as exc:
                 shown = ", ".join(f"{k}={v}" for k, v in point.items())
                 raise ValueError(f"the trial ({shown}) is not a valid training config: {exc}") from None
@@ -552,22 +511,24 @@ class StudySpec(_Strict):
     def attentions(self) -> list[str]:
         if self.space.attention:
             return list(self.space.attention)
-        return [self.train.get("attention") or "softmax"]
+        return [self.train.attention or "softmax"]
 
     def resource_request(self) -> dict:
-        """The request ``attnlab.cluster.validate.check_fits`` takes."""
-        r = self.resources
-        return {"workers": r.workers_per_trial, "gpus_per_worker": r.gpus_per_worker,
-                "cpus_per_worker": r.cpus_per_worker, "max_concurrent_trials": r.max_concurrent_trials}
+        """The request :func:`attnlab.cluster.validate.check_fits` takes (its one shape)."""
+        from attnlab.cluster.validate import normalise_request
+
+        t, r = self.train, self.resources
+        return normalise_request({"workers": t.workers, "gpus_per_worker": t.gpus_per_worker,
+                                  "cpus_per_worker": t.cpus_per_worker,
+                                  "max_concurrent_trials": r.max_concurrent_trials, "trial_cpus": r.trial_cpus})
 
     def trial_resources(self) -> dict:
         """What one running trial holds: the driver plus its Train workers."""
-        r = self.resources
-        return {"CPU": r.trial_cpus + r.workers_per_trial * r.cpus_per_worker,
-                "GPU": r.workers_per_trial * r.gpus_per_worker}
+        t = self.train
+        return {"CPU": self.resources.trial_cpus + t.workers * t.cpus_per_worker, "GPU": t.workers * t.gpus_per_worker}
 
     def num_trials(self) -> int:
-        """Trials the search will run (before any is skipped as already complete)."""
+        """Trials the search will run (before any is found already done)."""
         if self.search.engine == "grid":
             return self._grid_size()
         seeds = len(self.space.seeds or [0]) if self.search.engine == "random" else 1
@@ -615,61 +576,60 @@ class StudySpec(_Strict):
                 points.append(point if seed is None else {**point, "seed": seed})
         return points
 
-    def train_fields(self, point: dict, data: str | dict | None = None) -> dict:
-        """The TrainConfig fields of one trial: the model, data, budget, resources and the point's knobs."""
-        fields = {k: v for k, v in self.train.items() if k != "tokens"}
-        model = {k: v for k, v in self.model.items() if k != "preset"}
+    def train_config(self, point: dict, data: str | dict | None = None) -> TrainConfig:
+        """The trial's ``TrainConfig``: ``train`` with the point's fields set (``model.<field>`` into its model
+        overrides) and, when given, the resolved data. Raises UserError naming the bad field."""
+        from attnlab.train.config import load_train_config
+
+        fields = self.train.model_dump(exclude_unset=False)
+        model = dict(fields.get("model") or {})
         for key, value in point.items():
             if key.startswith("model."):
                 model[key[6:]] = value
             else:
                 fields[key] = value
-        fields.update(preset=self.model["preset"], model=model, data=self.data if data is None else data)
-        r = self.resources
-        fields.update(workers=r.workers_per_trial, gpu=r.gpus_per_worker > 0,
-                      gpus_per_worker=r.gpus_per_worker if r.gpus_per_worker > 0 else 1.0,
-                      cpus_per_worker=r.cpus_per_worker)
-        if "tokens" in self.train:
-            from attnlab.train.config import TrainConfig
-
-            per_step = fields.get("tokens_per_step", TrainConfig.model_fields["tokens_per_step"].default)
-            fields["steps"] = max(1, math.ceil(self.train["tokens"] / per_step))
-        return fields
-
-    def train_config(self, point: dict, data: str | dict | None = None):
-        """The trial's ``TrainConfig`` (raises UserError naming the bad field)."""
-        from attnlab.train.config import load_train_config
-
-        return load_train_config(self.train_fields(point, data))
+        fields["model"] = model
+        if data is not None:
+            fields["data"] = data
+        return load_train_config(fields)
 
     def scheduler_max_steps(self) -> int:
         """The largest training step count any trial can have (ASHA's max_t)."""
-        base = self.train_config({}, data="").steps
         axis = (self.space.model_extra or {}).get("steps")
         if axis is None:
-            return base
+            return self.train.steps
         return int(max(axis.values) if not axis.is_range else axis.high)
 
-    def fingerprint(self) -> str:
-        """A hash of the whole spec: a resumed study must be the same study."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+    def to_json(self) -> dict:
+        """The spec as the user wrote it (unset fields left out), so that validating it again checks the same
+        things: e.g. ``train.attention`` set next to ``space.attention`` is only an error when the user set it."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+    def search_fingerprint(self) -> str:
+        """A hash of what defines the search (not the evaluation): a resumed Tune experiment must search the
+        same space. Evaluation settings may change between runs: new cells are evaluated, nothing retrains."""
+        blob = self.model_dump(mode="json", exclude={"eval", "description", "store"})
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         """A few lines for ``attnlab study validate``."""
         req = self.trial_resources()
+        t = self.train
+        data = t.data if isinstance(t.data, str) else f"{{synthetic: {t.data.get('synthetic')}, ...}}"
         lines = [
             f"study {self.name}: engine {self.search.engine}, {self.num_trials()} trial(s)"
             + (f" (num_samples {self.search.num_samples})" if self.search.engine != "grid" else ""),
-            f"model: {self.model}; data: {self.data}",
+            f"train: preset {t.preset}{f' {t.model}' if t.model else ''}, data {data}, {t.steps} steps of "
+            f"{t.tokens_per_step} tokens at {t.seq_length}",
             f"attention: {', '.join(self.attentions())}; axes: "
             + (", ".join(f"{k}{' when ' + '/'.join(a.when) if a.when else ''}" for k, a in self.space.knobs().items())
                or "none") + (f"; seeds: {self.space.seeds}" if self.space.seeds else ""),
             f"objective: {', '.join(f'{o.key} ({o.mode})' for o in self.objective)}; scheduler: {self.scheduler.type}",
-            f"eval: lengths {self.eval.lengths or [f'{m:g}x' for m in self.eval.multiples]}, p_eval "
-            f"{['none' if p is None else f'{p:g}' for p in self.eval.p_eval]}, rope {self.eval.rope_scaling}",
-            f"resources per trial: {req['CPU']:g} CPU, {req['GPU']:g} GPU "
-            f"({self.resources.workers_per_trial} worker(s)); at most {self.resources.max_concurrent_trials} "
-            f"trial(s) at once",
+            f"eval: lengths {self.eval.eval_lengths(t.seq_length)}, p_eval "
+            f"{['none' if p is None else f'{p:g}' for p in self.eval.p_eval]}, rope {self.eval.rope_scaling}, "
+            f"{self.eval.max_tokens} tokens per length",
+            f"resources per trial: {req['CPU']:g} CPU, {req['GPU']:g} GPU ({t.workers} worker(s)); at most "
+            f"{self.resources.max_concurrent_trials} trial(s) at once",
         ]
         return "\n".join(lines)
 
@@ -699,6 +659,8 @@ def load_spec(source: str | Path | dict) -> StudySpec:
         return StudySpec.model_validate(data)
     except pydantic.ValidationError as exc:
         raise UserError(f"{where}: {_one_line(exc)}") from None
+    except UserError as exc:  # raised by a nested config's own checks
+        raise UserError(f"{where}: {exc}") from None
 
 
 def _one_line(exc: pydantic.ValidationError) -> str:
@@ -707,5 +669,5 @@ def _one_line(exc: pydantic.ValidationError) -> str:
     return text[2:] if text.startswith(": ") else text
 
 
-__all__ = ["Axis", "EvalSpec", "Objective", "Resources", "Scheduler", "Search", "Space", "StudySpec",
-           "load_spec", "parse_objective"]
+__all__ = ["Axis", "Objective", "Resources", "Scheduler", "Search", "Space", "StudySpec", "load_spec",
+           "parse_objective"]

@@ -81,8 +81,11 @@ def submit_study(study: str, address: str, *, working_dir: str = ".", store: str
     except Exception as exc:  # noqa: BLE001 - connection errors come in many types
         raise UserError(f"--address {address!r}: cannot reach the Ray dashboard ({type(exc).__name__}: "
                         f"{(str(exc).splitlines() or [''])[0][:200]})") from None
+    from attnlab.train.ray_train import forwarded_env
+
     env_vars = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
-                                           "ATTNLAB_CACHE_DIR", "TIKTOKEN_CACHE_DIR") if k in os.environ}
+                                           "TIKTOKEN_CACHE_DIR") if k in os.environ}
+    env_vars.update(forwarded_env())  # ATTNLAB_* (storage prefix, cache) and the object store's AWS_*/GOOGLE_*
     return client.submit_job(
         entrypoint=entrypoint(rel.as_posix(), store, storage),
         runtime_env={"working_dir": str(wd), "excludes": PACKAGE_EXCLUDES, "env_vars": env_vars},

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import threading
 from pathlib import Path
 
 import yaml
@@ -35,18 +37,22 @@ def add_parser(subparsers) -> None:
     src.add_argument("--config", help="a YAML file of training config fields (see attnlab.train.TrainConfig)")
     src.add_argument("--preset", help="a model preset: gpt2-small, gpt2-medium, gpt2-45m, tiny, tiny-4l")
     p.add_argument("--attention", help="attention variant name (e.g. softmax, lssa, lssar)")
-    p.add_argument("--p-train", type=float, help="sharpening power used in training (default: the variant's)")
+    p.add_argument("--p-train", help="sharpening in training: default (the variant's own: 15 for lssar), off, or a "
+                   "number >= 1")
     p.add_argument("--scale", help="scale factor: inv_sqrt_d, log_n, logd_logn or '<coef>*log_n'")
-    p.add_argument("--data", help="a data folder made by `attnlab data prepare`")
-    p.add_argument("--out", required=True, help="the run folder")
+    p.add_argument("--data", help="a data folder made by `attnlab data prepare` (a path or an s3://, gs:// URI), or "
+                   "demo (the offline demo corpus, prepared on first use)")
+    p.add_argument("--out", required=True, help="the run folder (a path or an s3://, gs:// URI)")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--seq-len", type=int, help="training length (default: the preset's)")
     p.add_argument("--tokens-per-step", type=int, help="tokens per optimizer step (gradient accumulation fills it)")
     p.add_argument("--micro-batch", type=int, help="sequences per worker per micro-step")
     p.add_argument("--workers", type=int, help="Ray Train workers (DDP ranks)")
-    p.add_argument("--gpu", action="store_true", default=None, help="one GPU per worker (NCCL)")
+    p.add_argument("--gpu", action="store_true", help="one GPU per worker (NCCL); same as --set gpus_per_worker=1")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other config field, repeatable")
     p.add_argument("--local", action="store_true", help="run in this process without Ray (one worker; debugging)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's and Train's own output in the terminal (default: a log file, whose path is printed)")
     p.set_defaults(func=run)
 
 
@@ -65,23 +71,45 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(data, dict):
             raise UserError(f"--config {path} must hold a mapping of config fields")
     data.update(parse_assignments(args.set))
+    from attnlab.data.source import resolve_data
+    from attnlab.location import Location
+
+    if args.data:
+        data["data"] = args.data
+    if data.get("data"):
+        data["data"] = resolve_data(data["data"])  # workers run elsewhere: never hand them a relative path
+    run = Location.parse(args.out, field="--out")
     cfg = load_train_config(data, preset=args.preset, attention=args.attention, p_train=args.p_train,
-                            scale=args.scale, data=args.data, steps=args.steps, seq_len=args.seq_len,
+                            scale=args.scale, steps=args.steps, seq_len=args.seq_len,
                             tokens_per_step=args.tokens_per_step, micro_batch=args.micro_batch,
-                            workers=args.workers, gpu=args.gpu)
-    if args.local:
-        from attnlab.train.loop import LocalSession, train_worker
-        from attnlab.train.ray_train import outcome, preflight
+                            workers=args.workers, gpus_per_worker=1.0 if args.gpu else None)
+    from attnlab.train.ray_train import preflight
 
-        preflight(cfg)
-        train_worker(cfg, LocalSession(args.out, keep=cfg.keep_checkpoints), args.out)
-        result = outcome(args.out)
-    else:
-        from attnlab.train.ray_train import run_training
+    preflight(cfg)
+    print(cfg.plan(), flush=True)
+    for warning in cfg.warnings():
+        print(f"attnlab: warning: {warning}", flush=True)
+    print(f"run folder: {run.uri}", flush=True)
+    with _progress(run, cfg.steps):
+        if args.local:
+            from attnlab.train.loop import LocalSession, train_worker
+            from attnlab.train.run import outcome
 
-        result = run_training(cfg, args.out)
+            train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run)
+            result = outcome(run, steps=cfg.steps)
+        else:
+            from attnlab.raycluster import ensure_ray, log_file, quiet_ray
+            from attnlab.train.ray_train import run_training
+
+            if not args.verbose:
+                from attnlab.data.demo import cache_dir
+
+                path = log_file(run.path if run.is_local else str(cache_dir() / "logs"), "ray")
+                quiet_ray(path)
+                print(f"Ray's own output: {path}", flush=True)
+            ensure_ray(log_to_driver=args.verbose)
+            result = run_training(cfg, run)
     final = result.final
-    print(f"run folder: {result.run_dir}")
     print(f"status: {result.status}; step {final.get('step')}; train_loss {final.get('train_loss')}; "
           f"val_loss {final.get('val_loss')}")
     print(f"latest checkpoint: {result.checkpoint}")
@@ -89,3 +117,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"failure: {result.failure}")
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _progress(run, steps: int):
+    """Print the run's progress (step, losses, time left) from its metrics while the block runs."""
+    from attnlab.train.run import watch
+
+    stop = threading.Event()
+    thread = threading.Thread(target=watch, args=(run, steps, stop, lambda line: print(line, flush=True)),
+                              kwargs={"interval": 2.0}, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)

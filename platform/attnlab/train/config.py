@@ -1,6 +1,9 @@
 """The one typed training configuration: every knob of a run, validated, with errors naming the field.
 
-Defaults are the paper's recipe (SPEC.md section 6, llm.c's GPT-2 124M): AdamW(0.9, 0.95), lr 6e-4, 700
+A study embeds it (a study file's ``train:`` block is a ``TrainConfig`` whose searched fields each trial
+sets), ``attnlab train --config FILE`` reads the same fields, and a checkpoint stores it.
+
+Defaults are the paper's recipe (docs/protocol.md#training, llm.c's GPT-2 124M): AdamW(0.9, 0.95), lr 6e-4, 700
 warm-up steps then cosine decay to 0, weight decay 0.1 on 2-D weights only, gradient clipping 1.0,
 524,288 tokens per step reached by gradient accumulation whatever the number of workers, bf16 autocast on
 CUDA. A study overrides any field. No Ray here.
@@ -8,16 +11,44 @@ CUDA. A study overrides any field. No Ray here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attnlab.errors import UserError
+from attnlab.attention import Backend, get_variant
+from attnlab.attention.spec import P_TRAIN_DEFAULT, parse_p_train
 from attnlab.model import PRESETS, GPTConfig, preset
+from attnlab.names import GPT2_VOCAB
 from attnlab.validation import parse
+
+
+# Fields that do not change the trained weights: how a run is executed, logged and checkpointed. A training
+# run's identity (``train_key``) leaves them out, so e.g. more workers or another log cadence reuse a run.
+RUN_SETTINGS = frozenset({
+    "workers", "gpus_per_worker", "cpus_per_worker", "worker_resources", "threads_per_worker", "micro_batch",
+    "log_every", "val_every", "val_tokens", "val_batch", "checkpoint_every", "keep_checkpoints", "max_failures",
+    "compile", "attn_impl",
+})
+
+
+# Recipe defaults that fit each preset's size: fields a config leaves unset take them (a field set by the user
+# always wins). The class defaults are llm.c's GPT-2 124M recipe (docs/protocol.md#training), which would make
+# the CPU-sized presets take 524,288 tokens per step; gpt2-medium takes llm.c's 350M learning rate.
+PRESET_RECIPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(steps=300, tokens_per_step=1024, micro_batch=16, lr=3e-3, warmup_steps=20, log_every=10,
+                 val_every=100, val_tokens=16_384, checkpoint_every=300),
+    "tiny-4l": dict(steps=1000, tokens_per_step=4096, micro_batch=32, lr=2e-3, warmup_steps=50, log_every=10,
+                    val_every=250, val_tokens=65_536, checkpoint_every=500),
+    "gpt2-medium": dict(lr=3e-4),
+}
+# A step needing more micro-steps than this (per worker) is warned about before a run starts.
+MANY_ACCUMULATION_STEPS = 64
 
 
 class TrainConfig(BaseModel):
@@ -25,10 +56,11 @@ class TrainConfig(BaseModel):
 
     # model
     preset: str = "gpt2-small"
-    model: dict[str, Any] = Field(default_factory=dict)  # overrides of the preset (n_layer, attention, ...)
-    attention: str | None = None
-    p_train: float | None = None
-    scale: str | float | None = None
+    model: dict[str, Any] = Field(default_factory=dict)  # overrides of the preset (n_layer, n_embd, ...)
+    attention: str | None = None  # None: the preset's (softmax)
+    # default: the variant's own sharpening (lssar: p = 15); off (or none): no sharpening; or a number >= 1
+    p_train: float | str | None = P_TRAIN_DEFAULT
+    scale: str | float | None = None  # None: the variant's own scale
     # data
     data: str | dict[str, Any] = ""  # a prepared folder, or {synthetic: <task>, ...} for a probe
     seq_len: int | None = Field(default=None, gt=0)  # default: the preset's train_len
@@ -57,13 +89,32 @@ class TrainConfig(BaseModel):
     max_failures: int = Field(default=2, ge=0)  # worker-group restarts from the latest checkpoint
     # hardware
     workers: int = Field(default=1, gt=0)
-    gpu: bool = False
-    gpus_per_worker: float = Field(default=1.0, ge=0)
+    gpus_per_worker: float = Field(default=0.0, ge=0)  # 0: CPU workers (gloo); > 0: GPU workers (NCCL)
     cpus_per_worker: float = Field(default=1.0, gt=0)
+    # Ray custom resources each worker (and the evaluation of the trained model) also asks for, e.g.
+    # {accelerator_type:H100: 0.001} or a node label resource; empty: none.
+    worker_resources: dict[str, float] = Field(default_factory=dict)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    compile: bool = False
-    attn_impl: Literal["auto", "dense", "flex"] = "auto"
+    compile: bool | None = None  # torch.compile the model; None: on for CUDA workers, off on CPU
+    attn_impl: str = "auto"  # the attention backend: attnlab.attention.Backend (auto, dense, flex, sdpa)
     threads_per_worker: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokens_budget(cls, data):
+        """``tokens: N`` is a training budget: ``steps = ceil(N / tokens_per_step)``."""
+        if isinstance(data, dict) and "tokens" in data:
+            data = dict(data)
+            tokens = data.pop("tokens")
+            if "steps" in data:
+                raise ValueError("give steps or tokens (a budget), not both")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+                raise ValueError(f"tokens={tokens!r} must be a positive integer (a budget of training tokens)")
+            recipe = PRESET_RECIPES.get(data.get("preset", cls.model_fields["preset"].default), {})
+            per_step = data.get("tokens_per_step", recipe.get("tokens_per_step",
+                                                              cls.model_fields["tokens_per_step"].default))
+            data["steps"] = max(1, math.ceil(tokens / per_step)) if isinstance(per_step, int) and per_step > 0 else 1
+        return data
 
     @field_validator("preset")
     @classmethod
@@ -72,10 +123,43 @@ class TrainConfig(BaseModel):
             raise ValueError(f"unknown preset; use one of {', '.join(sorted(PRESETS))}")
         return value
 
+    @field_validator("attn_impl")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        return Backend.parse(value, field="attn_impl").value
+
+    @field_validator("p_train", mode="before")
+    @classmethod
+    def _p_train(cls, value):
+        return parse_p_train(value)
+
+    @field_validator("model")
+    @classmethod
+    def _no_attention_in_model(cls, value: dict) -> dict:
+        for key in ("attention", "p_train", "scale", "train_len", "attn_impl"):
+            if key in value:
+                where = "seq_len" if key == "train_len" else key
+                raise ValueError(f"model.{key} is set by the training config's own field: use {where}")
+        return value
+
+    @property
+    def gpu(self) -> bool:
+        """Whether the workers use GPUs (``gpus_per_worker > 0``)."""
+        return self.gpus_per_worker > 0
+
+    @model_validator(mode="after")
+    def _preset_recipe(self) -> "TrainConfig":
+        """Unset fields take the preset's recipe (:data:`PRESET_RECIPES`); they stay 'unset', so a study can
+        still search them."""
+        for key, value in PRESET_RECIPES.get(self.preset, {}).items():
+            if key not in self.model_fields_set:
+                object.__setattr__(self, key, value)
+        return self
+
     @model_validator(mode="after")
     def _model_builds(self) -> "TrainConfig":
         try:
-            self.gpt_config(vocab_size=self.model.get("vocab_size", 50257))
+            self.gpt_config(vocab_size=self.model.get("vocab_size", GPT2_VOCAB))
         except UserError as exc:
             raise ValueError(str(exc)) from None
         if self.tokens_per_step % self.seq_length:
@@ -89,9 +173,11 @@ class TrainConfig(BaseModel):
     def gpt_config(self, vocab_size: int | None = None) -> GPTConfig:
         """The model config: the preset, its overrides, the attention choice, and the data's vocabulary."""
         overrides = dict(self.model)
-        for key in ("attention", "p_train", "scale"):
-            if getattr(self, key) is not None:
-                overrides[key] = getattr(self, key)
+        if self.attention is not None:
+            overrides["attention"] = self.attention
+        if self.scale is not None:
+            overrides["scale"] = self.scale
+        overrides["p_train"] = self.p_train
         overrides["train_len"] = self.seq_length
         overrides["attn_impl"] = self.attn_impl
         if vocab_size is not None:
@@ -108,9 +194,57 @@ class TrainConfig(BaseModel):
                 f"not a multiple of micro_batch={self.micro_batch} x workers={world_size}; adjust one of them")
         return global_batch, global_batch // per_micro
 
-    def config_hash(self) -> str:
-        """A short hash of the full config (hardware fields included), for provenance and run names."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+    def warnings(self, world_size: int | None = None) -> list[str]:
+        """One line per setting that makes a run pointless or very slow (shown before it starts)."""
+        out = []
+        if self.warmup_steps >= self.steps:
+            out.append(f"warmup_steps={self.warmup_steps} >= steps={self.steps}: the learning rate never leaves "
+                       f"warm-up (it peaks at {self.lr * self.steps / max(self.warmup_steps, 1):.2g}, not lr={self.lr:g}); "
+                       "lower warmup_steps")
+        workers = world_size or self.workers
+        try:
+            _, accum = self.batch_plan(workers)
+        except UserError:
+            return out
+        if accum > MANY_ACCUMULATION_STEPS:
+            out.append(f"tokens_per_step={self.tokens_per_step:,} is {accum} micro-steps of micro_batch="
+                       f"{self.micro_batch} x {self.seq_length} tokens per worker ({workers} worker(s)) for every "
+                       "optimizer step: a step will be slow; lower tokens_per_step or raise micro_batch / workers")
+        return out
+
+    def plan(self, world_size: int | None = None, num_params: int | None = None) -> str:
+        """The run in one line: model, attention, steps x tokens, batch split, workers, data."""
+        workers = world_size or self.workers
+        global_batch, accum = self.batch_plan(workers)
+        gpt = self.gpt_config()
+        spec = gpt.attention_spec()
+        attention = spec.name + ("" if spec.p is None else f" (p={spec.p:g})")
+        size = f" ({num_params / 1e6:.1f}M params)" if num_params else ""
+        data = self.data if isinstance(self.data, str) else f"synthetic:{self.data.get('synthetic')}"
+        device = f"{self.gpus_per_worker:g} GPU" if self.gpu else f"{self.cpus_per_worker:g} CPU"
+        return (f"plan: {self.preset}{size} {attention}, {self.steps:,} steps x {self.tokens_per_step:,} tokens "
+                f"({global_batch} x {self.seq_length}) = {self.steps * self.tokens_per_step:,} tokens; {workers} "
+                f"worker(s) of {device}, micro-batch {self.micro_batch}, grad accumulation {accum}; data {data}")
+
+    def identity(self, data_fingerprint: str, vocab_size: int | None = None) -> dict:
+        """What determines the trained weights: the resolved model (attention spec included), the data by its
+        content fingerprint, and the recipe. Execution settings (:data:`RUN_SETTINGS`) are left out."""
+        gpt = self.gpt_config(vocab_size=vocab_size)
+        spec = gpt.attention_spec()
+        model = dataclasses.asdict(gpt)
+        for key in ("attention", "p_train", "scale", "attn_impl"):
+            model.pop(key)
+        model["attention"] = {"variant": get_variant(spec.name).name, "scale": spec.scale_label, "p": spec.p}
+        recipe = {k: v for k, v in self.model_dump(mode="json").items()
+                  if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
+                                                         "seq_len")}
+        return {"model": model, "data": str(data_fingerprint), "recipe": recipe}
+
+    def train_key(self, data_fingerprint: str, vocab_size: int | None = None) -> str:
+        """The training run's identity (16 hex digits): names its run folder, goes into its provenance and into
+        every results row (``config_hash``). Two configs with the same key train the same weights."""
+        payload = json.dumps(self.identity(data_fingerprint, vocab_size), sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def load_train_config(fields: dict[str, Any] | None = None, **overrides) -> TrainConfig:

@@ -1,10 +1,12 @@
 """The per-worker training loop, independent of Ray.
 
-``train_worker(cfg, session, run_dir)`` runs on every worker. A ``Session`` supplies what differs between
-a plain process and a Ray Train worker: rank and world size, device, DDP wrapping, the latest checkpoint,
-reporting (with an optional checkpoint), and all-reduce. ``LocalSession`` (here) runs one process with no Ray;
-``attnlab.train.ray_train`` provides the Ray Train one. Rank 0 appends to ``run_dir/metrics.jsonl`` and writes
-``provenance.json`` once; a diverged run writes ``failure.json`` with the step and stops cleanly.
+``train_worker(cfg, session, run)`` runs on every worker. A ``Session`` supplies what differs between a plain
+process and a Ray Train worker: rank and world size, device, DDP wrapping, the latest checkpoint, reporting
+(with an optional checkpoint), and all-reduce. ``LocalSession`` (here) runs one process with no Ray;
+``attnlab.train.ray_train`` provides the Ray Train one. The run's own files (``attnlab.train.run``) go straight
+to the run location, local or object storage: rank 0 writes ``metrics.jsonl`` and ``provenance.json``, a
+diverged run writes ``failure.json`` with the step and stops cleanly, every rank records its final weights'
+checksum. Validation scores windows with :mod:`attnlab.model.scoring`, the function evaluation uses too.
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -23,17 +23,16 @@ from typing import Iterator, Protocol
 
 import torch
 
-from attnlab.evaluate.core import autocast_context, mean_window_loss
-from attnlab.model import GPT
+from attnlab.data.source import open_data
+from attnlab.location import Location
+from attnlab.model import GPT, compile_model, is_compiled
+from attnlab.model.checkpoint import find_latest_checkpoint, load_state, local_checkpoint, restore_rng, save_checkpoint
+from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
-from attnlab.train.checkpoint import find_latest_checkpoint, load_state, restore_rng, save_checkpoint
 from attnlab.train.config import TrainConfig
-from attnlab.train.data_api import open_data
 from attnlab.train.recipe import build_optimizer, lr_at, peak_flops
+from attnlab.train.run import PROVENANCE_FILE, MetricsLog, write_failure, write_replica_checksum
 
-METRICS_FILE = "metrics.jsonl"
-PROVENANCE_FILE = "provenance.json"
-FAILURE_FILE = "failure.json"
 # Test-only fault injection: rank FAIL_RANK raises at step FAIL_AT_STEP once (the marker file records it).
 FAIL_AT_STEP_ENV, FAIL_RANK_ENV, FAIL_ONCE_FILE_ENV = "ATTNLAB_FAIL_AT_STEP", "ATTNLAB_FAIL_RANK", "ATTNLAB_FAIL_ONCE_FILE"
 
@@ -50,12 +49,12 @@ class Session(Protocol):
 
 
 class LocalSession:
-    """One plain process, no Ray: checkpoints go to ``run_dir/checkpoints/step_NNNNNNN``."""
+    """One plain process, no Ray: checkpoints go to ``RUN/checkpoints/step_NNNNNNN`` (local or object storage)."""
 
     rank, world_size = 0, 1
 
-    def __init__(self, run_dir: str | Path, keep: int = 2, device: str | None = None):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run: str | Path | Location, keep: int = 2, device: str | None = None):
+        self.run = Location.parse(run, field="--out")
         self.keep = keep
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.reports: list[dict] = []
@@ -66,19 +65,19 @@ class LocalSession:
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
         try:
-            yield str(find_latest_checkpoint(self.run_dir))
+            find_latest_checkpoint(self.run)
         except ValueError:
             yield None
+            return
+        with local_checkpoint(self.run) as directory:
+            yield str(directory)
 
     def report(self, metrics, checkpoint_dir):
         self.reports.append(metrics)
         if checkpoint_dir is not None:
-            dest = self.run_dir / "checkpoints" / f"step_{metrics['step']:07d}"
-            if dest.exists():
-                shutil.rmtree(dest)
-            shutil.copytree(checkpoint_dir, dest)
-            for old in sorted((self.run_dir / "checkpoints").glob("step_*"))[:-self.keep]:
-                shutil.rmtree(old)
+            self.run.upload(checkpoint_dir, f"checkpoints/step_{metrics['step']:07d}")
+            for old in self.run.list_names("checkpoints", hidden=False)[:-self.keep]:
+                self.run.delete(f"checkpoints/{old}")
 
     def all_reduce_sum(self, values):
         return list(values)
@@ -97,25 +96,19 @@ def _maybe_inject_failure(step: int, rank: int) -> None:
     raise RuntimeError(f"injected worker failure at step {step} on rank {rank} ({FAIL_AT_STEP_ENV})")
 
 
-def _trim_metrics(path: Path, keep_through_step: int) -> None:
-    """On resume, drop metric lines the lost segment wrote after the checkpoint, so steps never repeat."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", -1) <= keep_through_step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
-def write_provenance(run_dir: Path, cfg: TrainConfig, model: GPT, data, world_size: int,
-                     global_batch: int, accum: int) -> None:
-    path = run_dir / PROVENANCE_FILE
-    if path.exists():
+def write_provenance(run: Location, cfg: TrainConfig, model: GPT, data, world_size: int, global_batch: int,
+                     accum: int) -> None:
+    if run.exists(PROVENANCE_FILE):
         return
     tokens_per_step = global_batch * cfg.seq_length
-    record = {
+    key = cfg.train_key(data.fingerprint, data.vocab_size)
+    run.write_json(PROVENANCE_FILE, {
         "config": cfg.model_dump(mode="json"),
-        "config_hash": cfg.config_hash(),
+        "train_key": key,
+        "config_hash": key,  # the results rows' column of the same name
+        "identity": cfg.identity(data.fingerprint, data.vocab_size),
         "model": dataclasses.asdict(model.cfg),
+        "compiled": is_compiled(model),
         "num_params": model.num_params(),
         "git": git_info(),
         "versions": package_versions(),
@@ -127,15 +120,12 @@ def write_provenance(run_dir: Path, cfg: TrainConfig, model: GPT, data, world_si
         "flops_per_token": model.flops_per_token(cfg.seq_length),
         "flops_per_step": model.flops_per_token(cfg.seq_length) * tokens_per_step,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    })
 
 
-def train_worker(cfg: TrainConfig, session: Session, run_dir: str | Path) -> dict:
-    """Train ``cfg`` on this worker. Returns the last metrics (rank 0's view)."""
-    run_dir = Path(run_dir)
+def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location) -> dict:
+    """Train ``cfg`` on this worker, the run's files going to ``run``. Returns the last metrics (rank 0's view)."""
+    run = Location.parse(run, field="run")
     rank, world, device = session.rank, session.world_size, session.device
     if cfg.threads_per_worker:
         torch.set_num_threads(cfg.threads_per_worker)
@@ -149,6 +139,7 @@ def train_worker(cfg: TrainConfig, session: Session, run_dir: str | Path) -> dic
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = GPT(gpt_cfg).to(device)
+    compile_model(model, cfg.compile)  # in place, before DDP wraps it (default: on for CUDA, off on CPU)
     optimizer = build_optimizer(model, cfg, device)
     start = 0
     with session.latest_checkpoint() as ckpt:
@@ -158,10 +149,10 @@ def train_worker(cfg: TrainConfig, session: Session, run_dir: str | Path) -> dic
             optimizer.load_state_dict(state["optimizer"])
             restore_rng(state["rng"])
             start = state["step"]
+    log = None
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _trim_metrics(run_dir / METRICS_FILE, keep_through_step=start)
-        write_provenance(run_dir, cfg, model, data, world, global_batch, accum)
+        log = MetricsLog(run, keep_through_step=start)  # a resumed run drops what the lost segment wrote
+        write_provenance(run, cfg, model, data, world, global_batch, accum)
     ddp = session.prepare_model(model)
     flops_per_token = model.flops_per_token(T)
     peak = peak_flops(device)
@@ -217,10 +208,9 @@ def train_worker(cfg: TrainConfig, session: Session, run_dir: str | Path) -> dic
             metrics["diverged"] = True
             reason = f"loss is {train_loss} at step {done} (attention={gpt_cfg.attention}, p_train={gpt_cfg.p_train})"
             if rank == 0:
-                (run_dir / FAILURE_FILE).write_text(json.dumps({"reason": reason, "step": done, "kind": "diverged"}))
-        if rank == 0:
-            with open(run_dir / METRICS_FILE, "a") as fh:
-                fh.write(json.dumps(metrics) + "\n")
+                write_failure(run, reason, done)
+        if log is not None:
+            log.append(metrics, force=val_now or ckpt_now or diverged)
         checkpoint_dir = None
         with tempfile.TemporaryDirectory(prefix="attnlab-ckpt-") as tmp:
             if ckpt_now and not diverged and rank == 0:
@@ -232,16 +222,16 @@ def train_worker(cfg: TrainConfig, session: Session, run_dir: str | Path) -> dic
         t_last, tokens_since = time.perf_counter(), 0
         if diverged:
             break
-    _write_replica_checksum(run_dir, model, rank)
+    if log is not None:
+        log.flush()
+    write_replica_checksum(run, rank, weights_digest(model))
     return last
 
 
-def _write_replica_checksum(run_dir: Path, model: torch.nn.Module, rank: int) -> None:
-    """Each rank records a sha256 of its final weights: DDP replicas must end byte-identical."""
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of a model's weights: DDP replicas must end byte-identical."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    folder = run_dir / "replicas"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank{rank}.sha256").write_text(digest.hexdigest() + "\n")
+    return digest.hexdigest()

@@ -1,32 +1,33 @@
 """The Ray Train wiring: a ``TorchTrainer`` whose workers run ``train_worker``. The only Ray code of training.
 
-``run_training(cfg, run_dir)`` runs on the embedded local Ray or the cluster ``RAY_ADDRESS`` names; DDP over
-gloo on CPU, NCCL on GPU; ``FailureConfig`` restarts a dead worker group from the latest checkpoint; calling it
-again with the same ``run_dir`` resumes (Ray finds the run snapshot in the storage folder).
+``run_training(cfg, run)`` runs on the embedded local Ray or the cluster ``RAY_ADDRESS`` names; DDP over gloo on
+CPU, NCCL on GPU; ``FailureConfig`` restarts a dead worker group from the latest checkpoint; calling it again
+with the same ``run`` resumes (Ray finds the run snapshot in the storage). ``run`` is a local folder or an
+object-storage URI: it is Ray Train's ``storage_path/name`` itself, so checkpoints and the run's own files
+(``attnlab.train.run``) all end up there, whichever node rank 0 ran on.
 Inside a Tune trial pass ``callbacks=[TuneReportCallback()]`` so each report reaches Tune.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
+from attnlab.data.source import open_data
 from attnlab.errors import UserError
-from attnlab.train.checkpoint import find_latest_checkpoint
+from attnlab.location import Location
 from attnlab.train.config import TrainConfig
-from attnlab.train.loop import FAILURE_FILE, METRICS_FILE, train_worker
+from attnlab.train.loop import train_worker
+from attnlab.train.run import TrainOutcome, outcome
+
+# Environment variables every worker gets (attnlab's own settings, e.g. the test-only fault injection, and
+# the object-storage endpoint and credentials pyarrow reads).
+FORWARDED_ENV_PREFIXES = ("ATTNLAB_", "AWS_", "GOOGLE_")
 
 
-@dataclass
-class TrainOutcome:
-    run_dir: str
-    status: str  # "finished" | "diverged"
-    final: dict  # the last metrics line
-    checkpoint: str | None
-    failure: str | None = None
+def forwarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
 class RayTrainSession:
@@ -75,13 +76,11 @@ class RayTrainSession:
 
 def _worker(config: dict) -> None:
     cfg = TrainConfig.model_validate(config["cfg"])
-    train_worker(cfg, RayTrainSession(), config["run_dir"])
+    train_worker(cfg, RayTrainSession(), config["run"])
 
 
 def preflight(cfg: TrainConfig):
     """Check what can be checked before any worker starts: the data, and that seq_len fits it."""
-    from attnlab.train.data_api import open_data
-
     if not cfg.data:
         raise UserError("train.data is required: a folder made by `attnlab data prepare`, or {synthetic: TASK}")
     data = open_data(cfg.data)
@@ -93,46 +92,40 @@ def preflight(cfg: TrainConfig):
     return data
 
 
-def run_training(cfg: TrainConfig, run_dir: str | Path, callbacks=(), run_name: str | None = None) -> TrainOutcome:
-    """Train with ``cfg.workers`` Ray Train workers; checkpoints and metrics go to ``run_dir``."""
+def worker_resources(cfg: TrainConfig) -> dict[str, float]:
+    """What one training worker asks Ray for (an evaluation of the trained model asks for the same)."""
+    resources = {"CPU": cfg.cpus_per_worker, **cfg.worker_resources}
+    if cfg.gpu:
+        resources["GPU"] = cfg.gpus_per_worker
+    return resources
+
+
+def run_training(cfg: TrainConfig, run: str | Path | Location, callbacks=()) -> TrainOutcome:
+    """Train with ``cfg.workers`` Ray Train workers; checkpoints and the run's files go to ``run``."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
     from attnlab.raycluster import ensure_ray
 
     preflight(cfg)
-    run_dir = Path(run_dir).resolve()
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run = Location.parse(run, field="--out")
+    run.parent.mkdir()
     ensure_ray()
-    resources = {"CPU": cfg.cpus_per_worker}
-    if cfg.gpu:
-        resources["GPU"] = cfg.gpus_per_worker
+    storage_path, storage_filesystem = run.parent.ray_storage()
     trainer = TorchTrainer(
         _worker,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir)},
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.gpu, resources_per_worker=resources),
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "run": run.uri},
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.gpu,
+                                               resources_per_worker=worker_resources(cfg)),
         run_config=ray.train.RunConfig(
-            name=run_name or run_dir.name,
-            storage_path=str(run_dir.parent),
+            name=run.name,
+            storage_path=storage_path,
+            storage_filesystem=storage_filesystem,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             callbacks=list(callbacks),
-            # attnlab's own settings (e.g. the test-only fault injection) reach the workers too
-            worker_runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("ATTNLAB_")}},
+            worker_runtime_env={"env_vars": forwarded_env()},
         ),
     )
     trainer.fit()
-    return outcome(run_dir)
-
-
-def outcome(run_dir: str | Path) -> TrainOutcome:
-    """Read a run folder's result: its last metrics, latest checkpoint and failure reason, if any."""
-    run_dir = Path(run_dir)
-    lines = (run_dir / METRICS_FILE).read_text().splitlines() if (run_dir / METRICS_FILE).exists() else []
-    final = json.loads(lines[-1]) if lines else {}
-    failure = json.loads((run_dir / FAILURE_FILE).read_text())["reason"] if (run_dir / FAILURE_FILE).exists() else None
-    try:
-        ckpt = str(find_latest_checkpoint(run_dir))
-    except UserError:
-        ckpt = None
-    return TrainOutcome(str(run_dir), "diverged" if failure else "finished", final, ckpt, failure)
+    return outcome(run, steps=cfg.steps)

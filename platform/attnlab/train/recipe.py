@@ -1,4 +1,4 @@
-"""The optimiser recipe of SPEC.md section 6: AdamW with decay on 2-D weights only, warm-up + cosine decay,
+"""The optimiser recipe of docs/protocol.md#training: AdamW with decay on 2-D weights only, warm-up + cosine decay,
 MFU against a per-GPU peak table. Plain functions of the config; no Ray here.
 """
 

@@ -1,0 +1,94 @@
+"""What training and evaluation need from a data source, and ``open_data``: the one way to get one.
+
+A data source is either real text (a folder made by ``attnlab data prepare``: :class:`TextData`) or a
+generated probe task (``{synthetic: TASK, ...}``: :class:`attnlab.data.synthetic.SyntheticData`). Both
+implement :class:`DataSource`, so training, validation and evaluation never ask which kind they hold.
+
+Both cut batches by one rule, :func:`attnlab.data.batching.micro_batch_rows`.
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from attnlab.errors import UserError
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """The interface of a data source.
+
+    - ``vocab_size``: the model's vocabulary must be at least this;
+    - ``fingerprint``: a content hash (the manifest's sha256, or the task's parameters): a training run's
+      identity uses it, never the path;
+    - ``train_batch(...)`` -> ``(x, y, loss_mask or None)`` tensors ``(B, T)``: rank ``rank``'s rows of
+      micro-step ``micro`` of optimizer step ``step`` (see :func:`micro_batch_rows`);
+    - ``eval_set(seq_len, max_tokens, long_docs=False, seed=0)`` -> ``(windows (n, L + 1) int64,
+      target_mask (n, L) bool or None)``: for text, non-overlapping windows over the validation split; for a
+      probe, generated sequences at that length whose mask marks the scored positions.
+    """
+
+    vocab_size: int
+    fingerprint: str
+
+    def describe(self) -> str: ...
+    def min_tokens(self) -> int: ...
+    def train_batch(self, step: int, rank: int, world_size: int, micro: int, micro_batch: int, *, seq_len: int,
+                    global_batch: int, seed: int): ...
+    def eval_set(self, seq_len: int, max_tokens: int | None, long_docs: bool = False, seed: int = 0): ...
+
+
+DEMO = "demo"  # the offline demo corpus, prepared once into the attnlab cache
+
+
+def demo_data_location() -> str:
+    from attnlab.data.demo import cache_dir
+
+    return str(cache_dir() / "prepared" / "demo-v1")
+
+
+def resolve_data(spec: str | dict[str, Any], *, log=print) -> str | dict[str, Any]:
+    """What a user wrote for ``data`` as what every worker can open: ``demo`` -> the prepared demo folder (built on
+    first use); a relative path -> absolute (against the current directory, or inside a Ray job below
+    ``$ATTNLAB_STORAGE``: :func:`attnlab.location.user_input`); a URI as it is; a probe mapping as it is."""
+    if isinstance(spec, dict):
+        return spec
+    if spec == DEMO:
+        out = demo_data_location()
+        from attnlab.location import Location
+
+        if not Location.parse(out).exists("manifest.json"):
+            from attnlab.data.prepare import prepare
+
+            log(f"attnlab: building the demo corpus into {out} (once)")
+            prepare("demo", out=out, val_tokens=200_000, seed=0, workers=1, progress=False)
+        return out
+    from attnlab.location import user_input
+
+    return user_input(spec, field="data").uri
+
+
+def data_label(spec: str | dict[str, Any]) -> str:
+    """A short name for the results' ``data`` column: ``synthetic:TASK``, or a folder's last component."""
+    if isinstance(spec, dict):
+        return f"synthetic:{spec.get('synthetic')}"
+    return str(spec).rstrip("/").rsplit("/", 1)[-1]
+
+
+def open_data(spec: str | dict[str, Any]) -> DataSource:
+    """A prepared folder (path or URI) -> :class:`TextData`; ``{synthetic: TASK, ...}`` -> the probe task."""
+    if isinstance(spec, dict):
+        from attnlab.data.synthetic import open_task
+
+        return open_task(spec)
+    from attnlab.data.reader import TextData
+
+    if not isinstance(spec, str) or not spec:
+        raise UserError(f"data={spec!r} is not allowed: use a folder made by `attnlab data prepare` or "
+                        "{synthetic: TASK, ...}")
+    return TextData(spec)
+
+
+__all__ = ["DEMO", "DataSource", "data_label", "open_data", "resolve_data"]

@@ -1,0 +1,120 @@
+"""Checkpoints: what one holds (model, optimiser, step, data position, RNG states, config) and how to find
+the latest one in a run folder, local or on object storage. Both Ray Train's ``checkpoint_*`` folders and
+plain-process ``checkpoints/step_*`` folders are understood. Training writes them and evaluation reads them;
+this module is below both. No Ray here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attnlab.errors import UserError
+from attnlab.location import Location
+
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+
+
+def save_checkpoint(directory: str | Path, *, model, optimizer, step: int, cfg: dict, gpt_config: dict,
+                    metrics: dict) -> None:
+    """Write a checkpoint into ``directory``; ``step`` is the number of optimizer steps completed."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "data_position": {"next_step": step},  # the sampler is a pure function of (seed, step, rank)
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        },
+        "config": cfg,
+        "gpt_config": gpt_config,
+    }
+    torch.save(state, directory / STATE_FILE)
+    meta = {"step": step, "config": cfg, "gpt_config": gpt_config, "metrics": metrics}
+    (directory / META_FILE).write_text(json.dumps(meta, indent=1, default=float))
+
+
+def load_state(directory: str | Path, map_location="cpu") -> dict:
+    path = Path(directory) / STATE_FILE
+    if not path.exists():
+        raise UserError(f"checkpoint {directory} holds no {STATE_FILE}: not an attnlab checkpoint")
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+
+
+def _meta_step(loc: Location, name: str) -> int | None:
+    try:
+        return int(json.loads(loc.read_bytes(f"{name}/{META_FILE}"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def find_latest_checkpoint(path: str | Path | Location) -> Location:
+    """``path`` itself if it is a checkpoint, else the checkpoint with the highest step inside a run folder
+    (local or on object storage): Ray Train's ``checkpoint_*`` folders and plain-process ``checkpoints/step_*``."""
+    loc = Location.parse(path, field="checkpoint")
+    if not loc.exists():
+        raise UserError(f"checkpoint path {loc.uri} does not exist: give a run folder or a checkpoint folder")
+    if loc.is_file(STATE_FILE):
+        return loc
+    candidates = [n for n in loc.list_names(hidden=False) if n.startswith("checkpoint_")]
+    candidates += [f"checkpoints/{n}" for n in loc.list_names("checkpoints", hidden=False) if n.startswith("step_")]
+    stepped = [(step, name) for name in candidates
+               if (step := _meta_step(loc, name)) is not None and loc.is_file(f"{name}/{STATE_FILE}")]
+    if not stepped:
+        raise UserError(f"{loc.uri} holds no checkpoint (no checkpoint_*/ or checkpoints/step_*/ with {STATE_FILE})")
+    return loc.child(max(stepped)[1])
+
+
+@contextlib.contextmanager
+def local_checkpoint(path: str | Path | Location) -> Iterator[Path]:
+    """The latest checkpoint under ``path`` as a local folder (downloaded to a temporary one from object storage)."""
+    loc = find_latest_checkpoint(path)
+    if loc.is_local:
+        yield Path(loc.path)
+        return
+    with tempfile.TemporaryDirectory(prefix="attnlab-ckpt-") as tmp:
+        yield Path(loc.download("", tmp))
+
+
+def load_model(path: str | Path | Location, device="cpu"):
+    """``(model, train_config_dict, meta)`` from a checkpoint or a run folder's latest checkpoint.
+
+    ``meta``: ``{"step", "checkpoint"}`` (the checkpoint's canonical location, a path or a URI).
+    """
+    from attnlab.model import GPT, GPTConfig
+
+    loc = find_latest_checkpoint(path)
+    with local_checkpoint(loc) as directory:
+        state = load_state(directory, map_location=device)
+    model = GPT(GPTConfig(**state["gpt_config"])).to(device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    meta = {"step": state["step"], "checkpoint": loc.uri}
+    return model, state["config"], meta
+
+
+def run_of_checkpoint(checkpoint: Location) -> Location:
+    """The run folder a checkpoint belongs to (``RUN/checkpoint_*`` or ``RUN/checkpoints/step_*``)."""
+    parent = checkpoint.parent
+    return parent.parent if parent.name == "checkpoints" else parent

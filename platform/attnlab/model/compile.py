@@ -1,0 +1,66 @@
+"""Compiling the model with ``torch.compile``, for training and evaluation alike: one switch, one rule.
+
+:func:`compile_model` compiles a :class:`~attnlab.model.GPT` **in place** and returns the same object, so its
+``state_dict`` keys, checkpoints and attribute access do not change:
+
+- ``model(...)`` (``forward``: the training loss, logits) is compiled as one graph (the LM head and the
+  cross-entropy fuse with the blocks);
+- every block is compiled too (regional compilation), so ``hidden_states`` and ``token_stats`` (evaluation:
+  the LM head over chunks of positions stays eager, so 16x windows never materialise ``(B, T, vocab)``
+  logits) run compiled blocks; the blocks take no layer index, so one compiled block serves all layers.
+
+Shapes are static (``dynamic=False``): each distinct (batch, length, attention spec, RoPE scaling, grad mode,
+autocast) is compiled once, the first time it is seen; the dynamo recompile limit is raised to
+:data:`RECOMPILE_LIMIT` per code object so an evaluation sweep over lengths and ``p_eval`` values does not
+fall back to eager silently. FlexAttention inside a compiled model is compiled by the enclosing graph (see
+``attention/flex.py``); outside one it uses its own compiled instance. An ``on_attention`` observer makes
+``hidden_states`` run the blocks eagerly (diagnostics are not timed).
+
+``enabled=None`` means on for a model on CUDA, off elsewhere (on CPU inductor builds with the machine's C++
+compiler: minutes on a small machine). No Ray, no training loop here.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+# Per code object (the model's forward, the block's forward); flex.py raises it likewise for its kernels.
+RECOMPILE_LIMIT = 64
+ACCUMULATED_RECOMPILE_LIMIT = 512
+
+
+def compile_enabled(model: nn.Module, enabled: bool | None = None) -> bool:
+    """Whether :func:`compile_model` compiles: ``enabled``, or (None) whether the model's parameters are on CUDA."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"compile={enabled!r} is not allowed: use true, false or null (auto: on for CUDA)")
+    if enabled is None:
+        param = next(model.parameters(), None)
+        return param is not None and param.device.type == "cuda"
+    return enabled
+
+
+def compile_model(model: nn.Module, enabled: bool | None = None, *, backend: str = "inductor",
+                  mode: str | None = None) -> nn.Module:
+    """Compile ``model`` in place (its ``forward`` and each of its ``blocks``) and return it.
+
+    ``enabled``: True, False, or None (auto: on when the model is on CUDA). ``backend``/``mode`` go to
+    ``torch.compile`` (``backend="aot_eager"`` checks the graph capture without generating code). Calling it
+    again is harmless. Call it after moving the model to its device and before wrapping it in DDP.
+    """
+    if not compile_enabled(model, enabled):
+        return model
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, ACCUMULATED_RECOMPILE_LIMIT)
+    options = dict(dynamic=False, backend=backend, mode=mode)
+    for block in getattr(model, "blocks", ()):
+        block.compile(**options)
+    model.compile(**options)
+    return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """True when ``model`` was compiled in place by :func:`compile_model` (or ``nn.Module.compile``)."""
+    return getattr(model, "_compiled_call_impl", None) is not None

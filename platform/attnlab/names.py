@@ -1,0 +1,149 @@
+"""Names and small parsers that every layer of attnlab agrees on: each has exactly one definition, here.
+
+- ``GPT2_VOCAB``: the size of GPT-2's BPE vocabulary (the model's default, what the tokeniser produces);
+- ``ROPE_SCALINGS``: the RoPE settings at evaluation (``ntk``: NTK-aware base beyond the training length,
+  ``none``: the trained base) — see docs/protocol.md#rope-and-ntk-aware-scaling;
+- ``DEFAULT_MULTIPLES``: evaluation lengths as multiples of the training length (1x..16x);
+- ``STUDY_NAME``: the rule a study name follows (it names folders in the run storage and the results store);
+- ``parse_optional_number``: ``none``/``null``/``~`` -> None, else a number (p_eval, p_train, ...);
+- ``parse_length`` / ``parse_lengths``: ``1024``, ``1k``, ``16k`` -> tokens;
+- ``parse_at``: a length (``16384``, ``16k``) or a multiple of the training length (``16x``);
+- ``is_missing``: None, NaN or pandas' NA, the ways rows read back from a store spell "no value";
+- ``format_duration``: elapsed times and ETAs as progress lines print them.
+
+Pure Python: no torch, no Ray, no pandas import at module level (the results store and the study spec
+import this without pulling in the model).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Iterable
+
+from attnlab.errors import UserError
+
+GPT2_VOCAB = 50257
+ROPE_SCALINGS = ("ntk", "none")
+DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
+STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
+STUDY_NAME_RULE = "letters, digits and . _ + - (it names folders), starting with a letter or digit, at most 200"
+_NONE_WORDS = ("none", "null", "~", "")
+
+
+def check_study_name(value: str, field: str = "name") -> str:
+    if not isinstance(value, str) or not STUDY_NAME.match(value):
+        raise UserError(f"{field}={value!r} is not allowed: use {STUDY_NAME_RULE}")
+    return value
+
+
+def is_none_word(value) -> bool:
+    """True for None and the YAML/CLI spellings of "no value" (``none``, ``null``, ``~``, empty)."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS)
+
+
+def parse_optional_number(value, field: str, minimum: float | None = None) -> float | None:
+    """``none``/``null``/``~``/None -> None; a number (or its text) -> float, at least ``minimum`` when given.
+
+    Raises ``UserError`` naming ``field`` otherwise.
+    """
+    if is_none_word(value):
+        return None
+    allowed = "none or a number" + (f" >= {minimum:g}" if minimum is not None else "")
+    if isinstance(value, bool):
+        raise UserError(f"{field}={value!r} is not allowed: use {allowed}")
+    if isinstance(value, numbers.Real):
+        number = float(value)
+    else:
+        try:
+            number = float(str(value).strip())
+        except ValueError:
+            raise UserError(f"{field}={value!r} is not allowed: use {allowed}") from None
+    if not math.isfinite(number) or (minimum is not None and number < minimum):
+        raise UserError(f"{field}={value!r} is not allowed: use {allowed}")
+    return number
+
+
+def parse_length(item) -> int | None:
+    """``1024`` / ``"1024"`` / ``"1k"`` / ``"1.5k"`` -> tokens (``k`` = 1024); None when it is not a length."""
+    if isinstance(item, bool):
+        return None
+    if isinstance(item, numbers.Integral):
+        return int(item)
+    if isinstance(item, float):
+        return int(item) if item.is_integer() else None
+    text = str(item).strip().lower().replace("_", "")
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(k?)", text)
+    if not match:
+        return None
+    number = float(match.group(1)) * (1024 if match.group(2) else 1)
+    return int(number) if number.is_integer() else None
+
+
+def parse_lengths(value, field: str = "lengths") -> list[int]:
+    """Lengths from ``"1024,2048"``, ``"1k,2k"`` or an iterable; sorted, de-duplicated, each >= 1."""
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, Iterable):
+        items = list(value)
+    else:
+        items = [value]
+    if not items or items == [""]:
+        raise UserError(f"{field}: give at least one length, e.g. 1024,2048 or 1k,2k")
+    out = set()
+    for item in items:
+        length = parse_length(item)
+        if length is None or length < 1:
+            raise UserError(f"{field}: {item!r} is not a positive integer length (use e.g. 1024,2048 or 1k,2k)")
+        out.add(length)
+    return sorted(out)
+
+
+def parse_at(at, field: str = "--at") -> tuple[str, float | int]:
+    """``"16x"`` -> ``("multiple", 16.0)``; ``16384`` / ``"16k"`` -> ``("length", 16384)``."""
+    text = str(at).strip().lower()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)x", text)
+    if match:
+        multiple = float(match.group(1))
+        if multiple <= 0:
+            raise UserError(f"{field} {at!r}: the multiple must be > 0")
+        return ("multiple", multiple)
+    length = parse_length(text) if re.fullmatch(r"\d+k?", text) else None
+    if length is not None and length > 0:
+        return ("length", length)
+    raise UserError(f"{field} {at!r}: give an eval length (16384, 16k) or a multiple of the training length (16x)")
+
+
+def resolve_at(at: tuple[str, float | int], train_len: int) -> int:
+    """The length in tokens of a parsed ``at`` for a model trained at ``train_len``."""
+    kind, number = at
+    return int(round(number * train_len)) if kind == "multiple" else int(number)
+
+
+def is_missing(value) -> bool:
+    """None, NaN (float or numpy) or pandas' NA/NaT, or NA already turned into the text ``<NA>``."""
+    if value is None:
+        return True
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        try:
+            return math.isnan(value)
+        except TypeError:
+            return False
+    if type(value).__name__ in ("NAType", "NaTType"):
+        return True
+    return isinstance(value, str) and value == "<NA>"
+
+
+def same_optional_number(a, b) -> bool:
+    """Two optional numbers are the same: both missing, or both present and equal."""
+    a_none, b_none = is_missing(a), is_missing(b)
+    return (a_none and b_none) or (not a_none and not b_none and float(a) == float(b))
+
+
+def format_duration(seconds: float) -> str:
+    """``37s``, ``4m05s``, ``2h13m``: elapsed times and ETAs in progress lines."""
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")

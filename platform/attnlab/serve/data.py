@@ -1,0 +1,418 @@
+"""The data behind ``attnlab serve``: studies, trials, training curves and results, read into plain dicts.
+
+Everything here reads; nothing writes, starts or stops anything. The study layout is
+:class:`attnlab.study.state.StudyState`'s (status records, the saved spec, each run's ``metrics.jsonl`` through
+:func:`attnlab.train.run.read_metrics`); the results are :class:`attnlab.results.ResultsStore`'s rows, and the
+Table-4 layout, its cells and the best configuration come from :mod:`attnlab.results.reports`, the code of
+``attnlab results table|best`` (nothing is recomputed here). Locations are :class:`attnlab.location.Location`
+(a local folder or an object-store URI alike); ``pathlib`` never sees one.
+
+Bad input raises :class:`NotFound` (a store, storage or study that does not exist: the page answers 404) or
+another :class:`attnlab.errors.UserError` (400), each one sentence. Every value returned is JSON-safe (NaN and
+infinities become None). No Ray, no HTTP here: the web layer is :mod:`attnlab.serve.app`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import time
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+from attnlab.errors import UserError
+from attnlab.location import Location
+from attnlab.names import STUDY_NAME
+from attnlab.results import COMPLETE_METRIC, METRICS, ResultsStore, reports
+from attnlab.study.state import SPEC_FILE, STATUSES, StudyState
+from attnlab.train.run import METRICS_FILE, read_metrics
+
+DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
+# The evaluation settings the extrapolation figure lets a reader pick (the other varying columns name the lines).
+SELECTABLE = ("p_eval", "rope_scaling")
+
+
+class NotFound(UserError):
+    """A store, storage or study that does not exist (the page answers HTTP 404 with this sentence)."""
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the page reads: the results store and the studies' storage (each a path or a URI)."""
+
+    store: ResultsStore
+    storage: Location
+    ray_dashboard: str = DEFAULT_RAY_DASHBOARD
+
+
+def open_sources(store: str | Location, storage: str | Location,
+                 ray_dashboard: str = DEFAULT_RAY_DASHBOARD) -> Sources:
+    """The sources named by ``--store`` and ``--storage``; UserError (one line naming the flag) when a value is
+    not a location, or when neither it nor the folder (or bucket) it would be created in exists: a typo, since
+    a study creates both where it is told. A location that does not exist *yet* is fine: a study just started
+    writes it, and the page says so until it does."""
+    store_loc = Location.parse(store, field="--store")
+    storage_loc = Location.parse(storage, field="--storage")
+    if not re.fullmatch(r"https?://[^\s\"'<>]+", ray_dashboard or ""):
+        raise UserError(f"--ray-dashboard {ray_dashboard!r}: give an http:// or https:// URL, e.g. "
+                        f"{DEFAULT_RAY_DASHBOARD}")
+    for flag, loc in (("--store", store_loc), ("--storage", storage_loc)):
+        if not _reachable(loc):
+            where = "bucket" if not loc.is_local and "/" not in loc.path else "folder it would be created in"
+            raise NotFound(f"{flag} {loc.uri}: neither it nor the {where} exists; give the {flag} that "
+                           "`attnlab study run` was given")
+    return Sources(ResultsStore(store_loc), storage_loc, ray_dashboard)
+
+
+def _reachable(loc: Location) -> bool:
+    try:
+        if loc.exists():
+            return True
+        if not loc.is_local and "/" not in loc.path:  # a bucket that does not exist
+            return False
+        return loc.parent.exists()
+    except OSError as exc:
+        raise UserError(f"{loc.uri} cannot be read: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def clean(value):
+    """A JSON-safe copy: NaN and infinities become None, numpy scalars plain numbers, tuples lists."""
+    if isinstance(value, dict):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy / pandas scalars
+        try:
+            value = value.item()
+        except (ValueError, AttributeError):
+            pass
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is not None and not isinstance(value, (str, int, float, bool)):
+        try:
+            import pandas as pd
+
+            if pd.isna(value):
+                return None
+        except (TypeError, ValueError):
+            pass
+        return str(value)
+    return value
+
+
+def point_label(point: dict | None) -> str:
+    """``{"attention": "lssar", "seed": 0}`` -> ``"attention=lssar, seed=0"``."""
+    if not point:
+        return "(no point)"
+    return ", ".join(f"{k}={'none' if v is None else (f'{v:g}' if isinstance(v, float) else v)}"
+                     for k, v in point.items())
+
+
+def check_study_name(name: str) -> str:
+    if not isinstance(name, str) or not STUDY_NAME.match(name):
+        raise NotFound(f"study {name!r}: not a study name (letters, digits and . _ + -)")
+    return name
+
+
+# ------------------------------------------------------------------------------------------------ studies
+def study_names(sources: Sources) -> dict[str, dict]:
+    """Every study: the folders under the storage holding a ``study.json`` and the studies the store has rows
+    of, as ``{name: {"has_state": bool, "has_results": bool}}`` sorted by name."""
+    found: dict[str, dict] = {}
+    for name in sources.storage.list_names(hidden=False):
+        if STUDY_NAME.match(name) and sources.storage.is_file(f"{name}/{SPEC_FILE}"):
+            found[name] = {"has_state": True, "has_results": False}
+    for name in sources.store.studies():
+        found.setdefault(name, {"has_state": False, "has_results": False})["has_results"] = True
+    return dict(sorted(found.items()))
+
+
+def _objective(spec: dict) -> dict | None:
+    """The study's first objective, parsed (``metric``, ``multiple`` or ``length``, ``p_eval``, ``rope``, ``key``)."""
+    from attnlab.study.spec import parse_objective
+
+    raw = spec.get("objective")
+    if isinstance(raw, list):
+        raw = raw[0] if raw else None
+    if isinstance(raw, dict):
+        raw = raw.get("metric")
+    if not raw:
+        return None
+    try:
+        return parse_objective(raw)
+    except ValueError:
+        return None
+
+
+def study_info(sources: Sources, name: str) -> dict:
+    """What a study is: its saved spec's search engine and objective, where its state lives, and the commands
+    and links that watch it elsewhere (Ray dashboard, TensorBoard, optuna-dashboard). NotFound when neither the
+    storage nor the store knows it."""
+    check_study_name(name)
+    state = StudyState(sources.storage, name)
+    saved = state.saved_spec() if _exists(state.loc) else None
+    has_results = _has_results(sources.store, name)
+    if saved is None and not has_results:
+        known = ", ".join(study_names(sources)) or "none"
+        raise NotFound(f"no study {name!r} under --storage {sources.storage.uri} or in --store "
+                       f"{sources.store.uri}; studies: {known}")
+    spec = (saved or {}).get("spec") or {}
+    engine = (spec.get("search") or {}).get("engine", "grid") if saved else None
+    objective = _objective(spec) if saved else None
+    links = {"ray_dashboard": sources.ray_dashboard,
+             "tensorboard": f"tensorboard --logdir {state.tune.uri}" if saved else None,
+             "optuna_dashboard": None}
+    if engine == "optuna":
+        links["optuna_dashboard"] = f"optuna-dashboard {state.optuna_url(spec.get('storage'))}"
+    return clean({"name": name, "has_state": saved is not None, "has_results": has_results,
+                  "state": state.loc.uri, "store": sources.store.uri, "engine": engine,
+                  "description": spec.get("description"), "objective": objective,
+                  "objectives": _objective_keys(spec), "links": links})
+
+
+def _has_results(store: ResultsStore, name: str) -> bool:
+    try:
+        return store.filesystem.get_file_info(store.study_dir(name)).type == pafs.FileType.Directory
+    except OSError as exc:
+        raise UserError(f"--store {store.uri} cannot be read: {_first_line(exc)}") from None
+
+
+def _objective_keys(spec: dict) -> list[str]:
+    raw = spec.get("objective")
+    items = raw if isinstance(raw, list) else ([raw] if raw else [])
+    return [str(item.get("metric") if isinstance(item, dict) else item) for item in items]
+
+
+def _exists(loc: Location) -> bool:
+    try:
+        return loc.exists()
+    except OSError as exc:
+        raise UserError(f"{loc.uri} cannot be read: {_first_line(exc)}") from None
+
+
+def overview(sources: Sources) -> dict:
+    """The index page: every study with its trial counts by status and when it last changed."""
+    if not _exists(sources.storage) and not sources.store.exists():
+        raise NotFound(f"--storage {sources.storage.uri} does not exist (yet) and neither does --store "
+                       f"{sources.store.uri}: no study has run there. Start one with `attnlab study run STUDY.yaml "
+                       f"--storage {sources.storage.uri} --store {sources.store.uri}`; this page picks it up.")
+    studies = []
+    for name, where in study_names(sources).items():
+        info = study_info(sources, name)
+        records = StudyState(sources.storage, name).statuses() if where["has_state"] else []
+        counts = {s: sum(1 for r in records if r.get("status") == s) for s in STATUSES}
+        studies.append({**info, "trials": len(records), "counts": {s: n for s, n in counts.items() if n},
+                        "updated": max((r.get("updated") or 0 for r in records), default=None)})
+    return clean({"storage": sources.storage.uri, "store": sources.store.uri,
+                  "storage_exists": _exists(sources.storage), "store_exists": sources.store.exists(),
+                  "studies": studies, "now": time.time()})
+
+
+# ------------------------------------------------------------------------------------------------ trials
+def _curve(lines: list[dict]) -> dict:
+    """Train and validation loss against the training step, from a run's metrics lines."""
+    train = [(m["step"], m["train_loss"]) for m in lines if "step" in m and m.get("train_loss") is not None]
+    val = [(m["step"], m["val_loss"]) for m in lines if "step" in m and m.get("val_loss") is not None]
+    return clean({"step": [s for s, _ in train], "train_loss": [v for _, v in train],
+                  "val_step": [s for s, _ in val], "val_loss": [v for _, v in val]})
+
+
+def _trial(state: StudyState, record: dict, with_curve: bool, now: float) -> dict:
+    key = record.get("config_hash") or "?"
+    status = record.get("status") or "unknown"
+    steps = record.get("steps")
+    step = record.get("step")
+    latest: dict = {}  # the latest losses of a running trial (a finished one shows its objectives)
+    curve = None
+    updated = record.get("updated")
+    if with_curve or status == "running":
+        run = state.run(key)
+        lines = read_metrics(run) if key != "?" else []
+        if lines and status == "running":
+            # a live run's last report is newer than its status record
+            written = run.fs.get_file_info(run.join(METRICS_FILE)).mtime
+            if written is not None:
+                updated = max(updated or 0.0, written.timestamp())
+            step = lines[-1].get("step", step)
+            vals = [m["val_loss"] for m in lines if m.get("val_loss") is not None]
+            latest = {"train_loss": lines[-1].get("train_loss"), "val_loss": vals[-1] if vals else None}
+        elif lines and step is None:
+            step = lines[-1].get("step")
+        if with_curve:
+            curve = _curve(lines)
+    progress = None
+    if isinstance(steps, (int, float)) and steps > 0 and isinstance(step, (int, float)):
+        progress = max(0.0, min(1.0, float(step) / float(steps)))
+    if status in ("complete", "cached") and steps:
+        step, progress = steps, 1.0
+    return clean({
+        "key": key, "status": status, "reason": record.get("reason"), "point": record.get("point") or {},
+        "label": point_label(record.get("point")), "trial": record.get("trial"), "run_dir": record.get("run_dir"),
+        "step": step, "steps": steps, "progress": progress, "objectives": record.get("objectives") or {},
+        "train_loss": latest.get("train_loss"), "val_loss": latest.get("val_loss"),
+        "started": record.get("started"), "updated": updated,
+        "age": (now - updated) if isinstance(updated, (int, float)) else None, "curve": curve,
+    })
+
+
+def trials(sources: Sources, name: str, curves: str = "running") -> dict:
+    """A study's trials (status, reason, point, progress step / steps, latest losses), ordered running first,
+    then by start time. ``curves``: whose training curves to include, ``"running"`` (the live ones, read from
+    each run's ``metrics.jsonl``), ``"all"`` or ``"none"``. ``signature`` changes whenever the study's results
+    in the store change (so a page knows when to fetch them again)."""
+    if curves not in ("running", "all", "none"):
+        raise UserError(f"curves={curves!r}: allowed: running, all, none")
+    info = study_info(sources, name)
+    state = StudyState(sources.storage, name)
+    now = time.time()
+    records = state.statuses() if info["has_state"] else []
+    items = [_trial(state, r, curves == "all" or (curves == "running" and r.get("status") == "running"), now)
+             for r in records]
+    items.sort(key=lambda t: (t["status"] != "running", t["started"] or 0, t["key"]))
+    counts = {s: sum(1 for t in items if t["status"] == s) for s in STATUSES}
+    return clean({"study": name, "trials": items, "counts": {s: n for s, n in counts.items() if n},
+                  "running": counts["running"], "signature": results_signature(sources, name), "now": now})
+
+
+def results_signature(sources: Sources, name: str) -> str:
+    """A short hash of the study's results files (names, sizes, times): it changes when rows are written."""
+    store = sources.store
+    try:
+        infos = store.filesystem.get_file_info(pafs.FileSelector(store.study_dir(name), recursive=True,
+                                                                 allow_not_found=True))
+    except OSError:
+        return ""
+    blob = "\n".join(sorted(f"{i.path}:{i.size}:{i.mtime_ns}" for i in infos
+                            if i.type == pafs.FileType.File and not i.base_name.startswith((".", "_"))))
+    return hashlib.sha1(blob.encode()).hexdigest()[:16] if blob else ""
+
+
+# ------------------------------------------------------------------------------------------------ results
+def _markdown_cells(text: str) -> tuple[list[str], list[list[str]]]:
+    """(header, body) of the markdown table in ``text`` (the lines starting with ``|``), cells unescaped."""
+    rows = []
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if all(set(c) <= set("-: ") for c in cells):
+            continue  # the |---|---| line
+        rows.append(cells)
+    return (rows[0], rows[1:]) if rows else ([], [])
+
+
+def _default_at(info: dict, lengths: list[int], train_len: int | None) -> str | None:
+    objective = info.get("objective") or {}
+    if objective.get("multiple") is not None:
+        at = f"{objective['multiple']:g}x"
+        if train_len and round(objective["multiple"] * train_len) in lengths:
+            return at
+    if objective.get("length") is not None and int(objective["length"]) in lengths:
+        return str(int(objective["length"]))
+    return str(max(lengths)) if lengths else None
+
+
+def results(sources: Sources, name: str, metric: str | None = None, at: str | None = None) -> dict:
+    """A study's results as the page shows them: the metrics present, the Table-4 layout (``reports.table``
+    and its formatted cells), the best configurations at one length (``reports.best``), and the extrapolation
+    curves (the same ``reports.table`` numbers: one series per configuration, mean and std per length).
+
+    ``metric`` defaults to the study's objective metric (``acc`` for a probe, ``val_loss`` otherwise) and ``at``
+    to the objective's length. ``message`` says why there is nothing to show (no store, no rows yet)."""
+    info = study_info(sources, name)
+    out = {"study": name, "store": sources.store.uri, "metrics": [], "metric": None, "at": None, "at_length": None,
+           "lengths": [], "at_options": [],
+           "table": None, "best": None, "curves": None, "message": None,
+           "signature": results_signature(sources, name)}
+    if not sources.store.exists():
+        out["message"] = (f"The results store {sources.store.uri} does not exist yet: nothing has been written "
+                          "there. Results appear here once a trial has been evaluated (is --store right?).")
+        return clean(out)
+    df = sources.store.read(study=name)
+    present = sorted(set(df["metric"]) - {COMPLETE_METRIC}) if len(df) else []
+    out["metrics"] = present
+    if not present:
+        out["message"] = (f"No results for study {name!r} in {sources.store.uri} yet: rows appear as trials "
+                          "finish their evaluation.")
+        return clean(out)
+    wanted = (info.get("objective") or {}).get("metric")
+    if metric is None:
+        metric = wanted if wanted in present else ("val_loss" if "val_loss" in present else present[0])
+    elif metric not in present:
+        raise UserError(f"metric={metric!r}: study {name!r} has no rows of it; metrics present: {', '.join(present)}")
+    out["metric"] = metric
+    try:
+        result = reports.table(df, metric=metric)
+    except UserError as exc:  # reports' own sentence (e.g. only marker rows): the page shows it
+        out["message"] = str(exc)
+        return clean(out)
+    header, body = reports.formatted_cells(result)
+    lengths = [int(x) for x in result.attrs["lengths"]]
+    train_len = result.attrs.get("train_len")
+    out["lengths"] = lengths
+    out["at_options"] = [{"value": L, "label": reports.length_label(L) + (f" ({L / train_len:g}x)" if train_len else "")}
+                         for L in lengths]
+    out["table"] = {"caption": reports.caption(result), "header": header, "body": body,
+                    "markdown": reports.to_markdown(result)}
+    out["curves"] = _curves(result, metric, info)
+    at = at or _default_at(info, lengths, train_len)
+    out["at"] = at
+    if at:
+        try:
+            ranking = reports.best(df, at=at, metric=metric)
+        except UserError as exc:
+            out["best"] = {"error": str(exc), "title": None, "header": [], "body": [], "markdown": None, "top": None,
+                           "label_columns": []}
+        else:
+            out["at_length"] = int(ranking["eval_len"].iloc[0]) if len(ranking) else None
+            text = reports.best_to_markdown(ranking)
+            b_header, b_body = _markdown_cells(text)
+            out["best"] = {"error": None, "title": text.splitlines()[0], "header": b_header, "body": b_body, "markdown": text,
+                           "top": dict(zip(b_header, b_body[0])) if b_body else None,
+                           "label_columns": list(ranking.attrs.get("label_columns", []))}
+    return clean(out)
+
+
+def _curves(result, metric: str, info: dict) -> dict:
+    """The extrapolation figure's data from a ``reports.table`` result: one series per configuration (its
+    label cells), with the mean, std and n at each evaluation length; p_eval and RoPE scaling selectable when
+    they vary, defaulting to the study objective's own setting."""
+    label_columns = list(result.attrs["label_columns"])
+    lengths = [int(x) for x in result.attrs["lengths"]]
+    selectors = {c: [] for c in SELECTABLE if c in label_columns}
+    line_columns = [c for c in label_columns if c not in selectors]
+    series = []
+    for i in range(len(result)):
+        row = result.iloc[i]
+        labels = {c: reports.format_value(row[c]) for c in label_columns}
+        for c, values in selectors.items():
+            if labels[c] not in values:
+                values.append(labels[c])
+        if len(line_columns) == 1:
+            name = labels[line_columns[0]]
+        else:
+            name = ", ".join(f"{c}={labels[c]}" for c in line_columns) or metric
+        series.append({"name": name, "labels": labels, "x": lengths,
+                       "mean": [row[f"mean@{L}"] for L in lengths], "std": [row[f"std@{L}"] for L in lengths],
+                       "n": [int(row[f"n@{L}"]) for L in lengths]})
+    objective = info.get("objective") or {}
+    wanted = {"p_eval": reports.format_value(objective.get("p_eval")), "rope_scaling": objective.get("rope")}
+    defaults = {c: (wanted[c] if wanted.get(c) in values else values[0]) for c, values in selectors.items()}
+    return {"metric": metric, "lengths": lengths, "train_len": result.attrs.get("train_len"),
+            "higher_is_better": bool(METRICS[metric].higher_is_better) if metric in METRICS else False,
+            "label_columns": label_columns, "line_columns": line_columns, "selectors": selectors,
+            "defaults": defaults, "constants": {k: reports.format_value(v) for k, v in
+                                                result.attrs.get("constants", {}).items()},
+            "length_labels": [reports.length_label(L) for L in lengths], "series": series}
+
+
+__all__ = ["DEFAULT_RAY_DASHBOARD", "NotFound", "Sources", "clean", "open_sources", "overview", "point_label",
+           "results", "results_signature", "study_info", "study_names", "trials"]

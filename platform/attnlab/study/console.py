@@ -1,0 +1,91 @@
+"""The study's live view on the terminal: one compact line per trial whenever it changes (status, step, latest
+loss, time), read from the study's state (``attnlab.study.state``) and each running trial's metrics. It replaces
+Ray's and Tune's own output, which goes to a log file (``attnlab.raycluster.quiet_ray``).
+
+Lines, not a redrawn screen: they read the same in a terminal, a ``ray job logs`` stream and a CI log. A trial
+that fails or diverges prints its reason on its line. No Ray here: only files are read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from attnlab.names import format_duration
+from attnlab.study.state import StudyState
+from attnlab.train.run import Progress, read_metrics
+
+
+def trial_label(record: dict) -> str:
+    """What tells trials apart: the attention variant and the other searched settings of its point."""
+    point = dict(record.get("point") or {})
+    name = point.pop("attention", None) or (record.get("config") or {}).get("attention") or "softmax"
+    rest = ",".join(f"{k}={'off' if v is False else v}" for k, v in sorted(point.items()))
+    return f"{name}" + (f" {rest}" if rest else "")
+
+
+class LiveView:
+    """Polls a study's trials every ``interval`` seconds and emits a line per change."""
+
+    def __init__(self, state: StudyState, emit=print, interval: float = 5.0):
+        self.state = state
+        self.emit = emit
+        self.interval = interval
+        self.started = time.monotonic()
+        self._progress: dict[str, Progress] = {}
+        self._shown: dict[str, tuple] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def lines(self) -> list[str]:
+        """The lines that changed since the last call."""
+        out = []
+        for record in self.state.statuses():
+            key = record.get("config_hash")
+            if not key:
+                continue
+            status = record.get("status", "?")
+            detail = ""
+            if status == "running" and record.get("run_dir"):
+                progress = self._progress.setdefault(key, Progress(int(record.get("steps") or 0)))
+                try:
+                    progress.update(read_metrics(self.state.run(key)))
+                except (OSError, ValueError):
+                    pass
+                if progress.last:
+                    detail = progress.line()
+            elif status in ("complete", "cached"):
+                objectives = record.get("objectives") or {}
+                detail = " ".join(f"{k} {v:.4f}" for k, v in objectives.items() if isinstance(v, float))
+            elif status in ("failed", "diverged", "pruned"):
+                detail = str(record.get("reason") or "")[:200]
+            shown = (status, detail)
+            if self._shown.get(key) == shown:
+                continue
+            self._shown[key] = shown
+            elapsed = format_duration(time.monotonic() - self.started)
+            out.append(f"  {elapsed:>7}  {status:<9} {trial_label(record):<28} {detail}".rstrip())
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                for line in self.lines():
+                    self.emit(line)
+            except (OSError, ValueError):
+                continue
+
+    def __enter__(self) -> LiveView:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="attnlab-live-view")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            for line in self.lines():  # the last changes
+                self.emit(line)
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,102 @@
+"""Where a study keeps its state, under ``<storage>/<study>/`` (a local folder or object storage), and how the
+study's files are read and written. The one place that knows this layout (``attnlab serve`` reads it too)::
+
+    <storage>/<study>/study.json             the spec and its search fingerprint (a resumed search must match)
+    <storage>/<study>/tune/                  the Tune experiment (trial logs, TensorBoard files, searcher state)
+    <storage>/<study>/runs/<train_key>/      each training run (metrics.jsonl, provenance.json, checkpoints)
+    <storage>/<study>/trials/<train_key>.json  each trial's status: running, complete, cached, diverged, pruned,
+                                             failed; its point, reason, config, objectives, progress
+    <storage>/<study>/events/*.json          one file per training started (a counter for people and tests)
+    <storage>/<study>/curves/                the study's figures
+    <storage>/<study>/optuna.db              the Optuna SQLite file when the storage is a local folder
+
+Every file is written whole (``attnlab.location``); nothing is appended, so the layout works on a bucket.
+No Ray, no torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+from attnlab.location import Location
+
+TUNE_DIR, RUNS_DIR, TRIALS_DIR, EVENTS_DIR, CURVES_DIR, SPEC_FILE = "tune", "runs", "trials", "events", "curves", \
+    "study.json"
+STATUSES = ("running", "complete", "cached", "diverged", "pruned", "failed")
+
+
+class StudyState:
+    """The state of study ``name`` under a storage location."""
+
+    def __init__(self, storage: str | Location, name: str):
+        self.storage = Location.parse(storage, field="--storage")
+        self.name = name
+        self.loc = self.storage.child(name)
+
+    def __repr__(self) -> str:
+        return f"StudyState({self.loc.uri!r})"
+
+    @property
+    def tune(self) -> Location:
+        return self.loc.child(TUNE_DIR)
+
+    @property
+    def curves(self) -> Location:
+        return self.loc.child(CURVES_DIR)
+
+    def run(self, train_key: str) -> Location:
+        return self.loc.child(RUNS_DIR, train_key)
+
+    # ------------------------------------------------------------------------------------- the spec
+    def saved_spec(self) -> dict | None:
+        return self.loc.read_json(SPEC_FILE)
+
+    def write_spec(self, spec_json: dict, search_fingerprint: str) -> None:
+        self.loc.write_json(SPEC_FILE, {"fingerprint": search_fingerprint, "spec": spec_json})
+
+    # ------------------------------------------------------------------------------------- trials
+    def status(self, train_key: str) -> dict | None:
+        return self.loc.read_json(f"{TRIALS_DIR}/{train_key}.json")
+
+    def write_status(self, train_key: str, **fields) -> dict:
+        """Update a trial's status file with ``fields`` (the trial is its only writer)."""
+        current = self.status(train_key) or {}
+        record = {**current, **fields, "config_hash": train_key, "updated": time.time()}
+        self.loc.write_json(f"{TRIALS_DIR}/{train_key}.json", record)
+        return record
+
+    def statuses(self) -> list[dict]:
+        """Every trial's status record, ordered by train key."""
+        out = []
+        for name in self.loc.list_names(TRIALS_DIR, hidden=False):
+            if name.endswith(".json"):
+                record = self.loc.read_json(f"{TRIALS_DIR}/{name}")
+                if record:
+                    out.append(record)
+        return out
+
+    # ------------------------------------------------------------------------------------- events
+    def record_training_started(self, train_key: str, point: dict) -> None:
+        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{train_key}-{uuid.uuid4().hex[:8]}.json"
+        self.loc.write_json(f"{EVENTS_DIR}/{name}", {"event": "train", "config_hash": train_key, "point": point,
+                                                     "time": time.time()})
+
+    def trainings_started(self) -> int:
+        return sum(1 for name in self.loc.list_names(EVENTS_DIR, hidden=False) if name.endswith(".json"))
+
+    # ------------------------------------------------------------------------------------- Optuna
+    def optuna_url(self, configured: str | None) -> str:
+        """The Optuna RDB URL: the study's ``storage:``, else SQLite next to the state when that is a local
+        folder, else SQLite in this node's attnlab cache (a bucket cannot hold a live database)."""
+        if configured:
+            return configured
+        if self.loc.is_local:
+            self.loc.mkdir()
+            return f"sqlite:///{self.loc.child('optuna.db').path}"
+        from attnlab.data.demo import cache_dir
+
+        folder = cache_dir() / "optuna"
+        os.makedirs(folder, exist_ok=True)
+        return f"sqlite:///{folder / f'{self.name}.db'}"

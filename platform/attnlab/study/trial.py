@@ -1,0 +1,282 @@
+"""A trial is a small composition of steps, each with its own identity (docs/protocol.md#steps-and-identities):
+
+1. **plan**: the point's ``TrainConfig``, its training key (what changes the weights, the data by content), its
+   run location ``<storage>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key;
+2. **train**: skipped when the run already finished (or diverged); otherwise Ray Train, which resumes from the
+   run's latest checkpoint when there is one;
+3. **evaluate**: only the cells whose key has no rows in the results store, in a Ray task with the resources of
+   one training worker (a GPU when the workers have GPUs), writing the rows to the store;
+4. **report**: the objectives, read back from the store's rows of exactly the objective's cell.
+
+Each step is a plain function testable without Tune; :func:`study_trial` is the Tune function trainable that
+composes them, and :func:`evaluate_missing` runs step 3 for finished trials when a study's evaluation grew
+(a new p_eval, length or RoPE setting evaluates the existing checkpoints and trains nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from attnlab.errors import UserError
+from attnlab.evaluate.plan import EvalCell, EvalConfig
+from attnlab.location import Location
+from attnlab.names import is_missing, resolve_at, same_optional_number
+from attnlab.study.spec import StudySpec
+from attnlab.study.state import StudyState
+from attnlab.train.config import TrainConfig
+
+
+@dataclass
+class StudyContext:
+    """What every trial of a study shares, built once by the study driver (picklable: it goes to trials)."""
+
+    spec: dict  # the StudySpec as JSON
+    state: str  # <storage>/<study> location
+    store: str  # results store location
+    data: str | dict  # resolved: an absolute path or URI, or a probe mapping
+    data_fingerprint: str
+    vocab_size: int
+    data_label: str
+    env: dict = field(default_factory=dict)  # attnlab's and the object store's settings, for every process
+
+    def study(self) -> StudySpec:
+        return StudySpec.model_validate(self.spec)
+
+
+@dataclass
+class TrialPlan:
+    point: dict
+    cfg: TrainConfig
+    train_key: str
+    run: Location
+    cells: list[tuple[EvalCell, str]]  # (cell, eval_key)
+    row_context: dict  # the study's columns of every row (study, trial, seed, config_hash, data, knobs, ...)
+
+
+def knob_label(spec: StudySpec, point: dict) -> str | None:
+    """The trial's searched settings other than attention, scale, p_train and seed, as one sortable string:
+    reports group by it, so trials differing only in e.g. ``lr`` are never averaged as seeds."""
+    extra = [k for k in (spec.space.model_extra or {}) if k in point]
+    return ",".join(f"{k}={point[k]:g}" if isinstance(point[k], float) else f"{k}={point[k]}"
+                    for k in sorted(extra)) or None
+
+
+def plan_trial(spec: StudySpec, ctx: StudyContext, point: dict, cfg: TrainConfig | None = None) -> TrialPlan:
+    """Step 1: everything a trial will do, and the keys that say what is already done."""
+    from attnlab.provenance import git_info
+
+    cfg = cfg or spec.train_config(point, data=ctx.data)
+    key = cfg.train_key(ctx.data_fingerprint, ctx.vocab_size)
+    state = StudyState(Location.parse(ctx.state).parent, spec.name)
+    cells = [(cell, cell.key(key, cfg.steps, ctx.data_fingerprint)) for cell in spec.eval.cells(cfg.seq_length)]
+    row_context = {"study": spec.name, "trial": key, "seed": cfg.seed, "config_hash": key,
+                   "git_sha": git_info()["sha"], "data": ctx.data_label, "knobs": knob_label(spec, point)}
+    return TrialPlan(point, cfg, key, state.run(key), cells, row_context)
+
+
+# ------------------------------------------------------------------------------------------ step 2: train
+def train_step(plan: TrialPlan, state: StudyState, callbacks=()):
+    """Train unless the run already finished or diverged. Returns ``(outcome, trained: bool)``."""
+    from attnlab.train.run import outcome
+
+    done = outcome(plan.run, steps=plan.cfg.steps)
+    if done.status in ("finished", "diverged"):
+        return done, False
+    from attnlab.train.ray_train import run_training
+
+    state.record_training_started(plan.train_key, plan.point)
+    return run_training(plan.cfg, plan.run, callbacks=callbacks), True
+
+
+# ------------------------------------------------------------------------------------------ step 3: evaluate
+def _evaluate_task(run_uri: str, eval_config: dict, data, row_context: dict, store_uri: str, skip: list[str],
+                   threads: int | None, env: dict) -> list[dict]:
+    """Runs inside a Ray task with one training worker's resources (a GPU when the workers had one)."""
+    import torch
+
+    from attnlab.evaluate.extrapolation import evaluate_checkpoint
+
+    os.environ.update(env)
+    if threads:
+        torch.set_num_threads(threads)
+    return evaluate_checkpoint(run_uri, EvalConfig.model_validate(eval_config), data=data, context=row_context,
+                               store=store_uri, skip=set(skip))
+
+
+def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bool = False) -> int:
+    """Measure the plan's cells that have no rows in ``store`` yet; a diverged run's cells get NaN rows (so
+    tables show it and nothing retries a deterministic failure). Returns the number of cells evaluated."""
+    from attnlab.evaluate.rows import nan_rows
+
+    stored = store.stored_eval_keys(ctx.study().name, plan.train_key)
+    missing = [(cell, key) for cell, key in plan.cells if key not in stored]
+    if not missing:
+        return 0
+    if outcome.status == "diverged":
+        rows = []
+        step = int(outcome.final.get("step", 0))
+        base = diverged_base_row(plan, step)
+        for cell, key in missing:
+            if cell.kind == "windows":
+                rows += nan_rows(base, cell, key)
+        if rows:
+            store.write(rows, key=("eval", plan.train_key, "diverged"))
+        return len(missing)
+    if outcome.status != "finished":
+        raise UserError(f"trial {plan.train_key}: the run at {plan.run.uri} has not finished ({outcome.status}); "
+                        "nothing to evaluate")
+    spec = ctx.study()
+    args = (plan.run.uri, spec.eval.model_dump(mode="json"), ctx.data, plan.row_context, store.uri,
+            sorted(stored), plan.cfg.threads_per_worker, ctx.env)
+    if inline:
+        _evaluate_task(*args)
+        return len(missing)
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from attnlab.train.ray_train import worker_resources
+
+    resources = worker_resources(plan.cfg)
+    task = ray.remote(_evaluate_task).options(
+        num_cpus=resources.pop("CPU"), num_gpus=resources.pop("GPU", 0), resources=resources or None,
+        max_retries=1, name=f"evaluate-{plan.train_key}",
+        # Not inside the Tune trial's placement group (it holds only the trial driver): like Train's workers,
+        # the evaluation asks the cluster for a training worker's resources, on whichever node has them.
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))
+    ray.get(task.remote(*args))
+    return len(missing)
+
+
+def diverged_base_row(plan: TrialPlan, step: int) -> dict:
+    gpt = plan.cfg.gpt_config()
+    spec = gpt.attention_spec()
+    return {**plan.row_context, "attention": gpt.attention, "scale": spec.scale_label, "p_train": spec.p,
+            "step": int(step), "tokens": int(step) * plan.cfg.tokens_per_step, "train_len": plan.cfg.seq_length,
+            "preset": plan.cfg.preset}
+
+
+# ------------------------------------------------------------------------------------------ step 4: report
+def objective_values(spec: StudySpec, rows: list[dict], train_len: int) -> dict[str, float]:
+    """Each objective's value from a trial's rows: exactly its cell (length, p_eval, rope, whole windows, no
+    bucket or layer); NaN when the rows lack it."""
+    out = {}
+    for obj in spec.objective:
+        parts = obj.parts
+        at = ("multiple", parts["multiple"]) if parts["multiple"] is not None else ("length", parts["length"])
+        out[obj.key] = cell_value(rows, parts["metric"], resolve_at(at, train_len), parts["p_eval"],
+                                  parts["rope"] or spec.eval.rope_scaling[0])
+    return out
+
+
+def cell_value(rows: list[dict], metric: str, length: int, p_eval, rope: str) -> float:
+    values = [r["value"] for r in rows
+              if r.get("metric") == metric and int(r.get("eval_len", -1)) == length
+              and r.get("rope_scaling") == rope and same_optional_number(r.get("p_eval"), p_eval)
+              and r.get("window_mode", "nonoverlap") in ("nonoverlap", "passkey")
+              and is_missing(r.get("bucket")) and is_missing(r.get("layer"))]
+    return float(values[0]) if values else float("nan")
+
+
+def trial_rows(store, spec: StudySpec, train_key: str) -> list[dict]:
+    return store.read(study=spec.name, config_hash=train_key).to_dict("records")
+
+
+# ------------------------------------------------------------------------------------------ the Tune trial
+def failure_reason(exc: BaseException) -> str:
+    """One line: the exception's first line plus, for wrapped worker errors (whose first line is only
+    "Training failed due to worker errors:"), the root cause, the last ``SomeError: message`` line."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    reason = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    causes = [line for line in lines[1:] if line.split(":", 1)[0].endswith(("Error", "Exception"))]
+    if causes:
+        reason += f" ... {causes[-1]}"
+    return reason[:500]
+
+
+def report_callback(final_step: int, train_key: str):
+    """A ``TuneReportCallback`` that tags reports with the train key and holds back the last one (the trial
+    reports its objective after the evaluation instead, so ASHA never stops a trial at its final step)."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class StudyReportCallback(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and int(metrics[0].get("step", 0)) >= final_step:
+                return
+            # timesteps_total: TensorBoard's and MLflow's x axis is then the training step, not Tune's report count
+            metrics = [{**metrics[0], "config_hash": train_key, "timesteps_total": int(metrics[0].get("step", 0))},
+                       *metrics[1:]]
+            super().after_report(run_context, metrics, checkpoint)
+
+    return StudyReportCallback()
+
+
+def point_of(config: dict) -> dict:
+    if "point" in config:
+        return dict(config["point"])
+    return {k: v for k, v in config.items() if not k.startswith("__")}
+
+
+def study_trial(config: dict, context: StudyContext) -> None:
+    """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives."""
+    from ray import tune
+
+    from attnlab.results import ResultsStore
+
+    os.environ.update(context.env)
+    spec = context.study()
+    state = StudyState(Location.parse(context.state).parent, spec.name)
+    store = ResultsStore(context.store)
+    point = point_of(config)
+    plan = plan_trial(spec, context, point)
+    status = {"point": point, "trial": tune.get_context().get_trial_name(), "run_dir": plan.run.uri,
+              "config": plan.cfg.model_dump(mode="json"), "steps": plan.cfg.steps}
+    state.write_status(plan.train_key, **status, status="running", started=time.time(), reason=None)
+    try:
+        outcome, trained = train_step(plan, state, callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
+        evaluated = evaluate_step(plan, context, store, outcome)
+        rows = trial_rows(store, spec, plan.train_key)
+        objectives = objective_values(spec, rows, plan.cfg.seq_length)
+        final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
+        base = {"config_hash": plan.train_key, "run_dir": plan.run.uri, "step": plan.cfg.steps,
+                "timesteps_total": plan.cfg.steps, "cached": int(not trained and not evaluated)}
+        if outcome.status == "diverged":
+            state.write_status(plan.train_key, status="diverged", reason=outcome.failure,
+                               step=int(outcome.final.get("step", 0)), objectives=objectives)
+            tune.report({**base, **{k: float("nan") for k in objectives}, "diverged": 1})
+            return
+        done = "cached" if not trained and not evaluated else "complete"
+        state.write_status(plan.train_key, status=done, objectives=objectives, trained=trained,
+                           evaluated_cells=evaluated, step=plan.cfg.steps, finished=time.time())
+        tune.report({**base, **objectives, "diverged": 0, "val_loss": final})
+    except Exception as exc:
+        state.write_status(plan.train_key, status="failed", reason=failure_reason(exc))
+        raise
+
+
+# ------------------------------------------------------------------------------------------ catching up
+def evaluate_missing(spec: StudySpec, ctx: StudyContext, state: StudyState, store, log=print) -> int:
+    """For every trial that finished training, evaluate the cells of the current ``eval`` with no rows yet
+    (after a p_eval value, a length or a RoPE setting was added). Returns the number of cells evaluated."""
+    from attnlab.train.run import outcome
+
+    pending = []
+    for record in state.statuses():
+        if record.get("status") not in ("complete", "cached", "diverged") or not record.get("config"):
+            continue
+        cfg = TrainConfig.model_validate(record["config"])
+        plan = plan_trial(spec, ctx, record.get("point") or {}, cfg=cfg)
+        stored = store.stored_eval_keys(spec.name, plan.train_key)
+        if all(key in stored for _, key in plan.cells):
+            continue
+        pending.append(plan)
+    total = 0
+    for plan in pending:
+        log(f"attnlab: evaluating new cells of trial {plan.train_key} (training reused)")
+        total += evaluate_step(plan, ctx, store, outcome(plan.run, steps=plan.cfg.steps))
+    return total
+
+
+__all__ = ["StudyContext", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason", "knob_label",
+           "objective_values", "plan_trial", "study_trial", "train_step"]

@@ -1,0 +1,155 @@
+"""The import graph of the package: dependencies point down, no file-level cycles, Ray only in its thin layer.
+
+Read from the source with ``ast`` (every ``import`` statement, lazy ones inside functions included), so a new
+upward import fails here with the file and the line that made it.
+
+Layers, bottom to top (a package may import its own layer's modules only inside itself):
+
+    0  errors
+    1  names, validation, location, provenance, raycluster   (the shared base)
+    2  attention
+    3  model
+    4  data, results
+    5  train, evaluate, cluster
+    6  study
+    7  the commands: attnlab/cli.py, attnlab/demo.py, every */cli.py, serve
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "platform"
+PACKAGE = ROOT / "attnlab"
+LAYERS = {
+    "errors": 0, "names": 1, "validation": 1, "location": 1, "provenance": 1, "raycluster": 1,
+    "attention": 2, "model": 3, "data": 4, "results": 4,
+    "train": 5, "evaluate": 5, "cluster": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
+}
+# Modules that may import Ray (the thin layer); everything else must import and test without it.
+RAY_MODULES = {"attnlab.raycluster", "attnlab.train.ray_train", "attnlab.data.parallel", "attnlab.study.runner",
+               "attnlab.study.trial", "attnlab.study.submit", "attnlab.cluster.validate"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """``(module, line)`` for every attnlab module (or Ray) the file imports, anywhere in it."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, node.lineno))
+            out += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names
+                    if f"{node.module}.{alias.name}" in MODULES]
+    return out
+
+
+def _edges() -> list[tuple[str, str, int]]:
+    edges = []
+    for name, path in MODULES.items():
+        for target, line in _imports(path):
+            if target in MODULES and target != name:
+                edges.append((name, target, line))
+    return edges
+
+
+def _layer(module: str) -> tuple[int, str]:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return -1, "attnlab"  # the package itself: imports nothing
+    top = parts[1]
+    if parts[-1] == "cli":
+        return LAYERS["cli"], module
+    assert top in LAYERS, f"{module}: a new top-level module or package; give it a layer in this test"
+    return LAYERS[top], top
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        _layer(module)
+
+
+def _upward(edges) -> list[str]:
+    upward = []
+    for source, target, line in edges:
+        (ls, ps), (lt, pt) = _layer(source), _layer(target)
+        if ps == pt or pt == "attnlab" or source.split(".")[:2] == target.split(".")[:2]:
+            continue  # inside one package
+        if lt >= ls:
+            upward.append(f"{source}:{line} imports {target} (layer {ls} -> {lt})")
+    return upward
+
+
+def test_dependencies_point_down():
+    upward = _upward(_edges())
+    assert not upward, "imports that do not point down:\n" + "\n".join(upward)
+
+
+def test_training_and_evaluation_never_import_each_other():
+    bad = [f"{s} -> {t}" for s, t, _ in _edges()
+           if {s.split(".")[1], t.split(".")[1]} == {"train", "evaluate"} and not s.endswith(".cli")]
+    assert not bad, bad
+
+
+def test_no_file_level_import_cycles():
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for source, target, _ in _edges():
+        graph[source].add(target)
+    index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def strongconnect(v):  # Tarjan's algorithm
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            strongconnect(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_ray_stays_in_its_thin_layer():
+    users = {name for name, path in MODULES.items() for target, _ in _imports(path)
+             if target == "ray" or target.startswith("ray.")}
+    assert users <= RAY_MODULES | {m for m in users if m.endswith(".cli")}, sorted(users - RAY_MODULES)
+
+
+def test_the_checks_see_the_imports_and_flag_an_upward_one():
+    """The reader finds real imports, and the layer rule flags a violation (the tests above cannot pass vacuously)."""
+    edges = _edges()
+    assert ("attnlab.train.loop", "attnlab.model.scoring") in {(s, t) for s, t, _ in edges}
+    assert len(edges) > 100
+    assert _upward([("attnlab.model.gpt", "attnlab.train.loop", 7)]) == [
+        "attnlab.model.gpt:7 imports attnlab.train.loop (layer 3 -> 5)"]
+    assert _upward([("attnlab.train.loop", "attnlab.evaluate.measure", 1)])  # same layer, other package
+    assert not _upward([("attnlab.study.cli", "attnlab.study.runner", 1)])

@@ -1,0 +1,301 @@
+"""``attnlab serve`` without a browser: the data layer on a known study, the real server's pages and JSON, bad input
+(a store, storage or study that does not exist, a bad flag), an ``s3://`` store and storage, and no Ray import.
+
+The study is written by the real layout writers (``StudyState``, ``ResultsStore``; see ``serve_util``); the pages
+come from the application under uvicorn on a loopback port. The real-browser test is ``test_serve_browser.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli import main
+from attnlab.errors import UserError
+from attnlab.results import ResultsStore, reports
+from attnlab.serve import data
+from attnlab.serve.app import ResultsCache, create_app, plotly_js
+from attnlab.serve.data import NotFound, open_sources
+from serve_util import TRIALS, get, get_json, serving, write_study
+
+ROOT = Path(__file__).resolve().parents[1]
+URL = re.compile(r"""https?://[^\s"'<>)]+""")
+
+
+@pytest.fixture()
+def local(tmp_path):
+    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    state = write_study(store, storage)
+    return open_sources(store, storage), state
+
+
+# ------------------------------------------------------------------------------------------------ data layer
+def test_trials_carry_status_reason_point_and_progress(local):
+    sources, _ = local
+    assert data.study_names(sources) == {"probe": {"has_state": True, "has_results": True}}
+    out = data.trials(sources, "probe")
+    by_key = {t["key"]: t for t in out["trials"]}
+    assert out["trials"][0]["status"] == "running"  # running trials first
+    assert out["counts"] == {"running": 1, "complete": 3, "cached": 1, "diverged": 1, "pruned": 1}
+    assert len(by_key) == len(TRIALS)
+    running = by_key["aaaa000000000005"]
+    assert (running["step"], running["steps"], running["progress"]) == (24, 40, pytest.approx(0.6))
+    assert running["train_loss"] == pytest.approx(4.2 - 0.05 * 24) and running["val_loss"] == pytest.approx(4.3 - 1.0)
+    assert running["curve"]["step"][-1] == 24 and running["curve"]["val_step"] == [10, 20]
+    assert running["label"] == "attention=lssa, seed=0"
+    assert by_key["aaaa000000000006"]["reason"].startswith("loss became nan")
+    assert by_key["aaaa000000000007"]["reason"].startswith("stopped by asha")
+    assert by_key["aaaa000000000007"]["step"] == 20
+    assert by_key["aaaa000000000001"]["progress"] == 1.0 and by_key["aaaa000000000001"]["curve"] is None
+    assert all(t["curve"] for t in data.trials(sources, "probe", curves="all")["trials"])
+    assert out["signature"]  # the study has results files
+    with pytest.raises(UserError, match="curves='some'"):
+        data.trials(sources, "probe", curves="some")
+
+
+def test_results_are_the_reports_of_attnlab_results(local):
+    """The table and the ranking are reports.table / reports.best on the same rows: one code path."""
+    sources, _ = local
+    res = data.results(sources, "probe")
+    assert res["metric"] == "acc"  # the study's objective metric (a probe), not val_loss
+    assert res["metrics"] == ["acc", "val_loss"]
+    df = ResultsStore(sources.store.uri).read(study="probe")
+    expected = reports.table(df, metric="acc")
+    header, body = reports.formatted_cells(expected)
+    assert (res["table"]["header"], res["table"]["body"]) == (header, body)
+    assert res["table"]["markdown"] == reports.to_markdown(expected)
+    assert res["at"] == "4x" and res["at_length"] == 256  # the objective's length
+    ranking = reports.best(df, at="4x", metric="acc")
+    assert res["best"]["markdown"] == reports.best_to_markdown(ranking)
+    assert res["best"]["top"]["attention"] == "lssar" and res["best"]["top"]["rank"] == "1"
+    assert res["best"]["title"].startswith("ranking at 4x (higher is better;")
+
+    curves = res["curves"]
+    assert curves["selectors"] == {"p_eval": ["none", "15"], "rope_scaling": ["none", "ntk"]}
+    assert curves["defaults"] == {"p_eval": "none", "rope_scaling": "none"}  # the objective's own cell
+    assert curves["lengths"] == [64, 128, 256] and curves["train_len"] == 64
+    assert curves["higher_is_better"] is True
+    [softmax] = [s for s in curves["series"]
+                 if s["labels"] == {"attention": "softmax", "p_train": "none", "p_eval": "none", "rope_scaling": "none"}]
+    assert softmax["name"] == "attention=softmax, p_train=none"
+    assert softmax["mean"][0] == pytest.approx(0.99) and softmax["n"] == [2, 2, 2]  # seeds 0 and 1: 1.0, 0.98
+    assert softmax["std"][0] == pytest.approx(math.sqrt(2 * 0.01 ** 2))  # sample std (ddof = 1)
+
+    other = data.results(sources, "probe", metric="val_loss", at="128")
+    assert other["metric"] == "val_loss" and other["at_length"] == 128
+    assert other["best"]["title"].startswith("ranking at 128 (lower is better;")
+    # the diverged trial's NaN rows: "nan" cells in the table, no points on its curve, last in the ranking
+    [diverged] = [s for s in other["curves"]["series"] if s["labels"]["attention"] == "sigmoid_l1"
+                  and s["labels"]["p_eval"] == "none" and s["labels"]["rope_scaling"] == "none"]
+    assert diverged["mean"] == [None, None, None] and diverged["n"] == [1, 1, 1]
+    assert ["sigmoid_l1", "none", "none", "none", *["nan (1 seed)"] * 3] in other["table"]["body"]
+    assert other["best"]["body"][-1][1] == "sigmoid_l1"
+    with pytest.raises(UserError, match="metric='bpb'.*metrics present: acc, val_loss"):
+        data.results(sources, "probe", metric="bpb")
+    assert "error" in data.results(sources, "probe", at="32x")["best"]  # reports.best's own sentence
+
+
+def test_results_are_cached_until_new_rows_land(local):
+    sources, _ = local
+    cache = ResultsCache(sources, size=2)
+    first = cache.get("probe", None, None)
+    assert cache.get("probe", None, None) is first
+    assert cache.get("probe", "val_loss", None) is not first
+    df = ResultsStore(sources.store.uri).read(study="probe", metric="acc", eval_len=64, p_eval=None,
+                                               rope_scaling="none", seed=0, attention="lssar")
+    extra = {**df.iloc[0].to_dict(), "trial": "aaaa000000000009", "config_hash": "aaaa000000000009", "seed": 7,
+             "value": 0.5}
+    ResultsStore(sources.store.uri).write([{k: v for k, v in extra.items() if k not in ("created_at",)}],
+                                          key=("eval", "aaaa000000000009"))
+    second = cache.get("probe", None, None)
+    assert second is not first and second["signature"] != first["signature"]
+    assert second["table"]["body"][0][:4] == ["lssar", "15", "none", "none"]  # then 64 (1x): one more seed
+    assert "(n=3)" in second["table"]["body"][0][4] and "(n=2)" in first["table"]["body"][0][4]
+
+
+def test_links_name_the_study_own_tensorboard_and_optuna(tmp_path):
+    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    write_study(store, storage, name="grid-study")
+    state = write_study(store, storage, name="tpe-study", engine="optuna")
+    sources = open_sources(store, storage, ray_dashboard="http://127.0.0.1:9999")
+    grid = data.study_info(sources, "grid-study")
+    assert grid["links"] == {"ray_dashboard": "http://127.0.0.1:9999", "optuna_dashboard": None,
+                             "tensorboard": f"tensorboard --logdir {tmp_path / 'runs' / 'grid-study' / 'tune'}"}
+    tpe = data.study_info(sources, "tpe-study")
+    assert tpe["links"]["optuna_dashboard"] == f"optuna-dashboard {state.optuna_url(None)}"
+    assert tpe["links"]["optuna_dashboard"].endswith("/tpe-study/optuna.db")
+    overview = data.overview(sources)
+    assert [s["name"] for s in overview["studies"]] == ["grid-study", "tpe-study"]
+    assert overview["studies"][0]["counts"]["complete"] == 3 and overview["studies"][0]["trials"] == len(TRIALS)
+
+
+def test_bad_input_is_one_sentence(tmp_path, local):
+    sources, _ = local
+    with pytest.raises(NotFound, match=r"no study 'nope' under --storage .*; studies: probe"):
+        data.study_info(sources, "nope")
+    with pytest.raises(NotFound, match="not a study name"):
+        data.trials(sources, "../etc")
+    with pytest.raises(NotFound, match=r"--store .*/missing/results: neither it nor the folder"):
+        open_sources(str(tmp_path / "missing" / "results"), str(tmp_path / "runs"))
+    with pytest.raises(NotFound, match=r"--storage .*/missing/runs: neither it nor the folder"):
+        open_sources(str(tmp_path / "results"), str(tmp_path / "missing" / "runs"))
+    with pytest.raises(UserError, match="--store='ftp://x/y': the scheme ftp:// is not supported"):
+        open_sources("ftp://x/y", str(tmp_path))
+    with pytest.raises(UserError, match="--ray-dashboard"):
+        open_sources(str(tmp_path), str(tmp_path), ray_dashboard="javascript:alert(1)")
+    # a store a study has not written yet (its folder's parent exists): the page says so instead
+    fresh = open_sources(str(tmp_path / "not-yet"), str(tmp_path / "runs"))
+    assert "does not exist yet" in data.results(fresh, "probe")["message"]
+    empty = open_sources(str(tmp_path / "results"), str(tmp_path / "no-runs-yet"))
+    with pytest.raises(NotFound, match="no-runs-yet does not exist"):
+        data.overview(open_sources(str(tmp_path / "none"), str(tmp_path / "no-runs-yet")))
+    assert [s["name"] for s in data.overview(empty)["studies"]] == ["probe"]  # results only, no state
+    assert data.trials(empty, "probe")["trials"] == []
+
+
+# ------------------------------------------------------------------------------------------------ HTTP
+def _no_external_resources(html: str, allowed: tuple[str, ...] = ("http://127.0.0.1:8265",)) -> None:
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html.replace('href="http://127.0.0.1:8265"', "")), \
+        "a resource from another origin"
+    found = {url.rstrip(":.,;") for url in URL.findall(html)}
+    assert found <= set(allowed), found
+
+
+def test_pages_and_json_over_a_real_server(local):
+    sources, _ = local
+    with serving(create_app(sources, refresh_s=1.0)) as base:
+        status, kind, index = get(base + "/")
+        assert status == 200 and kind.startswith("text/html")
+        assert 'href="/study/probe"' in index and "1 running" in index and "1 diverged" in index
+        _no_external_resources(index)
+
+        status, _, page = get(base + "/study/probe")
+        assert status == 200
+        _no_external_resources(page)
+        assert 'src="/static/plotly.min.js"' in page and 'src="/static/study.js"' in page
+        assert 'data-status="running"' in page and "24 / 40" in page
+        assert "loss became nan at step 12" in page and "stopped by asha at step 20" in page
+        assert 'id="table4"' in page and "0.9900 ± 0.0141 (n=2)" in page  # softmax, 1x, acc over seeds 0 and 1
+        assert "tensorboard --logdir" in page and 'href="http://127.0.0.1:8265"' in page
+        assert 'id="best-top"' in page
+
+        status, kind, js = get(base + "/static/plotly.min.js")
+        assert status == 200 and "javascript" in kind and js.encode() == plotly_js()
+        for name in ("study.js", "page.css"):
+            status, _, text = get(f"{base}/static/{name}")
+            assert status == 200 and not URL.search(text), name  # the page's own code calls no other origin
+
+        status, trials = get_json(base + "/api/study/probe/trials?curves=all")
+        assert status == 200 and trials["running"] == 1 and 'id="trials-table"' in trials["html"]
+        status, res = get_json(base + "/api/study/probe/results?metric=val_loss&at=2x")
+        assert status == 200 and res["results"]["metric"] == "val_loss" and res["results"]["at_length"] == 128
+        assert 'id="table4"' in res["html"]
+        status, studies = get_json(base + "/api/studies")
+        assert status == 200 and [s["name"] for s in studies["studies"]] == ["probe"]
+
+        # bad input: one sentence, never a stack trace
+        for path, code, sentence in [
+            ("/study/nope", 404, "no study &#39;nope&#39; under --storage"),
+            ("/study/probe?metric=bpb", 400, "has no rows of it; metrics present: acc, val_loss"),
+            ("/nothing/here", 404, "nothing at /nothing/here"),
+            ("/static/secret.py", 404, "no static file"),
+        ]:
+            status, _, body = get(base + path)
+            assert status == code and sentence in body and "Traceback" not in body, (path, body)
+        status, body = get_json(base + "/api/study/nope/trials")
+        assert status == 404 and body["error"].startswith("no study 'nope'")
+
+
+def test_a_missing_store_or_storage_gets_a_clear_page(tmp_path):
+    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    write_study(store, storage)
+    with serving(create_app(open_sources(str(tmp_path / "typo"), storage))) as base:
+        status, _, page = get(base + "/study/probe")  # the state is there, the store is not (yet)
+        assert status == 200 and "The results store" in page and "does not exist yet" in page
+    with serving(create_app(open_sources(str(tmp_path / "typo"), str(tmp_path / "typo-runs")))) as base:
+        status, _, page = get(base + "/")
+        assert status == 404 and "typo-runs does not exist (yet)" in page and "Traceback" not in page
+
+
+def test_cli_refuses_bad_flags_in_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "no" / "such" / "runs")
+    for argv, expected in [
+        (["serve", "--store", str(tmp_path), "--storage", missing], f"--storage {missing}: neither it nor"),
+        (["serve", "--store", "ftp://bucket/x", "--storage", str(tmp_path)], "--store='ftp://bucket/x'"),
+        (["serve", "--store", str(tmp_path), "--storage", str(tmp_path), "--port", "0"], "--port 0"),
+        (["serve", "--store", str(tmp_path), "--storage", str(tmp_path), "--refresh", "0"], "--refresh 0"),
+        (["serve", "--store", str(tmp_path), "--storage", str(tmp_path), "--host", "no.such.host.invalid"], "--host"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"attnlab: error: {expected}") and err.count("\n") == 1, err
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--store", str(tmp_path), "--storage", str(tmp_path), "--port", str(port)]) == 2
+        assert f"--port {port}: cannot listen there" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ object storage
+def test_the_page_reads_an_s3_store_and_storage(s3_bucket):
+    store, storage = f"{s3_bucket}/results", f"{s3_bucket}/runs"
+    state = write_study(store, storage, name="remote")
+    sources = open_sources(store, storage)
+    assert sources.storage.uri == storage and not sources.storage.is_local
+    with serving(create_app(sources)) as base:
+        status, _, page = get(base + "/study/remote")
+        assert status == 200 and 'data-status="running"' in page and 'id="table4"' in page
+        assert f"tensorboard --logdir {state.tune.uri}" in page and state.tune.uri.startswith("s3://")
+        _no_external_resources(page)
+        status, trials = get_json(base + "/api/study/remote/trials?curves=running")
+        running = [t for t in trials["trials"] if t["status"] == "running"]
+        assert status == 200 and running[0]["curve"]["step"][-1] == 24 and trials["signature"]
+        status, res = get_json(base + "/api/study/remote/results")
+        assert status == 200 and res["results"]["best"]["top"]["attention"] == "lssar"
+        status, _, body = get(base + "/study/absent")
+        assert status == 404 and "no study &#39;absent&#39;" in body
+    with pytest.raises(NotFound, match="neither it nor the bucket exists"):
+        open_sources("s3://attnlab-no-such-bucket-0", storage)
+
+
+# ------------------------------------------------------------------------------------------------ house rules
+def test_the_server_never_imports_ray(tmp_path):
+    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    write_study(store, storage)
+    code = f"""
+import sys
+from attnlab.serve.app import create_app
+from attnlab.serve import cli, data
+sources = data.open_sources({store!r}, {storage!r})
+create_app(sources)
+data.overview(sources); data.trials(sources, "probe", curves="all"); data.results(sources, "probe")
+bad = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
+assert not bad, bad
+print("no ray")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "platform")})
+    assert out.returncode == 0 and "no ray" in out.stdout, out.stderr[-2000:]
+
+
+def test_serve_is_registered_and_documented():
+    from attnlab.cli import build_parser
+
+    help_text = build_parser().format_help()
+    assert "serve" in help_text
+    readme = (ROOT / "README.md").read_text()
+    assert "## Watching a study in the browser" in readme and "docs/serve.png" in readme
+    assert (ROOT / "docs" / "serve.png").stat().st_size > 10_000
+    cluster = (ROOT / "cluster" / "README.md").read_text()
+    assert "attnlab serve" in cluster and "-L 8000:127.0.0.1:8000" in cluster
+    for name in ("aws.yaml", "gcp.yaml", "local-fake.yaml"):  # never opened in the cluster files
+        assert "8000" not in (ROOT / "cluster" / name).read_text(), name

@@ -1,0 +1,125 @@
+"""Watching a study and a run: the one-line plans, warnings and progress, the quiet console with its live view,
+Optuna trials tied to their runs and steps, and the opt-in trackers (MLflow's file store, W&B offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from attnlab.study.console import LiveView, trial_label
+from attnlab.study.state import StudyState
+from attnlab.train import load_train_config
+
+
+def test_presets_carry_a_recipe_that_fits_them_and_bad_recipes_are_warned_about():
+    tiny = load_train_config({"preset": "tiny", "data": "demo"})
+    assert (tiny.tokens_per_step, tiny.micro_batch, tiny.steps, tiny.warmup_steps) == (1024, 16, 300, 20)
+    assert tiny.warnings() == [] and "plan: tiny softmax, 300 steps x 1,024 tokens (16 x 64)" in tiny.plan()
+    small = load_train_config({"preset": "gpt2-small", "data": "x"})
+    assert (small.tokens_per_step, small.lr, small.warmup_steps) == (524_288, 6e-4, 700)  # llm.c's recipe
+    explicit = load_train_config({"preset": "tiny", "data": "demo", "lr": 1e-4})
+    assert explicit.lr == 1e-4 and "lr" in explicit.model_fields_set and "steps" not in explicit.model_fields_set
+    bad = load_train_config({"preset": "tiny", "data": "demo", "steps": 20, "warmup_steps": 700,
+                             "tokens_per_step": 524_288})
+    warnings = bad.warnings()
+    assert len(warnings) == 2
+    assert warnings[0].startswith("warmup_steps=700 >= steps=20: the learning rate never leaves warm-up")
+    assert "is 512 micro-steps of micro_batch=16" in warnings[1]
+
+
+def test_the_live_view_prints_a_line_per_change(tmp_path):
+    state = StudyState(str(tmp_path), "watch")
+    state.write_status("k1", status="running", point={"attention": "lssar"}, steps=10, run_dir="x")
+    state.run("k1").write_text("metrics.jsonl", json.dumps({"step": 2, "train_loss": 5.5}) + "\n")
+    state.write_status("k2", status="failed", point={"attention": "softmax", "lr": 1e6}, reason="RuntimeError: boom")
+    view = LiveView(state, interval=0.1)
+    first = view.lines()
+    assert len(first) == 2
+    assert "running" in first[0] and "lssar" in first[0] and "step 2/10 · loss 5.5000" in first[0]
+    assert "failed" in first[1] and "softmax lr=1000000.0" in first[1] and "RuntimeError: boom" in first[1]
+    assert view.lines() == []  # nothing changed
+    state.run("k1").write_text("metrics.jsonl", "".join(json.dumps({"step": s, "train_loss": 5.0, "val_loss": 5.2})
+                                                        + "\n" for s in (2, 4)))
+    (line,) = view.lines()
+    assert "step 4/10 · loss 5.0000 · val 5.2000" in line
+    state.write_status("k1", status="complete", objectives={"val_loss@4x": 5.1})
+    (line,) = view.lines()
+    assert "complete" in line and "val_loss@4x 5.1000" in line
+    assert trial_label({"point": {"attention": "lssa", "p_train": False}}) == "lssa p_train=off"
+
+
+def test_train_prints_its_plan_warnings_and_progress(tmp_path, demo_data_dir):
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "attnlab.cli", "train", "--preset", "tiny", "--data",
+                          str(demo_data_dir), "--out", str(out), "--steps", "6", "--set", "log_every=1",
+                          "--set", "val_tokens=256", "--set", "threads_per_worker=1", "--local"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("plan: tiny (6.8M params) softmax, 6 steps x 1,024 tokens (16 x 64)") or \
+        lines[0].startswith("plan: tiny softmax, 6 steps x 1,024 tokens (16 x 64)")
+    assert any(line.startswith("attnlab: warning: warmup_steps=20 >= steps=6") for line in lines)
+    assert any("step 6/6" in line and "done" in line for line in lines), res.stdout
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
+    import mlflow
+    import optuna
+
+    study = {"name": "watched",
+             "train": {"preset": "tiny", "data": {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16},
+                       "steps": 6, "tokens_per_step": 256, "micro_batch": 4, "warmup_steps": 2, "log_every": 2,
+                       "val_every": 2, "val_tokens": 512, "checkpoint_every": 6, "max_failures": 0,
+                       "cpus_per_worker": 0.5},
+             "resources": {"trial_cpus": 0.5}, "search": {"engine": "optuna", "num_samples": 2, "seed": 1},
+             "space": {"attention": ["softmax", "lssar"]}, "objective": "val_loss@2x",
+             "eval": {"multiples": [1, 2], "max_tokens": 512}, "trackers": ["mlflow", "wandb"]}
+    path = tmp_path / "watched.yaml"
+    path.write_text(yaml.safe_dump(study))
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "WANDB_MODE": "offline",
+           "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_SILENT": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    (tmp_path / "wandb").mkdir()
+    started = time.time()
+    res = subprocess.run([sys.executable, "-m", "attnlab.cli", "study", "run", str(path), "--store",
+                          str(tmp_path / "results"), "--storage", str(tmp_path / "runs")],
+                         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    out = res.stdout
+    assert out.startswith("plan: study watched: 2 trial(s) (optuna), each 6 steps x 256 tokens")
+    for noise in ("TrainController", "TrainingReport(", "+----", "Trial status", "(pid=", "Configuration for experiment",
+                  "View detailed results here"):
+        assert noise not in out, f"{noise!r} reached the terminal:\n{out}"
+    log = next(line.split(": ", 1)[1].split(" (")[0] for line in out.splitlines()
+               if line.startswith("Ray's and Tune's own output: "))
+    assert Path(log).is_file() and Path(log).stat().st_size > 0
+    assert sum(" complete " in line for line in out.splitlines()) >= 1
+    assert "study watched: 2 trial(s)" in out
+    state = StudyState(str(tmp_path / "runs"), "watched")
+    # Optuna: intermediate values at training steps, trials tied to their run and training key
+    ot = optuna.load_study(study_name="watched", storage=state.optuna_url(None))
+    # (TPE may sample the same attention twice: the second trial reuses the trained run and reports step 6 only)
+    for trial in ot.trials:
+        assert trial.user_attrs["config_hash"] in trial.user_attrs["run"]
+        assert 6 in trial.intermediate_values and set(trial.intermediate_values) <= {2, 4, 6}
+    # training steps (6: the final one), not report counts
+    assert any(set(t.intermediate_values) == {2, 4, 6} for t in ot.trials)
+    # MLflow (file store next to the study): one run per trial, metrics by training step
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri(f"file://{state.loc.child('mlruns').path}")
+    runs = mlflow.search_runs(experiment_names=["watched"])
+    assert len(runs) == 2
+    histories = [mlflow.MlflowClient().get_metric_history(run_id, "train_loss") for run_id in runs.run_id]
+    assert max(sorted(m.step for m in history) for history in histories) == [2, 4]
+    # W&B offline: a run folder per trial
+    assert len(list((tmp_path / "wandb").rglob("offline-run-*"))) == 2
+    assert time.time() - started < 900
