@@ -4,7 +4,7 @@ For one attention variant at the orbit source's ``size`` (default ``cpu``), in o
 thread: generating the training pool and the validation windows, ``--steps`` training steps of an
 :class:`attnlab.model.orbit.OrbitGPT` (``tiny`` shape by default: 2 layers, width 128, 2 heads of 64) with
 AdamW, warm-up and cosine decay as in the platform's recipe, the evaluation at 1x..16x the training length
-(:func:`attnlab.probes.orbit_eval.orbit_length_rows`), and both force probes with their symbolic regression.
+(:func:`attnlab.evaluate.extrapolation.evaluate_checkpoint`), and both force probes with their symbolic regression.
 Each phase reports wall seconds and CPU (process) seconds: on a shared machine the CPU seconds are what an idle
 core would take. The training loss and the 1x..16x figures are printed too, so a run doubles as a look at what
 the model learned.
@@ -59,8 +59,9 @@ def main(argv=None) -> None:
 
     from attnlab.data.orbits import open_orbits
     from attnlab.model.orbit import OrbitGPT, OrbitGPTConfig
-    from attnlab.probes.force import finetune_force_probe, linear_force_probe
-    from attnlab.probes.orbit_eval import orbit_length_rows
+    from attnlab.evaluate.extrapolation import evaluate_checkpoint
+    from attnlab.evaluate.force_probe import finetune_force_probe, linear_force_probe
+    from attnlab.evaluate.plan import EvalConfig
 
     def say(record: dict) -> None:
         print(json.dumps(record, default=str), flush=True)
@@ -104,22 +105,22 @@ def main(argv=None) -> None:
          "loss": {s: round(float(np.mean(losses[max(0, s - 20):s])), 3)
                   for s in sorted({20, args.steps // 4, args.steps // 2, args.steps}) if s >= 1}})
 
-    base = dict(study="bench", trial=args.attention, attention=args.attention, scale="-", p_train=None,
-                step=args.steps, tokens=args.steps * B * T, train_len=T, seed=args.seed, config_hash="-",
-                git_sha="-")
     start = _clock()
     for length in (T, 2 * T, 4 * T, 8 * T, 16 * T):
         data.eval_set(length, max_tokens=args.eval_tokens)
     say({"phase": "val_windows", **_since(start)})
     start = _clock()
-    rows = orbit_length_rows(model, data, base_row=base, max_tokens=args.eval_tokens)
+    loaded = (model, {"data": data.spec, "seed": args.seed, "tokens_per_step": B * T},
+              {"step": args.steps, "checkpoint": None})
+    rows = evaluate_checkpoint(loaded, EvalConfig(rope_scaling="ntk", max_tokens=args.eval_tokens),
+                               context={"study": "bench"})
 
     def table(metric, bucket=None):
         return {r["eval_len"]: round(r["value"], 4) for r in rows
                 if r["metric"] == metric and r.get("bucket") == bucket}
 
     say({"phase": "eval", **_since(start), "val_loss": table("val_loss"), "acc": table("acc"),
-         "coord_err_au": table("coord_err_au"), "coord_err_au_late": table("coord_err_au", "late"),
+         "coord_err_au": table("coord_err_au"), "loss_late": table("loss_bucket", "late"),
          "windows": {r["eval_len"]: r["n_tokens"] // r["eval_len"] for r in rows
                      if r["metric"] == "val_loss" and r.get("bucket") is None}})
     if not args.probe:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from attnlab.data.orbits import open_orbits
 from attnlab.errors import UserError
-from attnlab.evaluate.core import mean_window_loss
+from attnlab.model.scoring import mean_window_loss
 from attnlab.evaluate.diagnostics import attention_diagnostics
 from attnlab.model import GPT, GPTConfig
 from attnlab.model.orbit import OrbitGPT, OrbitGPTConfig, build_model, config_from_dict, with_kind

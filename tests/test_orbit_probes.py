@@ -1,5 +1,6 @@
 """The orbit study's probes: symbolic regression recovers Newton's law from true forces and reports a wrong law
-as wrong; the force probes run on a tiny random model and return their documented fields; extrapolation rows."""
+as wrong; the force probes run on a tiny random model and return their documented fields; evaluating an orbit
+model gives the extrapolation rows (coordinate error included) and the force-probe rows with the expression."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 from attnlab.data.orbits import open_orbits
 from attnlab.errors import UserError
 from attnlab.model.orbit import OrbitGPT, OrbitGPTConfig
-from attnlab.probes.force import FORCE_METRICS, ForceProbeResult, finetune_force_probe, linear_force_probe, probe_rows
-from attnlab.probes.orbit_eval import orbit_length_rows
-from attnlab.probes.symbolic import G_NEWTON, ForceLaw, fit_force_law, fit_power_law
+from attnlab.evaluate.extrapolation import evaluate_checkpoint
+from attnlab.evaluate.force_probe import FORCE_METRICS, ForceProbeResult, finetune_force_probe, linear_force_probe
+from attnlab.evaluate.plan import EvalCell, EvalConfig
+from attnlab.evaluate.rows import force_rows
+from attnlab.evaluate.symbolic import G_NEWTON, ForceLaw, fit_force_law, fit_power_law
 from attnlab.results.schema import validate_row
 
 SMALL = {"synthetic": "orbits", "size": "cpu", "block_systems": 10, "n_train_systems": 40, "n_val_systems": 20}
@@ -109,13 +112,14 @@ def check_result(result: ForceProbeResult, kind: str):
     np.testing.assert_allclose(result.points["f_true"],
                                G_NEWTON * result.points["m1"] * result.points["m2"] / result.points["r"] ** 2,
                                rtol=1e-9)
-    rows = probe_rows(result, BASE)
+    cell = EvalCell("force", 32, None, "none", f"force_{kind}", 0)
+    rows = force_rows(BASE, cell, "0" * 16, result)
     assert [r["metric"] for r in rows] == list(FORCE_METRICS)
     for i, row in enumerate(rows):
         stored = validate_row(row, i)
         assert stored["window_mode"] == f"force_{kind}" and stored["eval_len"] == 32
-    text = probe_rows(result, BASE, expression_column="expression")
-    assert [r.get("expression") for r in text if "expression" in r] == [result.law.expression]
+    assert [(r["metric"], r["expression"]) for r in rows if r.get("expression")] == [
+        ("force_newton_dist", result.law.expression)]
 
 
 def test_linear_probe_runs_on_a_tiny_random_model(data, model):
@@ -145,22 +149,41 @@ def test_probe_arguments_are_checked(data, model):
         linear_force_probe(model, data, n_train=0, n_test=2)
 
 
-# ---------------------------------------------------------------------------------------- extrapolation rows
-def test_orbit_length_rows_score_every_length_and_validate(data, model):
-    rows = orbit_length_rows(model, data, base_row=BASE, multiples=(1, 2), rope_scalings=("ntk", "none"),
-                             p_evals=(None, 3.0), max_tokens=64 * 4)
+# ---------------------------------------------------------------------------------------- evaluating an orbit model
+def test_evaluating_an_orbit_model_scores_every_length_and_runs_the_force_probe(data, model):
+    config = EvalConfig(multiples=[1, 2], rope_scaling="both", p_eval=[None, 3.0], max_tokens=64 * 4,
+                        force_probe={"kind": "linear", "n_train": 12, "n_test": 6, "n_points": 200,
+                                     "population": 200, "generations": 4, "restarts": 1})
+    loaded = (model, {"data": SMALL, "seed": 0, "tokens_per_step": 256}, {"step": 0, "checkpoint": None})
+    rows = evaluate_checkpoint(loaded, config, context={"study": "orbits"})
     for i, row in enumerate(rows):
         validate_row(row, i)
-    cells = {(r["eval_len"], r["rope_scaling"], r["p_eval"]) for r in rows}
+    windows = [r for r in rows if r["window_mode"] == "nonoverlap"]
+    cells = {(r["eval_len"], r["rope_scaling"], r["p_eval"]) for r in windows}
     assert cells == {(L, rope, p) for L in (32, 64) for rope in ("ntk", "none") for p in (None, 3.0)}
-    pick = {(r["eval_len"], r["rope_scaling"], r["p_eval"], r["metric"], r.get("bucket")): r for r in rows}
+    pick = {(r["eval_len"], r["rope_scaling"], r["p_eval"], r["metric"], r.get("bucket")): r for r in windows}
     for L, n in ((32, 8), (64, 4)):
-        whole = pick[(L, "ntk", None, "coord_err_au", None)]
-        assert whole["n_tokens"] == n * L
-        bins = pick[(L, "ntk", None, "coord_bin_err", None)]["value"]
-        assert whole["value"] == pytest.approx(bins * data.bin_width)
+        au = pick[(L, "ntk", None, "coord_err_au", None)]
+        assert au["n_tokens"] == n * L
+        assert au["value"] == pytest.approx(pick[(L, "ntk", None, "coord_err", None)]["value"] * data.bin_width)
+        assert 0 <= pick[(L, "ntk", None, "acc", None)]["value"] <= 1
         assert {b for (l, rp, p, m, b) in pick if l == L and m == "loss_bucket"} == {"early", "middle", "late"}
     # NTK changes nothing at the training length, and something beyond it
     assert pick[(32, "ntk", None, "val_loss", None)]["value"] == pick[(32, "none", None, "val_loss", None)]["value"]
     assert pick[(64, "ntk", None, "val_loss", None)]["value"] != pick[(64, "none", None, "val_loss", None)]["value"]
+    force = [r for r in rows if r["window_mode"] == "force_linear"]
+    assert [r["metric"] for r in force] == list(FORCE_METRICS) and {r["eval_len"] for r in force} == {32}
+    assert len({r["eval_key"] for r in force}) == 1 and force[0]["eval_key"] not in {r["eval_key"] for r in windows}
+    assert [r["expression"] for r in force if r.get("expression")]
     assert dataclasses.is_dataclass(ForceLaw)
+
+
+def test_the_force_probe_needs_orbit_data():
+    from attnlab.data.synthetic import open_task
+    from attnlab.model import GPT, GPTConfig
+
+    copy = {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 4}
+    gpt = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, vocab_size=open_task(copy).vocab_size, train_len=16))
+    config = EvalConfig(multiples=[1], max_tokens=64, force_probe={"kind": "linear"})
+    with pytest.raises(UserError, match="force_probe: needs a model trained on orbits"):
+        evaluate_checkpoint((gpt, {"data": copy}, {"step": 0, "checkpoint": None}), config)

@@ -1,8 +1,10 @@
 """What training and evaluation need from a data source, and ``open_data``: the one way to get one.
 
-A data source is either real text (a folder made by ``attnlab data prepare``: :class:`TextData`) or a
-generated probe task (``{synthetic: TASK, ...}``: :class:`attnlab.data.synthetic.SyntheticData`). Both
-implement :class:`DataSource`, so training, validation and evaluation never ask which kind they hold.
+A data source is either real text (a folder made by ``attnlab data prepare``: :class:`TextData`), a
+generated probe task (``{synthetic: TASK, ...}``: :class:`attnlab.data.synthetic.SyntheticData`) or simulated
+orbits (``{synthetic: orbits, ...}``: :class:`attnlab.data.orbits.OrbitData`, whose tokens are (x, y) bin pairs).
+All implement :class:`DataSource`, so training, validation and evaluation never ask which kind they hold; a
+source's ``model_kind`` (default ``gpt``) says which model reads its tokens (``orbit``: two coordinates per token).
 
 Both cut batches by one rule, :func:`attnlab.data.batching.micro_batch_rows`.
 
@@ -41,6 +43,12 @@ class DataSource(Protocol):
 
 
 DEMO = "demo"  # the offline demo corpus, prepared once into the attnlab cache
+ORBITS = "orbits"  # {synthetic: orbits, ...}: simulated planetary orbits (attnlab.data.orbits)
+
+
+def model_kind(source) -> str:
+    """Which model reads the source's tokens: ``gpt`` (one token id per position) or ``orbit`` (x, y bins)."""
+    return getattr(source, "model_kind", "gpt")
 
 
 def demo_data_location() -> str:
@@ -80,6 +88,10 @@ def data_label(spec: str | dict[str, Any]) -> str:
 def open_data(spec: str | dict[str, Any]) -> DataSource:
     """A prepared folder (path or URI) -> :class:`TextData`; ``{synthetic: TASK, ...}`` -> the probe task."""
     if isinstance(spec, dict):
+        if spec.get("synthetic") == ORBITS:
+            from attnlab.data.orbits import open_orbits
+
+            return open_orbits(spec)
         from attnlab.data.synthetic import open_task
 
         return open_task(spec)
@@ -91,4 +103,4 @@ def open_data(spec: str | dict[str, Any]) -> DataSource:
     return TextData(spec)
 
 
-__all__ = ["DEMO", "DataSource", "data_label", "open_data", "resolve_data"]
+__all__ = ["DEMO", "ORBITS", "DataSource", "data_label", "model_kind", "open_data", "resolve_data"]

@@ -282,7 +282,8 @@ def open_task(spec: dict[str, Any]) -> SyntheticData:
     params = dict(spec)
     name = params.pop("synthetic")
     if name not in SYNTHETIC_TASKS:
-        raise UserError(f"data.synthetic={name!r} is not a known task: use one of {', '.join(SYNTHETIC_TASKS)}")
+        raise UserError(f"data.synthetic={name!r} is not a known task: use one of {', '.join(SYNTHETIC_TASKS)}, "
+                        "or orbits (simulated orbits)")
     return SyntheticData(parse(SYNTHETIC_TASKS[name], params, prefix="data"))
 
 

@@ -4,7 +4,9 @@ For every ``windows`` cell the validation windows of that length (``data.eval_se
 :func:`attnlab.model.scoring.window_token_stats` (the function training's validation uses, so the two agree
 exactly): summed cross-entropy, correct argmax predictions, UTF-8 bytes of the scored tokens (GPT-2 text) and
 per-position-bucket sums. ``passkey`` cells give passkey records (:mod:`attnlab.evaluate.passkey`),
-``diagnostics`` cells per-layer attention statistics (:mod:`attnlab.evaluate.diagnostics`). p_eval is the
+``diagnostics`` cells per-layer attention statistics (:mod:`attnlab.evaluate.diagnostics`), the ``force`` cell
+of an orbit model its force probe and recovered law (:mod:`attnlab.evaluate.force_probe`). Coordinate tokens
+(orbits) also sum the distance between the predicted and the target bins. p_eval is the
 attention spec passed to the forward; the weights are never touched. At L <= train_len NTK scaling changes
 nothing, so identical forwards (same RoPE base and p) are computed once.
 """
@@ -62,6 +64,8 @@ class WindowScores:
     correct: int = 0
     n_bytes: int = 0
     masked: bool = False  # scored only target-mask positions (a probe)
+    distance: float | None = None  # coordinate tokens: summed distance between predicted and target bins
+    bin_width: float | None = None  # coordinate tokens: the bins' width in the data's unit (AU for orbits)
     bucket_total: list = dataclasses.field(default_factory=lambda: [0.0] * len(BUCKETS))
     bucket_count: list = dataclasses.field(default_factory=lambda: [0] * len(BUCKETS))
 
@@ -73,10 +77,19 @@ class WindowScores:
     def acc(self) -> float:
         return self.correct / max(self.count, 1)
 
+    @property
+    def coord_err(self) -> float | None:
+        """Mean distance (bins) between the predicted and the target coordinate bins; None for text."""
+        return None if self.distance is None else self.distance / max(self.count, 1)
+
     def add(self, loss: torch.Tensor, correct: torch.Tensor, targets: np.ndarray, keep: np.ndarray | None,
-            token_bytes: np.ndarray | None) -> None:
-        """Accumulate one batch: ``loss``/``correct`` ``(b, L)``, ``targets`` ``(b, L)``, ``keep`` mask or None."""
+            token_bytes: np.ndarray | None, distance: torch.Tensor | None = None) -> None:
+        """Accumulate one batch: ``loss``/``correct``/``distance`` ``(b, L)``, ``targets`` ``(b, L)``, ``keep``
+        mask or None."""
         keep_t = None if keep is None else torch.as_tensor(keep, dtype=torch.bool)
+        if distance is not None:
+            kept = distance if keep_t is None else distance[keep_t]
+            self.distance = (self.distance or 0.0) + float(kept.double().sum())
         if keep_t is None:
             self.total += float(loss.double().sum())  # as scoring.mean_window_loss sums, for exact agreement
             self.count += loss.numel()
@@ -106,11 +119,11 @@ def score_windows(model, windows: np.ndarray, target_mask: np.ndarray | None = N
     positions when given."""
     windows = np.asarray(windows, dtype=np.int64)
     scores = WindowScores(length=windows.shape[1] - 1)
-    for r0, loss, correct in window_token_stats(model, windows, batch_size=batch_size, device=device,
-                                                precision=precision, **forward_kwargs):
+    for r0, loss, correct, distance in window_token_stats(model, windows, batch_size=batch_size, device=device,
+                                                          precision=precision, **forward_kwargs):
         rows = slice(r0, r0 + len(loss))
         keep = None if target_mask is None else np.asarray(target_mask[rows], dtype=bool)
-        scores.add(loss, correct, windows[rows, 1:], keep, token_bytes)
+        scores.add(loss, correct, windows[rows, 1:], keep, token_bytes, distance)
     return scores
 
 
@@ -152,6 +165,9 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
         if cell.kind == "passkey":
             yield cell, _passkey(model, cell, spec, device=device, precision=precision, batch=batch, say=say)
             continue
+        if cell.kind == "force":
+            yield cell, _force_probe(model, source, cell, device=device, say=say)
+            continue
         windows, mask = windows_at(cell)
         if len(windows) == 0 and cell.window_mode == "nonoverlap":
             raise UserError(f"lengths: {cell.length} does not fit one window in the validation split of "
@@ -170,6 +186,7 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
         if key not in forwards:
             forwards[key] = score_windows(model, windows, mask, token_bytes=token_bytes, batch_size=batch,
                                           device=device, precision=precision, rope_scaling=cell.rope, attention=spec)
+            forwards[key].bin_width = getattr(source, "bin_width", None)
         yield cell, forwards[key]
 
 
@@ -178,6 +195,25 @@ def _is_gpt2_text(source) -> bool:
 
     shards = getattr(source, "shards", None)
     return shards is not None and shards.manifest.get("tokenizer") == TOKENIZER_NAME
+
+
+def _force_probe(model, source, cell: EvalCell, *, device, say):
+    """The force probe of an orbit model and the law recovered from it (:mod:`attnlab.evaluate.force_probe`)."""
+    from attnlab.evaluate.force_probe import finetune_force_probe, linear_force_probe
+    from attnlab.evaluate.plan import ForceProbeConfig
+
+    if not hasattr(source, "probe_set") or not hasattr(model, "coord_stats"):
+        raise UserError("eval.force_probe: needs a model trained on orbits (train.data: {synthetic: orbits}); "
+                        "drop force_probe for other data")
+    probe = ForceProbeConfig(**dict(cell.extra))
+    say(f"eval: force probe ({probe.kind}) on {probe.n_train} + {probe.n_test} two-body sequences of "
+        f"{cell.length} tokens, then symbolic regression")
+    common = dict(seq_len=cell.length, n_train=probe.n_train, n_test=probe.n_test, test_shots=probe.test_shots,
+                  seed=probe.seed, n_points=probe.n_points, sr_kwargs=probe.sr_kwargs(), device=device,
+                  batch_size=probe.batch_size)
+    if probe.kind == "finetune":
+        return finetune_force_probe(model, source, steps=probe.steps, lr=probe.lr, **common)
+    return linear_force_probe(model, source, alpha=probe.alpha, **common)
 
 
 def _passkey(model, cell: EvalCell, spec, *, device, precision, batch, say) -> list[dict]:

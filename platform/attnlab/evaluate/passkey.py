@@ -224,7 +224,7 @@ def model_logprob(model, *, rope_scaling: str = "none", attention=None, device=N
     from attnlab.model.scoring import window_token_stats
 
     def logprob(tokens: np.ndarray) -> torch.Tensor:
-        parts = [loss for _, loss, _ in window_token_stats(model, np.asarray(tokens), batch_size=batch_size,
+        parts = [loss for _, loss, _, _ in window_token_stats(model, np.asarray(tokens), batch_size=batch_size,
                                                            device=device, precision=precision,
                                                            rope_scaling=rope_scaling, attention=attention)]
         return -torch.cat(parts, dim=0)

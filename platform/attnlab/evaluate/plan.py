@@ -3,7 +3,9 @@
 ``EvalConfig`` is the one evaluation configuration: a study file's ``eval:`` block is one, and ``attnlab eval``
 builds one from its flags. For a model trained at ``train_len`` it expands into :class:`EvalCell`\\ s, one per
 (kind, length, p_eval, RoPE scaling, window mode): ``windows`` cells give val_loss / acc / bpb / loss buckets,
-``passkey`` cells passkey accuracy, ``diagnostics`` cells per-layer attention entropy and sink mass.
+``passkey`` cells passkey accuracy, ``diagnostics`` cells per-layer attention entropy and sink mass, and a
+``force`` cell (orbit models, ``force_probe:``) the force probe and the law recovered from it
+(:mod:`attnlab.evaluate.force_probe`).
 
 A cell's key (:meth:`EvalCell.key`) hashes the training run's key, the checkpoint step, the evaluation data's
 fingerprint and everything that changes the cell's numbers (length, p_eval, rope, window mode, token budget,
@@ -31,7 +33,33 @@ from attnlab.names import DEFAULT_MULTIPLES, ROPE_SCALINGS, is_none_word, parse_
 
 DEFAULT_EVAL_TOKENS = 2**18  # target tokens scored at every length unless a study or --max-tokens says otherwise
 WINDOW_MODES = ("nonoverlap", "long_docs")
-CELL_KINDS = ("windows", "passkey", "diagnostics")
+CELL_KINDS = ("windows", "passkey", "diagnostics", "force")
+
+
+class ForceProbeConfig(BaseModel):
+    """The orbit study's force probe (docs/orbits.md): Vafa et al.'s fine-tuned force head (``finetune``) or a
+    ridge probe on frozen hidden states (``linear``), on two-body sequences of the training length, then
+    symbolic regression of the predicted forces against (r, m1, m2). Vafa et al.: n_train 9000, n_test 1000,
+    10,000 steps at batch 64; symbolic regression on 1000 points with 3 restarts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["finetune", "linear"] = "finetune"
+    n_train: int = Field(default=256, gt=0)  # two-body sequences whose every planet token is a target
+    n_test: int = Field(default=64, gt=0)  # held-out sequences (test_shots planet tokens of each are targets too)
+    test_shots: int = Field(default=2, ge=0)
+    steps: int = Field(default=300, gt=0)  # finetune: AdamW steps
+    batch_size: int = Field(default=16, gt=0)
+    lr: float = Field(default=3e-4, gt=0)
+    alpha: float = Field(default=1.0, ge=0)  # linear: ridge penalty
+    n_points: int = Field(default=1000, ge=10)  # symbolic regression: points (a random subsample)
+    restarts: int = Field(default=3, gt=0)
+    population: int = Field(default=1000, ge=10)
+    generations: int = Field(default=20, gt=0)
+    seed: int = Field(default=0, ge=0)
+
+    def sr_kwargs(self) -> dict:
+        return dict(restarts=self.restarts, population=self.population, generations=self.generations)
 
 
 class EvalConfig(BaseModel):
@@ -51,6 +79,7 @@ class EvalConfig(BaseModel):
     passkey_trials: int = Field(default=4, gt=0)
     diagnostics: bool = False
     diagnostic_windows: int = Field(default=2, gt=0)
+    force_probe: ForceProbeConfig | None = None  # orbit models: the force probe + symbolic regression
     batch_size: int | None = Field(default=None, gt=0)  # windows per forward; how, not what: not in any key
     compile: bool | None = None  # torch.compile the model (None: on for CUDA, off on CPU); not in any key
 
@@ -128,6 +157,10 @@ class EvalConfig(BaseModel):
                 for rope in self.rope_scaling:
                     for p in self.p_eval:
                         out.append(EvalCell("passkey", length, p, rope, "passkey", 0, (self.passkey_trials,)))
+        if self.force_probe is not None:
+            probe = self.force_probe
+            out.append(EvalCell("force", train_len, None, "none", f"force_{probe.kind}", 0,
+                                tuple(sorted(probe.model_dump().items()))))
         return out
 
 
@@ -135,13 +168,13 @@ class EvalConfig(BaseModel):
 class EvalCell:
     """One measured cell: what kind, at which length, with which p_eval, RoPE scaling, window mode and budget."""
 
-    kind: str  # windows | passkey | diagnostics
+    kind: str  # windows | passkey | diagnostics | force
     length: int
     p_eval: float | None
     rope: str
     window_mode: str
     max_tokens: int
-    extra: tuple = ()  # passkey: (trials,); diagnostics: (windows,)
+    extra: tuple = ()  # passkey: (trials,); diagnostics: (windows,); force: the probe's settings as (name, value)
 
     def key(self, train_key: str, step: int, data_fingerprint: str) -> str:
         """The cell's identity (16 hex digits) for this checkpoint and evaluation data."""
@@ -158,4 +191,4 @@ def p_eval_label(p) -> str:
     return "none" if is_none_word(p) else f"{float(p):g}"
 
 
-__all__ = ["CELL_KINDS", "DEFAULT_EVAL_TOKENS", "EvalCell", "EvalConfig", "WINDOW_MODES", "p_eval_label"]
+__all__ = ["CELL_KINDS", "DEFAULT_EVAL_TOKENS", "EvalCell", "EvalConfig", "ForceProbeConfig", "WINDOW_MODES", "p_eval_label"]

@@ -4,10 +4,13 @@ Every row of a cell carries the checkpoint's identity (``base``: study, trial, a
 tokens, train_len, seed, config_hash = the training run's key, git_sha, preset, data, ...), the cell's own
 settings (p_eval, rope_scaling, eval_len, window_mode) and the cell's key (``eval_key``). Metrics:
 
-- windows: ``val_loss`` (mean cross-entropy over the scored tokens, nats), ``acc`` (probes with target masks),
-  ``bpb`` (GPT-2 text), ``loss_bucket`` per early / middle / late third of the window positions;
+- windows: ``val_loss`` (mean cross-entropy over the scored tokens, nats), ``acc`` (probes with target masks,
+  and coordinate tokens), ``bpb`` (GPT-2 text), ``coord_err`` / ``coord_err_au`` (coordinate tokens: distance of
+  the predicted bins from the target's), ``loss_bucket`` per early / middle / late third of the window positions;
 - passkey: ``passkey_acc`` per depth and over all depths, ``passkey_rank`` over all depths;
-- diagnostics: ``entropy`` and ``sink_mass`` per layer.
+- diagnostics: ``entropy`` and ``sink_mass`` per layer;
+- force: every metric of :data:`attnlab.evaluate.force_probe.FORCE_METRICS`; the ``force_newton_dist`` row
+  carries the recovered law in ``expression``.
 
 No Ray, no torch, no store access here.
 """
@@ -19,7 +22,7 @@ from attnlab.evaluate.plan import EvalCell
 
 
 def _row(base: dict, cell: EvalCell, eval_key: str, *, metric: str, value: float, n_tokens: int, bucket=None,
-         layer=None) -> dict:
+         layer=None, expression=None) -> dict:
     row = dict(base)
     row.update(p_eval=cell.p_eval, rope_scaling=cell.rope, eval_len=int(cell.length), window_mode=cell.window_mode,
                metric=metric, value=float(value), n_tokens=int(n_tokens), eval_key=eval_key)
@@ -27,13 +30,20 @@ def _row(base: dict, cell: EvalCell, eval_key: str, *, metric: str, value: float
         row["bucket"] = bucket
     if layer is not None:
         row["layer"] = int(layer)
+    if expression is not None:
+        row["expression"] = expression
     return row
 
 
 def window_rows(base: dict, cell: EvalCell, eval_key: str, s: WindowScores, gpt2_text: bool) -> list[dict]:
     rows = [_row(base, cell, eval_key, metric="val_loss", value=s.loss, n_tokens=s.count)]
-    if s.masked:
+    if s.masked or s.coord_err is not None:
         rows.append(_row(base, cell, eval_key, metric="acc", value=s.acc, n_tokens=s.count))
+    if s.coord_err is not None:
+        rows.append(_row(base, cell, eval_key, metric="coord_err", value=s.coord_err, n_tokens=s.count))
+        if s.bin_width is not None:
+            rows.append(_row(base, cell, eval_key, metric="coord_err_au", value=s.coord_err * s.bin_width,
+                             n_tokens=s.count))
     if gpt2_text:
         rows.append(_row(base, cell, eval_key, metric="bpb", value=bits_per_byte(s.total, s.n_bytes),
                          n_tokens=s.count))
@@ -59,15 +69,28 @@ def diagnostic_rows(base: dict, cell: EvalCell, eval_key: str, layers: list[dict
             for stats in layers for metric in ("entropy", "sink_mass")]
 
 
+def force_rows(base: dict, cell: EvalCell, eval_key: str, result) -> list[dict]:
+    """A force probe's rows (``result``: :class:`attnlab.evaluate.force_probe.ForceProbeResult`)."""
+    from attnlab.evaluate.force_probe import EXPRESSION_METRIC, force_values
+
+    return [_row(base, cell, eval_key, metric=metric, value=value, n_tokens=n,
+                 expression=result.law.expression if metric == EXPRESSION_METRIC else None)
+            for metric, (value, n) in force_values(result).items()]
+
+
 def rows_for(base: dict, cell: EvalCell, eval_key: str, scores, gpt2_text: bool = False) -> list[dict]:
     """The rows of one measured cell."""
     if cell.kind == "windows":
         return window_rows(base, cell, eval_key, scores, gpt2_text)
     if cell.kind == "passkey":
         return passkey_rows(base, cell, eval_key, scores)
+    if cell.kind == "force":
+        return force_rows(base, cell, eval_key, scores)
     return diagnostic_rows(base, cell, eval_key, scores)
 
 
 def nan_rows(base: dict, cell: EvalCell, eval_key: str) -> list[dict]:
-    """A diverged training run's cell: NaN ``val_loss`` (tables show it, and the cell is not retried)."""
-    return [_row(base, cell, eval_key, metric="val_loss", value=float("nan"), n_tokens=0)]
+    """A diverged training run's cell: NaN ``val_loss`` (a force cell: NaN ``force_newton_dist``), so tables show
+    it and the cell is not retried."""
+    metric = "force_newton_dist" if cell.kind == "force" else "val_loss"
+    return [_row(base, cell, eval_key, metric=metric, value=float("nan"), n_tokens=0)]

@@ -1,9 +1,13 @@
-"""The GPT model with RoPE + NTK scaling, any attention variant, presets, and compiling it (no Ray here)."""
+"""The GPT model with RoPE + NTK scaling, any attention variant, presets, and compiling it; the same GPT over
+(x, y) coordinate tokens (``OrbitGPT``), and ``build_model`` / ``config_from_dict`` that pick one from a config
+(no Ray here)."""
 
 from attnlab.model.compile import compile_enabled, compile_model, is_compiled
 from attnlab.model.config import GPT2_VOCAB, PRESETS, GPTConfig, preset
 from attnlab.model.gpt import GPT
+from attnlab.model.orbit import MODEL_KINDS, OrbitGPT, OrbitGPTConfig, build_model, config_from_dict, with_kind
 from attnlab.model.rope import ROPE_SCALINGS, ntk_base
 
 __all__ = ["GPT", "GPTConfig", "GPT2_VOCAB", "PRESETS", "ROPE_SCALINGS", "ntk_base", "preset", "compile_enabled",
-           "compile_model", "is_compiled"]
+           "compile_model", "is_compiled", "MODEL_KINDS", "OrbitGPT", "OrbitGPTConfig", "build_model", "config_from_dict",
+           "with_kind"]

@@ -102,12 +102,12 @@ def load_model(path: str | Path | Location, device="cpu"):
 
     ``meta``: ``{"step", "checkpoint"}`` (the checkpoint's canonical location, a path or a URI).
     """
-    from attnlab.model import GPT, GPTConfig
+    from attnlab.model import build_model, config_from_dict
 
     loc = find_latest_checkpoint(path)
     with local_checkpoint(loc) as directory:
         state = load_state(directory, map_location=device)
-    model = GPT(GPTConfig(**state["gpt_config"])).to(device)
+    model = build_model(config_from_dict(state["gpt_config"])).to(device)
     model.load_state_dict(state["model"])
     model.eval()
     meta = {"step": state["step"], "checkpoint": loc.uri}

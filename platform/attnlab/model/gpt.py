@@ -105,6 +105,10 @@ class GPT(nn.Module):
         c = self.cfg
         return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * c.head_dim * T
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> input vectors ``(B, T, C)``."""
+        return self.wte(idx)
+
     def hidden_states(self, idx: torch.Tensor, *, rope_scaling: str = "none", attention: AttentionSpec | None = None,
                       impl: str | None = None, on_attention: AttentionObserver | None = None) -> torch.Tensor:
         """The final-LayerNorm output ``(B, T, C)``.
@@ -113,13 +117,13 @@ class GPT(nn.Module):
         instead of the trained one (evaluation-time sharpening); ``on_attention``: diagnostics observer. With an
         observer the blocks run eagerly even in a compiled model (:func:`attnlab.model.compile_model`).
         """
-        B, T = idx.shape
+        x = self.embed(idx)
+        T = x.shape[1]
         c = self.cfg
         base = rope_base(rope_scaling, c.rope_base, c.head_dim, T, c.train_len)
         cos, sin = rope_tables(T, c.head_dim, base, device=idx.device)
         spec = attention or self.spec
         impl = impl or c.attn_impl
-        x = self.wte(idx)
         if on_attention is not None:
             return self._observed_blocks(x, cos, sin, spec, impl, on_attention)
         for block in self.blocks:

@@ -29,11 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlab.attention.spec import AttentionSpec
 from attnlab.errors import UserError
 from attnlab.model.config import GPTConfig
-from attnlab.model.gpt import GPT, AttentionObserver, Block
-from attnlab.model.rope import rope_base, rope_tables
+from attnlab.model.gpt import GPT, Block
 
 
 @dataclass(frozen=True)
@@ -89,20 +87,9 @@ class OrbitGPT(nn.Module):
         self._check_idx(idx)
         return self.combine(torch.cat([emb(idx[..., c]) for c, emb in enumerate(self.wte)], dim=-1))
 
-    def hidden_states(self, idx: torch.Tensor, *, rope_scaling: str = "none", attention: AttentionSpec | None = None,
-                      impl: str | None = None, on_attention: AttentionObserver | None = None) -> torch.Tensor:
-        """The final-LayerNorm output ``(B, T, n_embd)`` (arguments as ``GPT.hidden_states``)."""
-        self._check_idx(idx)
-        T = idx.shape[1]
-        c = self.cfg
-        base = rope_base(rope_scaling, c.rope_base, c.head_dim, T, c.train_len)
-        cos, sin = rope_tables(T, c.head_dim, base, device=idx.device)
-        spec = attention or self.spec
-        impl = impl or c.attn_impl
-        x = self.embed(idx)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, spec, impl, i, on_attention)
-        return self.ln_f(x)
+    # The residual stream, RoPE/NTK, attention spec, p_eval and diagnostics observer are exactly the GPT's.
+    hidden_states = GPT.hidden_states
+    _observed_blocks = GPT._observed_blocks
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``(B, T, n_embd)`` -> ``(B, T, C, V)``."""

@@ -1,4 +1,4 @@
-"""``attnlab results table|curves|best|compare|export|studies|schema``: reports from a results store.
+"""``attnlab results table|curves|best|compare|laws|export|studies|schema``: reports from a results store.
 
 Thin argument handling only: reading is ``ResultsStore``, the reports are ``attnlab.results.reports``.
 No Ray here. Bad input raises ``UserError`` (printed by the top-level CLI as one line, exit 2).
@@ -109,6 +109,14 @@ def _compare(args) -> int:
     return 0
 
 
+def _laws(args) -> int:
+    result = reports.laws(_load(args), step=args.step)
+    text = reports.laws_to_markdown(result, digits=args.digits) if args.format == "markdown" else \
+        reports.laws_to_csv(result)
+    _emit(text, args.out)
+    return 0
+
+
 def _export(args) -> int:
     print(reports.export(_load(args), args.out, format=args.format))
     return 0
@@ -199,6 +207,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--at", required=True, metavar="LENGTH", help="eval length (1024, 1k) or multiple of train_len (16x)")
     p.add_argument("--digits", type=int, default=4, help="decimals in the printed difference and interval (default 4)")
     p.set_defaults(func=_compare)
+
+    p = sub.add_parser("laws", help="the force law each orbit-study trial's probe recovered (variant, seed, law)",
+                       description="Per trial and force probe of an orbit study: the law recovered by symbolic "
+                                   "regression of the probe's forces (in r, m1, m2), its exponents, its distance "
+                                   "from Newton's G m1 m2 / r^2, the fit and probe errors, and the power-law fit.")
+    _store_options(p)
+    p.add_argument("--step", default="final", help="'final' (each trial's last step, default) or a step number")
+    p.add_argument("--format", choices=("markdown", "csv"), default="markdown", help="markdown (default) or csv")
+    p.add_argument("--digits", type=int, default=3, help="decimals in markdown cells (default 3)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write to FILE instead of stdout")
+    p.set_defaults(func=_laws)
 
     p = sub.add_parser("export", help="write the selected rows as Parquet or CSV")
     _store_options(p)

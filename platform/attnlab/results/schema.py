@@ -33,7 +33,7 @@ import pyarrow as pa
 from attnlab.errors import UserError
 from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 
-SCHEMA_VERSION = 2  # 2: eval_key (rows of version 1 read it as null)
+SCHEMA_VERSION = 3  # 2: eval_key; 3: expression (rows of older versions read them as null)
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
@@ -74,6 +74,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("data", "str", False, "data set / folder the metric was computed on"),
     Column("knobs", "str", False, 'other searched settings of the trial, e.g. "lr=0.001,model.n_layer=4"'),
     Column("eval_key", "str", False, "identity of the evaluation cell the row belongs to (see attnlab.evaluate.plan)"),
+    Column("expression", "str", False, "a recovered formula, e.g. the force law of the orbit study's probe; null = none"),
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
@@ -133,6 +134,25 @@ for _name, _higher, _doc in (
     ("passkey_rank", False, "mean rank of the true passkey among distractors (0 = first)"),
     ("entropy", False, "mean attention-row entropy (nats), per layer"),
     ("sink_mass", False, "mean attention weight on the first token, per layer"),
+    # orbit tokens (attnlab.data.orbits): how far the predicted (x, y) bins land from the true ones
+    ("coord_err", False, "orbit tokens: mean distance between the argmax (x, y) bins and the target bins (bins)"),
+    ("coord_err_au", False, "orbit tokens: the same distance in AU (bins x the source's bin width)"),
+    # the orbit study's force probe (attnlab.evaluate.force_probe) and the law recovered from its forces
+    ("force_probe_err", False, "force probe: mean |log(F_pred / F_true)| over held-out planet tokens (nats)"),
+    ("force_probe_r2", True, "force probe: R^2 of log F over held-out planet tokens"),
+    ("force_sr_err", False, "symbolic regression of the probe's forces: mean |log(f / F_pred)| (nats)"),
+    ("force_exp_r", False, "local exponent d log f / d log r of the recovered law (Newton: -2)"),
+    ("force_exp_m1", True, "local exponent of the recovered law in the planet mass (Newton: 1)"),
+    ("force_exp_m2", True, "local exponent of the recovered law in the star mass (Newton: 1)"),
+    ("force_exp_spread", False, "largest interquartile range of the local exponents (0 = a power law)"),
+    ("force_newton_dist", False, "max |exponent - Newton's| of the recovered law over r, m1, m2 (row carries the "
+                                 "expression)"),
+    ("force_is_newton", True, "1 if the recovered law is Newton's within tolerance (exponents and spread)"),
+    ("force_pl_exp_r", False, "power-law fit of the probe's forces: exponent of r (Newton: -2)"),
+    ("force_pl_exp_m1", True, "power-law fit: exponent of the planet mass (Newton: 1)"),
+    ("force_pl_exp_m2", True, "power-law fit: exponent of the star mass (Newton: 1)"),
+    ("force_pl_rmse", False, "power-law fit: RMS residual of log F (nats)"),
+    ("force_pl_newton_dist", False, "power-law fit: max |exponent - Newton's|"),
     (COMPLETE_METRIC, True, "marker of schema version 1 stores: a trial had written its results (ignored)"),
 ):
     register_metric(_name, _higher, _doc)

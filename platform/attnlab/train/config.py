@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from attnlab.errors import UserError
 from attnlab.attention import Backend, get_variant
 from attnlab.attention.spec import P_TRAIN_DEFAULT, parse_p_train
-from attnlab.model import PRESETS, GPTConfig, preset
+from attnlab.model import PRESETS, GPTConfig, preset, with_kind
 from attnlab.names import GPT2_VOCAB
 from attnlab.validation import parse
 
@@ -170,8 +170,9 @@ class TrainConfig(BaseModel):
     def seq_length(self) -> int:
         return self.seq_len or PRESETS[self.preset]["train_len"]
 
-    def gpt_config(self, vocab_size: int | None = None) -> GPTConfig:
-        """The model config: the preset, its overrides, the attention choice, and the data's vocabulary."""
+    def gpt_config(self, vocab_size: int | None = None, kind: str = "gpt") -> GPTConfig:
+        """The model config: the preset, its overrides, the attention choice, and the data's vocabulary; ``kind``
+        is the data's model kind (``attnlab.data.source.model_kind``: ``orbit`` for coordinate tokens)."""
         overrides = dict(self.model)
         if self.attention is not None:
             overrides["attention"] = self.attention
@@ -182,7 +183,7 @@ class TrainConfig(BaseModel):
         overrides["attn_impl"] = self.attn_impl
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
-        return preset(self.preset, **overrides)
+        return with_kind(preset(self.preset, **overrides), kind)
 
     def batch_plan(self, world_size: int) -> tuple[int, int]:
         """``(global_batch_sequences, grad_accum_steps)`` for ``world_size`` workers; UserError if it doesn't divide."""

@@ -23,9 +23,9 @@ from typing import Iterator, Protocol
 
 import torch
 
-from attnlab.data.source import open_data
+from attnlab.data.source import model_kind, open_data
 from attnlab.location import Location
-from attnlab.model import GPT, compile_model, is_compiled
+from attnlab.model import GPT, build_model, compile_model, is_compiled
 from attnlab.model.checkpoint import find_latest_checkpoint, load_state, local_checkpoint, restore_rng, save_checkpoint
 from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
@@ -130,7 +130,7 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
     if cfg.threads_per_worker:
         torch.set_num_threads(cfg.threads_per_worker)
     data = open_data(cfg.data)
-    gpt_cfg = cfg.gpt_config(vocab_size=data.vocab_size)
+    gpt_cfg = cfg.gpt_config(vocab_size=data.vocab_size, kind=model_kind(data))
     global_batch, accum = cfg.batch_plan(world)
     T = cfg.seq_length
     val_windows, val_mask = data.eval_set(T, max_tokens=cfg.val_tokens, seed=cfg.data_seed)
@@ -138,7 +138,7 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
     val_mask = None if val_mask is None else val_mask[rank::world]
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = GPT(gpt_cfg).to(device)
+    model = build_model(gpt_cfg).to(device)
     compile_model(model, cfg.compile)  # in place, before DDP wraps it (default: on for CUDA, off on CPU)
     optimizer = build_optimizer(model, cfg, device)
     start = 0

@@ -13,10 +13,10 @@ What it is for: given a trained :class:`attnlab.model.orbit.OrbitGPT` and the or
    - :func:`linear_force_probe` (cheaper): ridge regression from the frozen final hidden states;
    the regression target is the standardised ``log F`` (Vafa et al. regress ``F`` itself; forces span several
    decades, so in ``F`` the largest forces would decide everything);
-3. run symbolic regression and a power-law fit (:mod:`attnlab.probes.symbolic`) on the **predicted** forces
+3. run symbolic regression and a power-law fit (:mod:`attnlab.evaluate.symbolic`) on the **predicted** forces
    at the held-out planet tokens against ``(r, m1 = planet mass, m2 = star mass)``.
 
-:func:`probe_rows` turns a result into results-store rows. The model passed in is never modified (the
+:func:`force_values` gives a result's reported numbers (``attnlab.evaluate.rows`` makes the rows). The model passed in is never modified (the
 fine-tune trains a copy). Unlike Vafa et al., the symbolic regression uses all held-out points (a random
 ``n_points`` subsample), not the ones nearest to training states.
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from attnlab.errors import UserError
-from attnlab.probes.symbolic import ForceLaw, fit_force_law
+from attnlab.evaluate.symbolic import ForceLaw, fit_force_law
 
 KINDS = ("finetune", "linear")
 
@@ -241,41 +241,15 @@ def linear_force_probe(model, source, *, seq_len: int | None = None, n_train: in
                    n_points=n_points, seed=seed, oracle=oracle, sr_kwargs=sr_kwargs)
 
 
-# ---------------------------------------------------------------------------------------- results rows
-FORCE_METRICS: dict[str, tuple[bool, str]] = {
-    "force_probe_err": (False, "force probe: mean |log(F_pred / F_true)| over held-out planet tokens (nats)"),
-    "force_probe_r2": (True, "force probe: R^2 of log F over held-out planet tokens"),
-    "force_sr_err": (False, "symbolic regression of the probe's forces: mean |log(f / F_pred)| (nats)"),
-    "force_exp_r": (False, "local exponent d log f / d log r of the recovered law (Newton: -2)"),
-    "force_exp_m1": (True, "local exponent of the recovered law in the planet mass (Newton: 1)"),
-    "force_exp_m2": (True, "local exponent of the recovered law in the star mass (Newton: 1)"),
-    "force_exp_spread": (False, "largest interquartile range of the local exponents (0 = a power law)"),
-    "force_newton_dist": (False, "max |exponent - Newton's| of the recovered law (r, m1, m2)"),
-    "force_is_newton": (True, "1 if the recovered law is Newton's within tolerance (exponents and spread)"),
-    "force_pl_exp_r": (False, "power-law fit of the probe's forces: exponent of r (Newton: -2)"),
-    "force_pl_exp_m1": (True, "power-law fit: exponent of the planet mass (Newton: 1)"),
-    "force_pl_exp_m2": (True, "power-law fit: exponent of the star mass (Newton: 1)"),
-    "force_pl_rmse": (False, "power-law fit: RMS residual of log F (nats)"),
-    "force_pl_newton_dist": (False, "power-law fit: max |exponent - Newton's|"),
-}
+# ---------------------------------------------------------------------------------------- what is reported
+FORCE_METRICS = ("force_probe_err", "force_probe_r2", "force_sr_err", "force_exp_r", "force_exp_m1", "force_exp_m2",
+                 "force_exp_spread", "force_newton_dist", "force_is_newton", "force_pl_exp_r", "force_pl_exp_m1",
+                 "force_pl_exp_m2", "force_pl_rmse", "force_pl_newton_dist")  # registered in attnlab.results.schema
+EXPRESSION_METRIC = "force_newton_dist"  # its row carries the recovered expression
 
 
-def register_force_metrics() -> None:
-    """Add :data:`FORCE_METRICS` to the results schema's registry (idempotent)."""
-    from attnlab.results.schema import register_metric
-
-    for name, (higher, doc) in FORCE_METRICS.items():
-        register_metric(name, higher, doc)
-
-
-def probe_rows(result: ForceProbeResult, base_row: dict, *, expression_column: str | None = None) -> list[dict]:
-    """Results rows for one probe result: ``base_row`` (study, trial, attention, scale, p_train, step, tokens,
-    train_len, seed, config_hash, git_sha, ...) plus ``window_mode = "force_<kind>"``, ``eval_len`` = the probe
-    sequence length, ``rope_scaling = "none"``, ``p_eval = None`` and one row per metric of
-    :data:`FORCE_METRICS`. ``expression_column``: the name of a free-text column to carry the recovered
-    expression on the ``force_newton_dist`` row (the schema has none yet; the expression is
-    ``result.law.expression``)."""
-    register_force_metrics()
+def force_values(result: ForceProbeResult) -> dict[str, tuple[float, int]]:
+    """``{metric: (value, n_points)}`` for every metric of :data:`FORCE_METRICS` (in that order)."""
     law, pl = result.law, result.law.power_law
     values = {
         "force_probe_err": (result.probe_error, result.n_test_points),
@@ -293,16 +267,8 @@ def probe_rows(result: ForceProbeResult, base_row: dict, *, expression_column: s
         "force_pl_rmse": (pl.rmse_log, law.n_points),
         "force_pl_newton_dist": (pl.newton_distance, law.n_points),
     }
-    rows = []
-    for metric, (value, n) in values.items():
-        row = dict(base_row)
-        row.update(window_mode=f"force_{result.kind}", eval_len=result.seq_len, rope_scaling="none", p_eval=None,
-                   metric=metric, value=float(value), n_tokens=int(n))
-        if expression_column and metric == "force_newton_dist":
-            row[expression_column] = law.expression
-        rows.append(row)
-    return rows
+    return {name: values[name] for name in FORCE_METRICS}
 
 
-__all__ = ["FORCE_METRICS", "ForceHead", "ForceProbeResult", "KINDS", "ProbeData", "finetune_force_probe",
-           "linear_force_probe", "probe_data", "probe_rows", "register_force_metrics"]
+__all__ = ["EXPRESSION_METRIC", "FORCE_METRICS", "ForceHead", "ForceProbeResult", "KINDS", "ProbeData",
+           "finetune_force_probe", "force_values", "linear_force_probe", "probe_data"]
