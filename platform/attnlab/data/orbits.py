@@ -63,7 +63,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from attnlab.data import orbit_sim
+import attnlab.data.orbit_sim as orbit_sim
 from attnlab.errors import UserError
 from attnlab.validation import parse
 

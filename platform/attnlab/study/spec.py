@@ -410,6 +410,13 @@ class StudySpec(_Strict):
                 raise ValueError(f"train.data is required: {data_rule}")
             if isinstance(data, dict) and "synthetic" not in data:
                 raise ValueError("train.data: a data mapping needs a synthetic: TASK key")
+            if isinstance(data, dict):  # a generated source: its parameters are checked now (nothing is generated)
+                from attnlab.data.source import open_data
+
+                try:
+                    open_data(data)
+                except UserError as exc:
+                    raise ValueError(str(exc)) from None
             if not isinstance(data, (str, dict)):
                 raise ValueError(f"train.data={data!r} is not allowed: use {data_rule}")
         return value
