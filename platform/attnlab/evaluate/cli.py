@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-_METRIC_ORDER = ("val_loss", "acc", "bpb", "loss_bucket", "entropy", "sink_mass", "passkey_acc", "passkey_rank")
+_METRIC_ORDER = ("val_loss", "acc", "bpb", "coord_err_au", "loss_bucket", "entropy", "sink_mass", "passkey_acc",
+                 "passkey_rank")
 
 
 def add_parser(subparsers) -> None:
@@ -41,6 +42,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--passkey-trials", default="4", help="passkey prompts per depth and length (default 4)")
     p.add_argument("--diagnostics", action="store_true",
                    help="also report per-layer attention entropy and sink mass (on 2 windows per length)")
+    p.add_argument("--force-probe", choices=("finetune", "linear"), default=None,
+                   help="orbit models: also fit a force probe (finetune: Vafa et al.'s fine-tuned force head; linear: "
+                        "a ridge probe on frozen states) and run symbolic regression on its forces (docs/orbits.md)")
     p.add_argument("--batch-size", help="windows per forward (default: 8 at the training length, fewer for "
                    "longer windows, at least 1)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
@@ -110,6 +114,8 @@ def eval_config_from_args(args):
         if value is not None:
             fields[name] = value
     fields.update(long_docs=args.long_docs, passkey=args.passkey, diagnostics=args.diagnostics)
+    if getattr(args, "force_probe", None):
+        fields["force_probe"] = {"kind": args.force_probe}
     return parse(EvalConfig, fields, prefix="eval")
 
 
@@ -147,6 +153,10 @@ def _eval(args) -> int:
             sys.stdout.write(f"# {metric}\n" + reports.to_csv(result))
         else:
             sys.stdout.write(f"## {metric}\n\n{reports.to_markdown(result)}\n\n")
+    if "force_newton_dist" in set(frame["metric"]):
+        laws = reports.laws(frame)
+        sys.stdout.write(reports.laws_to_csv(laws) if args.format == "csv" else
+                         f"## recovered force law\n\n{reports.laws_to_markdown(laws)}\n")
     if args.store:
         print(f"wrote {len(rows)} rows to {args.store}", file=sys.stderr)
     return 0
