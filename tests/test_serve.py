@@ -299,3 +299,30 @@ def test_serve_is_registered_and_documented():
     assert "attnlab serve" in cluster and "-L 8000:127.0.0.1:8000" in cluster
     for name in ("aws.yaml", "gcp.yaml", "local-fake.yaml"):  # never opened in the cluster files
         assert "8000" not in (ROOT / "cluster" / name).read_text(), name
+
+
+def test_an_orbit_study_shows_the_recovered_laws(local):
+    """Force-probe rows (as attnlab.evaluate.rows.force_rows writes them) add the recovered-law table: the same
+    reports.laws as `attnlab results laws`, on the page and in its markdown."""
+    from attnlab.evaluate.force_probe import EXPRESSION_METRIC, FORCE_METRICS
+    from serve_util import _row
+
+    sources, _ = local
+    laws = {"aaaa000000000001": "39.48*m1*m2/r**2", "aaaa000000000002": "7.766/r**2"}
+    rows = []
+    for key, expression in laws.items():
+        point = {"attention": "lssar" if key.endswith("1") else "softmax", "seed": 0}
+        for metric in FORCE_METRICS:
+            rows.append({**_row("probe", key, point, 40, None, "none", 64), "window_mode": "force_finetune",
+                         "metric": metric, "value": 1.0 if metric == "force_is_newton" and "m1" in expression else 0.5,
+                         **({"expression": expression} if metric == EXPRESSION_METRIC else {})})
+    ResultsStore(sources.store.uri).write(rows, key=("eval", "force"))
+    res = data.results(sources, "probe")
+    expected = reports.laws_to_markdown(reports.laws(ResultsStore(sources.store.uri).read(study="probe")))
+    assert res["laws"]["markdown"] == expected
+    assert "expression" in res["laws"]["header"]
+    assert {row[res["laws"]["header"].index("expression")] for row in res["laws"]["body"]} == set(laws.values())
+    assert any(line.startswith("lssar: Newton's law") and "in 1 of 1" in line for line in res["laws"]["summary"])
+    with serving(create_app(sources, refresh_s=1.0)) as base:
+        status, _, page = get(base + "/study/probe")
+        assert status == 200 and 'id="laws"' in page and "39.48*m1*m2/r**2" in page and 'id="laws-summary"' in page

@@ -330,7 +330,7 @@ def results(sources: Sources, name: str, metric: str | None = None, at: str | No
     info = study_info(sources, name)
     out = {"study": name, "store": sources.store.uri, "metrics": [], "metric": None, "at": None, "at_length": None,
            "lengths": [], "at_options": [],
-           "table": None, "best": None, "curves": None, "message": None,
+           "table": None, "best": None, "curves": None, "laws": None, "message": None,
            "signature": results_signature(sources, name)}
     if not sources.store.exists():
         out["message"] = (f"The results store {sources.store.uri} does not exist yet: nothing has been written "
@@ -349,6 +349,12 @@ def results(sources: Sources, name: str, metric: str | None = None, at: str | No
     elif metric not in present:
         raise UserError(f"metric={metric!r}: study {name!r} has no rows of it; metrics present: {', '.join(present)}")
     out["metric"] = metric
+    if "force_newton_dist" in present:  # an orbit study: the law each trial's force probe recovered
+        text = reports.laws_to_markdown(reports.laws(df))
+        l_header, l_body = _markdown_cells(text)
+        out["laws"] = {"header": l_header, "body": [[c.strip("`") for c in row] for row in l_body],
+                       "summary": [line for line in text.splitlines() if line and not line.startswith("|")],
+                       "markdown": text}
     try:
         result = reports.table(df, metric=metric)
     except UserError as exc:  # reports' own sentence (e.g. only marker rows): the page shows it
