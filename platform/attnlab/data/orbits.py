@@ -64,6 +64,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import attnlab.data.orbit_sim as orbit_sim
+from attnlab.data.batching import micro_batch_rows
 from attnlab.errors import UserError
 from attnlab.validation import parse
 
@@ -420,15 +421,9 @@ class OrbitData:
         ``step``: ``(x (B, T, 2), y (B, T, 2), None)`` int64."""
         import torch
 
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank {rank} must be in [0, world_size={world_size})")
-        lo = (micro * world_size + rank) * micro_batch
-        hi = lo + micro_batch
-        if micro < 0 or micro_batch < 1 or hi > global_batch:
-            raise UserError(f"micro-step {micro} x world_size {world_size} x micro_batch {micro_batch} needs rows "
-                            f"[{lo}, {hi}) but global_batch is {global_batch}")
+        rows = micro_batch_rows(rank, world_size, micro, micro_batch, global_batch)
         self._check(seq_len, seed)
-        ids = self.train_system_ids(step * global_batch + np.arange(lo, hi), seed)
+        ids = self.train_system_ids(step * global_batch + np.arange(rows.start, rows.stop), seed)
         data = torch.from_numpy(self.windows("train", seed, ids, seq_len))
         return data[:, :-1].contiguous(), data[:, 1:].contiguous(), None
 

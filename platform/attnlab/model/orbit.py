@@ -66,16 +66,11 @@ class OrbitGPT(nn.Module):
         self.head = nn.Linear(D, C * V, bias=False)
         self.apply(self._init_weights)
 
-    _init_weights = GPT._init_weights  # N(0, init_std); residual projections scaled by 1/sqrt(2 n_layer)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: 6N + 12 * n_layer * n_head * head_dim * T (as ``GPT.flops_per_token``)."""
-        T = seq_len or self.cfg.train_len
-        c = self.cfg
-        return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * c.head_dim * T
+    # The GPT's own: initialisation (N(0, init_std), residual projections scaled by 1/sqrt(2 n_layer)), parameter
+    # count and training FLOPs per token (6N + 12 * n_layer * n_head * head_dim * T).
+    _init_weights = GPT._init_weights
+    num_params = GPT.num_params
+    flops_per_token = GPT.flops_per_token
 
     def _check_idx(self, idx: torch.Tensor) -> None:
         if idx.dim() != 3 or idx.shape[-1] != self.cfg.channels:
