@@ -9,7 +9,9 @@ Each phase reports wall seconds and CPU (process) seconds: on a shared machine t
 core would take. The training loss and the 1x..16x figures are printed too, so a run doubles as a look at what
 the model learned.
 
-Run: ``python bench/orbits.py --attention lssar --steps 1500 [--seq-len 128] [--batch 16] [--probe]``.
+Run: ``python bench/orbits.py --attention lssar --steps 1500 [--seq-len 128] [--batch 16] [--probe]``; the
+simulation rate at the paper's size: ``python bench/orbits.py --size paper --seq-len 999 --pool-blocks 2
+--sim-only``.
 Hardware, versions, load and date are printed too.
 """
 
@@ -50,6 +52,11 @@ def main(argv=None) -> None:
     parser.add_argument("--n-head", type=int, default=2)
     parser.add_argument("--eval-tokens", type=int, default=2**17, help="token budget per evaluation length")
     parser.add_argument("--probe", action="store_true", help="also run both force probes + symbolic regression")
+    parser.add_argument("--pool-blocks", type=int, default=None,
+                        help="simulate only this many training blocks up front (default: every block of the size; "
+                             "use a few for size paper, whose 10M systems are made on the fly)")
+    parser.add_argument("--sim-only", action="store_true",
+                        help="stop after the simulation rate (systems/s, tokens/s): what a GPU worker's CPUs must supply")
     parser.add_argument("--probe-train", type=int, default=256)
     parser.add_argument("--probe-test", type=int, default=64)
     parser.add_argument("--probe-steps", type=int, default=200)
@@ -74,9 +81,17 @@ def main(argv=None) -> None:
 
     start = _clock()
     blocks = data.task.n_train_systems // data.task.block_systems
+    if args.pool_blocks is not None:
+        blocks = min(blocks, args.pool_blocks)
     for b in range(blocks):
         data.block("train", 0, b, T)
-    say({"phase": "train_pool", "systems": data.task.n_train_systems, **_since(start)})
+    pool = _since(start)
+    systems = blocks * data.task.block_systems
+    say({"phase": "train_pool", "systems": systems, "tokens_per_system": T, **pool,
+         "systems_per_cpu_s": round(systems / max(pool["cpu_s"], 1e-9), 1),
+         "tokens_per_cpu_s": round(systems * T / max(pool["cpu_s"], 1e-9))})
+    if args.sim_only:
+        return
 
     torch.manual_seed(args.seed)
     model = OrbitGPT(OrbitGPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,

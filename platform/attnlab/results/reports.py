@@ -732,6 +732,8 @@ def laws_to_markdown(result: pd.DataFrame, digits: int = 3) -> str:
                 cells.append(MISSING_CELL if not np.isfinite(value) else ("yes" if value >= 0.5 else "no"))
             elif column == "expression":
                 cells.append(f"`{value}`" if value else MISSING_CELL)
+            elif column == "p_train":  # null = no sharpening, as every other table prints it
+                cells.append(format_value(value))
             elif column in LAW_KEYS or column == "probe":
                 cells.append(MISSING_CELL if is_missing(value) else format_value(value))
             else:
