@@ -66,10 +66,14 @@ def test_bad_config_names_the_field(fields, match):
         load_train_config({"preset": "tiny", "data": "x", **fields})
 
 
-def test_bad_config_cli_errors_before_any_worker(tmp_path, demo_data_dir):
+def test_bad_config_cli_errors_before_any_worker(tmp_path, demo_data_dir, capsys):
+    """In process (the command's own entry point), so no case pays for a Python start-up."""
+    from attnlab.cli import main
+
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "attnlab.cli", "train", *args], capture_output=True, text=True,
-                              timeout=120)
+        code = main(["train", *args])
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
     out = tmp_path / "run"
     cases = [
         (["--preset", "tiny", "--data", str(demo_data_dir), "--out", str(out), "--set", "lrate=1"], "lrate"),
