@@ -9,7 +9,8 @@
 - ``parse_length`` / ``parse_lengths``: ``1024``, ``1k``, ``16k`` -> tokens;
 - ``parse_at``: a length (``16384``, ``16k``) or a multiple of the training length (``16x``);
 - ``is_missing``: None, NaN or pandas' NA, the ways rows read back from a store spell "no value";
-- ``format_duration``: elapsed times and ETAs as progress lines print them.
+- ``format_duration``: elapsed times and ETAs as progress lines print them;
+- ``check_int``: a function argument that must be an integer (numpy's included, bool refused) of at least a minimum.
 
 Pure Python: no torch, no Ray, no pandas import at module level (the results store and the study spec
 import this without pulling in the model).
@@ -139,6 +140,13 @@ def same_optional_number(a, b) -> bool:
     """Two optional numbers are the same: both missing, or both present and equal."""
     a_none, b_none = is_missing(a), is_missing(b)
     return (a_none and b_none) or (not a_none and not b_none and float(a) == float(b))
+
+
+def check_int(value, field: str, minimum: int) -> int:
+    """``value`` as an int if it is an integer (Python's or numpy's; not a bool) >= ``minimum``; else UserError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise UserError(f"{field}={value!r} is not allowed: use an integer >= {minimum}")
+    return int(value)
 
 
 def format_duration(seconds: float) -> str:

@@ -25,7 +25,6 @@ It must never: import Ray, the training loop or the study runner; write files.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
@@ -36,6 +35,8 @@ import torch
 import torch.nn as nn
 
 from attnlab.errors import UserError
+from attnlab.model.scoring import autocast_context
+from attnlab.names import check_int
 from attnlab.evaluate.symbolic import ForceLaw, fit_force_law
 
 KINDS = ("finetune", "linear")
@@ -79,8 +80,7 @@ def probe_data(source, *, seq_len: int, n_train: int, n_test: int, test_shots: i
     tokens of each are targets too, the rest held out), of ``seq_len`` input tokens."""
     for name, value, low in (("n_train", n_train, 1), ("n_test", n_test, 1), ("test_shots", test_shots, 0),
                              ("seq_len", seq_len, 2)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise UserError(f"{name}={value!r} is not allowed: use an integer >= {low}")
+        check_int(value, name, low)
     train = source.probe_set("train", n_train, seq_len, seed=seed)
     test = source.probe_set("test", n_test, seq_len, seed=seed)
     planet_train = train.body[:, :seq_len] == 0
@@ -116,18 +116,12 @@ class ForceHead(nn.Module):
         return self.head(self.model.hidden_states(idx)).squeeze(-1)
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
 def _hidden(model, tokens: np.ndarray, device, batch_size: int) -> np.ndarray:
     out = []
     for i in range(0, len(tokens), batch_size):
         x = torch.as_tensor(tokens[i:i + batch_size], device=device)
-        with _autocast(device):
+        with autocast_context(device, "auto"):
             out.append(model.hidden_states(x).float().cpu().numpy())
     return np.concatenate(out)
 
@@ -172,9 +166,8 @@ def finetune_force_probe(model, source, *, seq_len: int | None = None, n_train: 
     """
     started = time.perf_counter()
     seq_len = int(seq_len or model.cfg.train_len)
-    for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise UserError(f"{name}={value!r} is not allowed: use an integer >= {low}")
+    check_int(steps, "steps", 1)
+    check_int(batch_size, "batch_size", 1)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise UserError(f"lr={lr!r} is not allowed: use a positive number")
     data = probe_data(source, seq_len=seq_len, n_train=n_train, n_test=n_test, test_shots=test_shots, seed=seed)
@@ -194,7 +187,7 @@ def finetune_force_probe(model, source, *, seq_len: int | None = None, n_train: 
     for _ in range(steps):
         pick = torch.as_tensor(rng.choice(rows, size=min(batch_size, len(rows)), replace=False))
         x, y, m = tokens[pick].to(device), target[pick].to(device), mask[pick].to(device)
-        with _autocast(device):
+        with autocast_context(device, "auto"):
             pred = probe(x).float()
         loss = ((pred - y) ** 2 * m).sum() / m.sum().clamp_min(1)
         opt.zero_grad(set_to_none=True)
@@ -205,7 +198,7 @@ def finetune_force_probe(model, source, *, seq_len: int | None = None, n_train: 
     with torch.no_grad():
         preds = []
         for i in range(0, len(tokens), batch_size):
-            with _autocast(device):
+            with autocast_context(device, "auto"):
                 preds.append(probe(tokens[i:i + batch_size].to(device)).float().cpu().numpy())
     log_pred = np.concatenate(preds) * sigma + mu
     return _finish("finetune", data, log_pred, seq_len=seq_len, started=started, train_loss=loss_value,

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from attnlab.errors import UserError
+from attnlab.names import check_int
 
 G_NEWTON = 4.0 * math.pi**2  # AU^3 yr^-2 Msun^-1
 NEWTON_EXPONENTS = {"r": -2.0, "m1": 1.0, "m2": 1.0}
@@ -193,8 +194,7 @@ def fit_force_law(r, m1, m2, force, *, n_points: int = 1000, seed: int = 0, rest
 
     for name, value, low in (("n_points", n_points, 10), ("restarts", restarts, 1), ("population", population, 10),
                              ("generations", generations, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise UserError(f"{name}={value!r} is not allowed: use an integer >= {low}")
+        check_int(value, name, low)
     X, F, dropped = _points(r, m1, m2, force)
     rng = np.random.default_rng(seed)
     if len(F) > n_points:

@@ -697,15 +697,13 @@ def laws(df: pd.DataFrame, step="final") -> pd.DataFrame:
     rows = select(df, "force_newton_dist", step)
     if len(rows) == 0:
         raise UserError("no force-probe rows: evaluate an orbit model with eval.force_probe (studies/orbits.yaml)")
-    picked = df[df["window_mode"].astype(str).str.startswith("force_")]
-    if step == "final":
-        final = picked.groupby(["study", "trial"], dropna=False)["step"].transform("max")
-        picked = picked[picked["step"] == final]
+    # every force metric of each probe, keyed like the law rows (which ``select`` already put at the right step)
+    probes = df[df["window_mode"].astype(str).str.startswith("force_")]
+    keys = ["study", "trial", "window_mode", "step"]
+    by_probe = {key: dict(zip(group["metric"], group["value"])) for key, group in probes.groupby(keys)}
     out = []
     for _, law_row in rows.iterrows():
-        same = picked[(picked["trial"] == law_row["trial"]) & (picked["study"] == law_row["study"])
-                      & (picked["window_mode"] == law_row["window_mode"]) & (picked["step"] == law_row["step"])]
-        values = dict(zip(same["metric"], same["value"]))
+        values = by_probe.get(tuple(law_row[k] for k in keys), {})
         record = {k: (None if is_missing(law_row.get(k)) else law_row.get(k)) for k in LAW_KEYS}
         record["probe"] = str(record.pop("window_mode")).removeprefix("force_")
         expression = law_row.get("expression")
