@@ -47,19 +47,33 @@ def save_checkpoint(directory: str | Path, *, model, optimizer, step: int, cfg: 
     (directory / META_FILE).write_text(json.dumps(meta, indent=1, default=float))
 
 
-def load_state(directory: str | Path, map_location="cpu") -> dict:
+def load_state(directory: str | Path) -> dict:
+    """The checkpoint's state, every tensor on the CPU (``load_state_dict`` copies them to the model's device;
+    the RNG states must stay CPU ByteTensors, and a GPU need not hold a second copy of the weights)."""
     path = Path(directory) / STATE_FILE
     if not path.exists():
         raise UserError(f"checkpoint {directory} holds no {STATE_FILE}: not an attnlab checkpoint")
-    return torch.load(path, map_location=map_location, weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def restore_rng(rng: dict) -> None:
-    torch.set_rng_state(rng["torch"])
+    """Restore the saved RNG states. ``torch.set_rng_state`` takes a CPU ByteTensor only, so each saved state
+    is moved to the CPU first (a state loaded onto a GPU would otherwise fail every resume there)."""
+    torch.set_rng_state(rng["torch"].cpu())
     if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+        torch.cuda.set_rng_state_all([state.cpu() for state in rng["cuda"]])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
+
+
+def resume(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load a checkpoint into ``model`` and ``optimizer`` (on whatever device they live), restore the RNG
+    states, and return the number of optimizer steps it had completed."""
+    state = load_state(directory)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])  # moves its state to the parameters' device
+    restore_rng(state["rng"])
+    return int(state["step"])
 
 
 def _meta_step(loc: Location, name: str) -> int | None:
@@ -106,7 +120,7 @@ def load_model(path: str | Path | Location, device="cpu"):
 
     loc = find_latest_checkpoint(path)
     with local_checkpoint(loc) as directory:
-        state = load_state(directory, map_location=device)
+        state = load_state(directory)
     model = build_model(config_from_dict(state["gpt_config"])).to(device)
     model.load_state_dict(state["model"])
     model.eval()

@@ -26,7 +26,7 @@ import torch
 from attnlab.data.source import model_kind, open_data
 from attnlab.location import Location
 from attnlab.model import GPT, build_model, compile_model, is_compiled
-from attnlab.model.checkpoint import find_latest_checkpoint, load_state, local_checkpoint, restore_rng, save_checkpoint
+from attnlab.model.checkpoint import find_latest_checkpoint, local_checkpoint, resume, save_checkpoint
 from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
 from attnlab.train.config import TrainConfig
@@ -144,11 +144,7 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
     start = 0
     with session.latest_checkpoint() as ckpt:
         if ckpt is not None:
-            state = load_state(ckpt, map_location=device)
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            restore_rng(state["rng"])
-            start = state["step"]
+            start = resume(ckpt, model, optimizer)
     log = None
     if rank == 0:
         log = MetricsLog(run, keep_through_step=start)  # a resumed run drops what the lost segment wrote
