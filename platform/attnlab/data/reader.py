@@ -1,7 +1,10 @@
 """Batch readers over a prepared data folder: the trainer's and the evaluator's only way into the tokens.
 
-- :class:`TokenShards` memory-maps every shard (zero copy) and exposes each split as one token stream, its
-  document start offsets, and :meth:`TokenShards.eval_windows` (non-overlapping evaluation windows).
+- :class:`TokenShards` opens a folder by its manifest alone and a split when it is first used: local shards
+  are memory-mapped (zero copy); shards on object storage are served by ranged reads until this node's
+  cache holds them, then memory-mapped from there (:mod:`attnlab.data.shard_cache`), never read whole into
+  memory. It exposes each split as one token stream, its document start offsets, and
+  :meth:`TokenShards.eval_windows` (non-overlapping evaluation windows).
 - :class:`TrainSampler` draws the training windows of optimizer step ``s`` from ``(seed, s)`` alone, and
   hands rank ``r`` / micro-step ``m`` its own disjoint rows of them: the global batch does not depend on
   the worker count, and a run resumed at step ``s`` sees exactly the batches an uninterrupted run would.
@@ -13,10 +16,13 @@ No Ray here; torch is imported only by :meth:`TrainSampler.batch`.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from attnlab.data.batching import micro_batch_rows
+from attnlab.data.shard_cache import Prefetcher, RemoteShard, prefetch_enabled
 from attnlab.data.shards import SPLITS, read_manifest, read_shard, sha256_hex
 from attnlab.errors import UserError
 from attnlab.location import Location
@@ -68,8 +74,13 @@ class ConcatTokens:
             k, local = k + 1, 0
         return np.concatenate(pieces)
 
+    @property
+    def remote(self) -> bool:
+        """True while some part is served by ranged reads from object storage (not yet in the node's cache)."""
+        return any(isinstance(p, RemoteShard) and p.local() is None for p in self.parts)
+
     def __array__(self, dtype=None, copy=None):
-        out = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.uint16)
+        out = np.concatenate([p[:] for p in self.parts]) if self.parts else np.zeros(0, dtype=np.uint16)
         return out if dtype is None else out.astype(dtype)
 
 
@@ -83,39 +94,65 @@ def _gather(tokens, starts: np.ndarray, length: int) -> np.ndarray:
         for i in range(0, len(starts), rows):
             out[i : i + rows] = tokens[starts[i : i + rows, None] + offsets]
         return out
+    if getattr(tokens, "remote", False) and len(starts) > 1:  # ranged reads: overlap their latency
+        def fill(row: int) -> None:
+            out[row] = tokens.window(int(starts[row]), length)
+
+        with ThreadPoolExecutor(min(16, len(starts))) as pool:
+            list(pool.map(fill, range(len(starts))))
+        return out
     for row, s in enumerate(starts):
         out[row] = tokens.window(int(s), length)
     return out
 
 
 class TokenShards:
-    """A prepared data folder opened for reading (every shard memory-mapped where the folder is local)."""
+    """A prepared data folder opened for reading (token counts from the manifest; shards opened per split on
+    first use)."""
 
     def __init__(self, location: Location, manifest: dict, manifest_raw: bytes):
+        """Reads nothing but the manifest: a split's shards are opened when it is first used."""
         self.location = location
         self.manifest = manifest
         self.manifest_sha256 = sha256_hex(manifest_raw)
         self.vocab_size = int(manifest["vocab_size"])
         self.eot_id = int(manifest["eot_id"])
+        self._entries = {
+            split: sorted((e for e in manifest["shards"] if e["split"] == split), key=lambda e: e["index"])
+            for split in SPLITS
+        }
+        self._num_tokens = {split: sum(int(e["num_tokens"]) for e in self._entries[split]) for split in SPLITS}
         self._tokens: dict[str, np.ndarray | ConcatTokens] = {}
+        self._parts: dict[str, list] = {}
         self._doc_offsets: dict[str, np.ndarray] = {}
-        for split in SPLITS:
-            views, starts, base = [], [], 0
-            for entry in sorted(
-                (e for e in manifest["shards"] if e["split"] == split), key=lambda e: e["index"]
-            ):
-                data = read_shard(location, entry["name"])
-                if len(data.tokens) != entry["num_tokens"]:
-                    raise UserError(
-                        f"shard {entry['name']} holds {len(data.tokens)} tokens but the manifest says "
-                        f"{entry['num_tokens']}; run: attnlab data verify {location.uri}"
-                    )
-                views.append(data.tokens)
-                starts.append(data.doc_starts + base)
-                base += len(data.tokens)
-            self._tokens[split] = views[0] if len(views) == 1 else ConcatTokens(views)
-            self._doc_offsets[split] = (
-                np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, dtype=np.int64)
+        self._lock = threading.Lock()
+        self.prefetchers: dict[str, Prefetcher] = {}
+
+    def _load(self, split: str) -> None:
+        """Open a split's shards: memory-mapped in place (local folder), else :class:`RemoteShard` s served by
+        ranged reads until the node's cache holds them (fetched in the background, :mod:`shard_cache`)."""
+        with self._lock:
+            if split in self._tokens:
+                return
+            parts: list = []
+            if self.location.is_local:
+                for entry in self._entries[split]:
+                    data = read_shard(self.location, entry["name"])
+                    if len(data.tokens) != entry["num_tokens"]:
+                        raise UserError(
+                            f"shard {entry['name']} holds {len(data.tokens)} tokens but the manifest says "
+                            f"{entry['num_tokens']}; run: attnlab data verify {self.location.uri}"
+                        )
+                    parts.append(data)
+                views = [d.tokens for d in parts]
+            else:
+                parts = [RemoteShard(self.location, entry) for entry in self._entries[split]]
+                views = parts
+                if parts and prefetch_enabled():
+                    self.prefetchers[split] = Prefetcher(parts)
+            self._parts[split] = parts
+            self._tokens[split] = (
+                views[0] if len(views) == 1 and isinstance(views[0], np.ndarray) else ConcatTokens(views)
             )
 
     @classmethod
@@ -131,15 +168,29 @@ class TokenShards:
         return split
 
     def num_tokens(self, split: str) -> int:
-        return len(self._tokens[self._split(split)])
+        """The split's token count, from the manifest (opens no shard)."""
+        return self._num_tokens[self._split(split)]
 
     def tokens(self, split: str):
-        """The split's tokens: a zero-copy uint16 view (one shard) or a :class:`ConcatTokens`."""
-        return self._tokens[self._split(split)]
+        """The split's tokens: a zero-copy uint16 view (one local shard) or a :class:`ConcatTokens`."""
+        split = self._split(split)
+        if split not in self._tokens:
+            self._load(split)
+        return self._tokens[split]
 
     def doc_offsets(self, split: str) -> np.ndarray:
         """int64 offsets (into ``tokens(split)``) where documents start (each at its EOT token)."""
-        return self._doc_offsets[self._split(split)]
+        split = self._split(split)
+        if split not in self._doc_offsets:
+            self.tokens(split)
+            starts, base = [], 0
+            for part in self._parts[split]:
+                starts.append((part.doc_starts() if isinstance(part, RemoteShard) else part.doc_starts) + base)
+                base += len(part) if isinstance(part, RemoteShard) else len(part.tokens)
+            self._doc_offsets[split] = (
+                np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, dtype=np.int64)
+            )
+        return self._doc_offsets[split]
 
     def doc_lengths(self, split: str) -> np.ndarray:
         starts = self.doc_offsets(split)
