@@ -23,10 +23,18 @@ from attnlab.attention.flex import (RadialGradientRemoved, Sizes, attend_flex, f
                                     inverse_norm, is_fusable, sharpen_rows_with_mass, sharpen_score_mod)
 from attnlab.attention.masks import causal_block_mask, causal_mask_mod, visible_keys
 
-# Written out by hand from docs/attention.md#which-variants-are-fused: f >= 0, l1norm, no post-processing (relu_l1 duplicates relu).
-FUSABLE = ("softmax exp scenario_iv relu relu2 relu6 sigmoid softplus sigmoid_ramapuram_b_l1 sigmoid_l1 relu_l1 "
-           "lssa lssar").split()
-FORWARD_VARIANTS = [n for n in FUSABLE if n not in ("exp", "scenario_iv", "relu_l1")]  # one per distinct spec
+# Written out by hand from docs/attention.md#which-variants-are-fused: normalised non-negative rows (the ones that
+# may also be sharpened; relu_l1 duplicates relu).
+SHARPENABLE = ("softmax exp scenario_iv relu relu2 relu6 sigmoid softplus sigmoid_ramapuram_b_l1 sigmoid_l1 relu_l1 "
+               "lssa lssar").split()
+# Fused through FlexAttention's row sums (norm none/count, output LayerNorm: Table 4) and the sign split of a
+# sign-changing f, negate and recentre (Tables 1-3).
+TABLE4_ROW_SUMS = ("sigmoid_ramapuram", "sigmoid_ramapuram_b", "relu_wortsman", "relu_shen")
+SIGN_SPLIT_AND_POST = ("gelu", "mish", "scenario_i", "scenario_ii", "scenario_iii", "softmax_inverse",
+                       "softmax_recentred")
+FUSABLE = SHARPENABLE + list(TABLE4_ROW_SUMS) + list(SIGN_SPLIT_AND_POST)
+UNFUSABLE = ("softmax_recentred_l1",)
+FORWARD_VARIANTS = [n for n in SHARPENABLE if n not in ("exp", "scenario_iv", "relu_l1")]  # one per distinct spec
 LENGTHS = (1, 2, 3, 4, 17, 64, 130)  # the first-three-rows rule, odd sizes, and past one 128-row block
 POWERS = (None, 1, 3, 15)
 HEAD_DIMS = (16, 64)
@@ -54,10 +62,14 @@ def test_flex_mask_and_counts_are_the_dense_ones(T):
 
 # --- which variants are fused ----------------------------------------------------------------------------------
 
-def test_fusable_variants_are_the_normalised_non_negative_ones():
+def test_fusable_variants_are_every_registered_one_but_recentre_l1():
     assert sorted(n for n in variant_names() if is_fusable(get_variant(n))) == sorted(FUSABLE)
+    assert sorted(n for n in variant_names() if not is_fusable(get_variant(n))) == sorted(UNFUSABLE)
     assert is_fusable(get_variant("softmax", p=3)) and is_fusable(get_variant("sigmoid_l1", scale="log_n"))
-    assert not is_fusable(get_variant("lssa", phi="mish"))
+    assert is_fusable(get_variant("lssa", phi="mish"))  # the sign split
+    # Sharpening is fused on normalised non-negative rows without post-processing only.
+    assert not is_fusable(get_variant("lssa", phi="mish", p=3))
+    assert not is_fusable(get_variant("relu_wortsman", p=3)) and not is_fusable(get_variant("softmax_inverse", p=3))
 
 
 # --- forward in float64 -----------------------------------------------------------------------------------------
@@ -125,10 +137,9 @@ def test_rows_with_mass_from_lse_and_row_max():
 def test_unfusable_variants_fall_back_to_dense_and_warn_once(monkeypatch):
     monkeypatch.setattr(flex, "_warned_fallback", set())
     q, k, v = _qkv(11, 16)
-    unfusable = [n for n in variant_names() if n not in FUSABLE]
-    assert "relu_wortsman" in unfusable and "gelu" in unfusable and "softmax_inverse" in unfusable
-    for name in unfusable:
-        spec = get_variant(name)
+    unfusable = [get_variant(n) for n in UNFUSABLE] + [get_variant("relu_wortsman", p=3), get_variant("gelu", p=2)]
+    for spec in unfusable:
+        name = spec.name
         with warnings.catch_warnings(record=True) as first:
             warnings.simplefilter("always")
             out = attend_flex(q, k, v, spec)
@@ -213,6 +224,61 @@ def test_backward_needs_the_gradient_of_pass_one_normaliser():
     (dq_dense,) = torch.autograd.grad(attend_dense(q, k, v, spec).sum(), q)
     assert _max_err(out, attend_dense(q, k, v, spec)) <= 1e-12  # same forward
     assert _max_err(dq_detached, dq_dense) > 1e-2
+
+
+# --- unnormalised rows and the sign split (FlexAttention's row sums: out * exp(lse)) ---------------------------------
+
+def _forward_and_grads(fn, spec, q, k, v, w):
+    out = fn(q, k, v, spec)
+    return (out, *torch.autograd.grad((out * w).sum(), (q, k, v)))
+
+
+@pytest.mark.parametrize("name", TABLE4_ROW_SUMS + SIGN_SPLIT_AND_POST)
+def test_row_sum_variants_match_dense_forward_and_backward_in_float64(name):
+    spec = get_variant(name)
+    worst = dict.fromkeys(("out", "dq", "dk", "dv"), 0.0)
+    for D, T in ((16, 1), (16, 4), (16, 17), (64, 130)):
+        q, k, v = _qkv(T, D, seed=T * D, requires_grad=True)
+        w = torch.randn(1, 2, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(T))
+        got = _forward_and_grads(attend_flex, spec, q, k, v, w)
+        want = _forward_and_grads(attend_dense, spec, q, k, v, w)
+        for key, a, b in zip(worst, got, want):
+            worst[key] = max(worst[key], _max_err(a, b))
+    assert max(worst.values()) <= 1e-6, f"{name}: {worst}"
+
+
+@pytest.mark.parametrize("name", ["relu_wortsman", "relu_shen", "scenario_i", "gelu"])
+def test_rows_without_visible_weight_are_zero_without_nan(name):
+    # Keys all +u, queries -u on some rows: relu rows see only negative scores (lse = -inf, output exactly 0
+    # before LayerNorm); a zero query gives identity/gelu rows of exact zeros (both f+ and f- empty).
+    T, D = 8, 16
+    u = torch.randn(D, dtype=torch.float64)
+    sign = torch.tensor([1.0, -1.0, 0.0, -1.0, -1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    q = (sign[:, None] * u).expand(1, 1, T, D).clone().requires_grad_()
+    k = u.expand(1, 1, T, D).clone().requires_grad_()
+    v = torch.randn(1, 1, T, D, dtype=torch.float64, requires_grad=True)
+    spec = get_variant(name)
+    got = _forward_and_grads(attend_flex, spec, q, k, v, torch.ones(1, 1, T, D, dtype=torch.float64))
+    want = _forward_and_grads(attend_dense, spec, q, k, v, torch.ones(1, 1, T, D, dtype=torch.float64))
+    # At an exact zero of a sign-changing f both parts are empty and the sign split's gradient there is 0 (as
+    # relu's at 0), where the dense identity/gelu have f'(0): so for those, outputs only (a measure-zero case).
+    compared = 4 if spec.phi == "relu" else 1
+    for a, b in zip(got[:compared], want[:compared]):
+        assert _max_err(a, b) <= 1e-9
+    assert all(torch.isfinite(a).all() for a in got)
+    if spec.out_norm == "none":
+        empty_row = 1 if spec.phi == "relu" else 2  # relu: only negative scores; identity/gelu: all scores 0
+        assert torch.equal(got[0][0, 0, empty_row], torch.zeros(D, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["sigmoid_ramapuram", "relu_shen", "gelu", "softmax_recentred"])
+def test_row_sum_variants_accept_bf16(name):
+    spec = get_variant(name)
+    q, k, v = _qkv(130, 64, dtype=torch.bfloat16)
+    out = attend_flex(q, k, v, spec)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    reference = attend_dense(q.double(), k.double(), v.double(), spec)
+    assert _max_err(out, reference) <= 3e-2 * reference.abs().max().item()
 
 
 # --- CUDA: the compiled kernels (skipped without a GPU) ------------------------------------------------------------

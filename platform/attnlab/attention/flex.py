@@ -34,6 +34,7 @@ Never change the math here without the dense reference (``dense.py`` is the orac
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from attnlab.attention.dense import attend_dense, compute_dtype, length_scale
+from attnlab.attention.dense import EXP_CLAMP, attend_dense, compute_dtype, length_scale
 from attnlab.attention.masks import causal_block_mask, visible_keys
 from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
 
@@ -62,13 +63,18 @@ _warned_fallback: set[str] = set()
 # --- which variants have a fused form ----------------------------------------------------------------------
 
 def unfusable_reason(spec: AttentionSpec) -> str | None:
-    """Why ``spec`` has no FlexAttention form (None when it has one: f >= 0, norm l1, no post-processing)."""
-    if spec.norm != "l1":
-        return f"norm={spec.norm!r} leaves rows unnormalised, and FlexAttention always normalises them"
-    if spec.phi not in NONNEGATIVE_PHIS:
-        return f"phi={spec.phi!r} can be negative, so l1norm(f(S)) is not a softmax of log f(S)"
-    if spec.post != "none":
-        return f"post={spec.post!r} changes the rows after normalisation"
+    """Why ``spec`` has no FlexAttention form (None when it has one).
+
+    Fused: every ``phi`` (a sign-changing ``f`` as two calls, ``f+`` and ``f-``), every norm (``l1``, ``none``
+    and ``count`` from FlexAttention's row sums), ``negate`` and ``recentre`` (a causal mean of v), output
+    LayerNorm, and sharpening of normalised non-negative rows. Not fused: ``recentre_l1`` (its normaliser
+    ``sum_j |A_ij - 1/N_i|`` is a third sign split, not implemented) and sharpening on top of anything else.
+    """
+    if spec.post == "recentre_l1":
+        return "post='recentre_l1' needs sum_j |A_ij - 1/N_i| per row, which has no fused form here"
+    if spec.p is not None and (spec.norm != "l1" or spec.phi not in NONNEGATIVE_PHIS or spec.post != "none"):
+        return (f"sharpening is fused for l1-normalised non-negative rows without post-processing only "
+                f"(phi={spec.phi!r}, norm={spec.norm!r}, post={spec.post!r})")
     return None
 
 
@@ -100,10 +106,17 @@ def log_softplus(s: torch.Tensor) -> torch.Tensor:
     return torch.where(linear, s, torch.log(F.softplus(torch.where(linear, torch.zeros_like(s), s))))
 
 
-def log_phi(phi: str, s: torch.Tensor) -> torch.Tensor:
-    """``log f(s)`` for a non-negative non-linearity ``f`` (``-inf`` where ``f(s) == 0``)."""
+def log_phi(phi: str, s: torch.Tensor, part: str = "whole", clamp_exp: bool = False) -> torch.Tensor:
+    """``log f(s)`` for a non-negative ``f`` (``part="whole"``), or ``log f+(s)`` / ``log f-(s)`` (``part``
+    ``plus`` / ``minus``) with ``f+ = relu(f)``, ``f- = relu(-f)`` for any ``f``; ``-inf`` where the part is 0.
+
+    ``clamp_exp``: ``exp`` without softmax's normalisation is clamped at ``EXP_CLAMP``, as the dense path does.
+    """
+    if part != "whole":
+        f = phi_values(phi, s, clamp_exp)
+        return log_positive(f if part == "plus" else -f)
     if phi == "exp":
-        return s
+        return torch.clamp(s, max=EXP_CLAMP) if clamp_exp else s
     if phi == "softplus":
         return log_softplus(s)
     if phi == "sigmoid":
@@ -115,6 +128,22 @@ def log_phi(phi: str, s: torch.Tensor) -> torch.Tensor:
     if phi == "relu6":
         return log_positive(torch.clamp(s, max=6.0))
     raise ValueError(f"phi={phi!r} has no log-space form: use one of {', '.join(NONNEGATIVE_PHIS)}")
+
+
+def phi_values(phi: str, s: torch.Tensor, clamp_exp: bool = False) -> torch.Tensor:
+    """``f(s)`` itself (for the sign split of a ``f`` that changes sign)."""
+    if phi == "identity":
+        return s
+    if phi == "gelu":
+        return F.gelu(s)
+    if phi == "mish":
+        return F.mish(s)
+    return torch.exp(log_phi(phi, s, "whole", clamp_exp))
+
+
+def parts_of(spec: AttentionSpec) -> tuple[str, ...]:
+    """The FlexAttention calls of the first stage: ``("whole",)`` for ``f >= 0``, else ``("plus", "minus")``."""
+    return ("whole",) if spec.phi in NONNEGATIVE_PHIS else ("plus", "minus")
 
 
 @dataclass(frozen=True)
@@ -144,10 +173,11 @@ class ScoreMod:
 
 def first_stage_log_score(spec: AttentionSpec, sizes: Sizes, score: torch.Tensor, b, h, q_idx, kv_idx,
                           inv_q_norm: torch.Tensor | None = None,
-                          inv_k_norm: torch.Tensor | None = None) -> torch.Tensor:
+                          inv_k_norm: torch.Tensor | None = None, part: str = "whole") -> torch.Tensor:
     """``log f(scale_i * s + bias_i)`` for one raw score ``s = q . k`` (upcast to float32 or float64).
 
     With QK-norm, ``inv_q_norm``/``inv_k_norm`` are the ``(B, H, T)`` tensors ``1/|q_i|`` and ``1/|k_j|``.
+    ``part``: ``whole`` (``f >= 0``), ``plus`` or ``minus`` (see :func:`log_phi`).
     """
     s = score.to(compute_dtype(score.dtype))
     if inv_q_norm is not None:
@@ -158,15 +188,17 @@ def first_stage_log_score(spec: AttentionSpec, sizes: Sizes, score: torch.Tensor
         s = s - math.log(sizes.seq_len)
     elif spec.bias == "neg_log_n":
         s = s - torch.log(n)
-    return log_phi(spec.phi, s)
+    return log_phi(spec.phi, s, part, clamp_exp=spec.norm != "l1")
 
 
-def first_stage_score_mod(spec: AttentionSpec, sizes: Sizes, norms: tuple[torch.Tensor, ...] = ()) -> ScoreMod:
-    """Pass 1: FlexAttention's softmax of this score_mod is the variant's weights ``A``.
+def first_stage_score_mod(spec: AttentionSpec, sizes: Sizes, norms: tuple[torch.Tensor, ...] = (),
+                          part: str = "whole") -> ScoreMod:
+    """Pass 1: FlexAttention's softmax of this score_mod is the variant's weights ``A`` (for a normalised
+    non-negative ``f``), or the row-normalised ``f+`` / ``f-`` (``part``).
 
     ``norms``: ``(1/|q|, 1/|k|)`` with QK-norm (see :func:`inverse_norm`), else empty.
     """
-    return ScoreMod(_uncached_if_compiling(_first_stage_fn)(spec, sizes), tuple(norms))
+    return ScoreMod(_uncached_if_compiling(_first_stage_fn)(spec, sizes, part), tuple(norms))
 
 
 def _uncached_if_compiling(cached: Callable) -> Callable:
@@ -176,9 +208,9 @@ def _uncached_if_compiling(cached: Callable) -> Callable:
 
 # The functions are cached per (variant, sizes) so that the compiled kernel sees the same function each call.
 @functools.lru_cache(maxsize=256)
-def _first_stage_fn(spec: AttentionSpec, sizes: Sizes) -> Callable:
+def _first_stage_fn(spec: AttentionSpec, sizes: Sizes, part: str = "whole") -> Callable:
     def score_mod(score, b, h, q_idx, kv_idx, *norms):
-        return first_stage_log_score(spec, sizes, score, b, h, q_idx, kv_idx, *norms)
+        return first_stage_log_score(spec, sizes, score, b, h, q_idx, kv_idx, *norms, part=part)
     return score_mod
 
 
@@ -259,25 +291,66 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+# Test-only: see :func:`cuda_code_path`.
+_cuda_code_path_on_cpu = False
+
+
+@contextlib.contextmanager
+def cuda_code_path():
+    """Within this context, a ``torch.compile`` trace of :func:`_flex` on CPU tensors takes the CUDA branch.
+
+    For GPU-proxy tests only (``tests/test_cuda_proxy_attention.py``): the traced FlexAttention call with its
+    statistics (LSE and row maximum) and gradients, exactly the graph a compiled model builds on CUDA, so that
+    inductor's lowering of it (forward and backward) can be checked on a machine without a GPU. The public
+    ``flex_attention`` refuses CPU tensors that require grad and the row maximum on CPU before tracing, so
+    the branch calls the operator underneath as ``flex_attention`` itself does when traced
+    (:func:`_flex_traced`). Outside ``torch.compile`` the switch changes nothing (the CPU path stays the
+    unfused one). Never use it for results.
+    """
+    global _cuda_code_path_on_cpu
+    previous, _cuda_code_path_on_cpu = _cuda_code_path_on_cpu, True
+    try:
+        yield
+    finally:
+        _cuda_code_path_on_cpu = previous
+
+
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: ScoreMod, block_mask: BlockMask,
-          with_stats: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+          with_stats: bool, with_max: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(out, lse, max_score)`` of one FlexAttention call with scale 1 (the score_mod scales).
 
-    ``lse`` and ``max_score`` are natural-log ``(B, H, T)`` tensors when ``with_stats``, else None.
+    ``lse`` and ``max_score`` are natural-log ``(B, H, T)`` tensors when ``with_stats`` (``max_score`` only
+    with ``with_max``; on CPU it is always there), else None.
     """
     compiling = torch.compiler.is_compiling()
+    if compiling and _cuda_code_path_on_cpu and q.device.type == "cpu":
+        return _flex_traced(q, k, v, score_mod, block_mask, with_stats, with_max)
     if q.device.type == "cuda" or (compiling and not with_stats and not torch.is_grad_enabled()):
         # Inside a compiled model the enclosing torch.compile compiles this call (and its block mask); outside
         # one, the process's one compiled instance does. On CPU FlexAttention compiles for inference without
         # statistics only; otherwise the CPU path is the unfused one, outside any graph.
         kernel = flex_attention if compiling else _compiled_flex_attention()
-        aux = AuxRequest(lse=True, max_scores=True) if with_stats else None
+        aux = AuxRequest(lse=True, max_scores=with_max) if with_stats else None
         result = kernel(q, k, v, score_mod=score_mod.bound(), block_mask=block_mask, scale=1.0, return_aux=aux)
         if not with_stats:
             return result, None, None
         out, stats = result
         return out, stats.lse, stats.max_scores
     return _flex_unfused(q, k, v, score_mod, block_mask, with_stats)
+
+
+def _flex_traced(q, k, v, score_mod: ScoreMod, block_mask: BlockMask, with_stats: bool, with_max: bool):
+    """What ``flex_attention`` traces to (its higher-order op and kernel options), on any device: the
+    :func:`cuda_code_path` branch. Statistics are natural-log as ``flex_attention`` returns them."""
+    options = _flex_module._apply_kernel_options(q, k, v, False, None, AuxRequest(lse=True) if with_stats else None)
+    options["OUTPUT_LOGSUMEXP"] = True  # as on CUDA under autograd
+    options["OUTPUT_MAX"] = with_stats and with_max
+    out, lse, max_score = _flex_module.flex_attention_hop(q, k, v, score_mod.bound(), block_mask.as_tuple(), 1.0,
+                                                          options)
+    if not with_stats:
+        return out, None, None
+    ln2 = math.log(2.0) if options.get("BACKEND") != "FLASH" else 1.0
+    return out, lse * ln2, (max_score * ln2 if with_max else None)
 
 
 @torch.compiler.disable
@@ -305,10 +378,12 @@ def _flex_unfused(q, k, v, score_mod: ScoreMod, block_mask: BlockMask, with_stat
 # --- the public entry point --------------------------------------------------------------------------------
 
 def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """Causal attention ``(B, H, T, Dv)`` in v's dtype, computed with FlexAttention (one pass, two if sharpened).
+    """Causal attention ``(B, H, T, Dv)`` in v's dtype, computed with FlexAttention in O(T) memory.
 
-    Equal to :func:`attnlab.attention.dense.attend_dense` up to rounding; a variant without a fused form
-    (see :func:`unfusable_reason`) is computed by ``attend_dense`` after a one-time warning.
+    One call for a non-negative ``f`` (two when sharpened), two for an ``f`` that changes sign
+    (docs/attention.md#the-fused-path). Equal to :func:`attnlab.attention.dense.attend_dense` up to rounding; a
+    variant without a fused form (see :func:`unfusable_reason`) is computed by ``attend_dense`` after a
+    one-time warning.
     """
     reason = unfusable_reason(spec)
     if reason is not None:
@@ -324,20 +399,67 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
         norms = (inverse_norm(q), inverse_norm(k))
         q, k = RadialGradientRemoved.apply(q), RadialGradientRemoved.apply(k)
     block_mask = causal_block_mask(sizes.seq_len, q.device)
-    first = first_stage_score_mod(spec, sizes, norms)
 
-    if spec.p is None:
-        out, _, _ = _flex(q, k, v, first, block_mask, with_stats=False)
+    if spec.p is not None:
+        out = _sharpened(q, k, v, spec, sizes, norms, block_mask)
+    elif spec.phi in NONNEGATIVE_PHIS and spec.norm == "l1":
+        out, _, _ = _flex(q, k, v, first_stage_score_mod(spec, sizes, norms), block_mask, with_stats=False)
     else:
-        # Pass 1 only supplies log Z_i and the row maximum: a narrow zero value tensor keeps it cheap.
-        v_stats = q.new_zeros(q.shape[:-1] + (16,))
-        _, log_z, max_log_score = _flex(q, k, v_stats, first, block_mask, with_stats=True)
-        has_mass = sharpen_rows_with_mass(log_z.detach(), max_log_score.detach())
-        log_z = torch.where(torch.isfinite(log_z), log_z, torch.zeros_like(log_z))
-        second = sharpen_score_mod(spec, sizes, log_z, has_mass, norms)
-        out, _, _ = _flex(q, k, v, second, block_mask, with_stats=False)
+        out = _row_sums(q, k, v, spec, sizes, norms, block_mask)
 
+    if spec.post != "none":
+        out = out.to(compute_dtype(out.dtype))
+        if spec.post == "negate":
+            out = -out
+        else:  # recentre: A_ij - [i >= 3] / N_i over the visible keys, i.e. minus [i >= 3] * the causal mean of v
+            rows = torch.arange(sizes.seq_len, device=out.device)
+            n = visible_keys(rows, out.dtype)[:, None]
+            offset = (rows >= SHARPEN_EXEMPT_ROWS).to(out.dtype)[:, None]
+            out = out - offset * torch.cumsum(v.to(out.dtype), dim=-2) / n
     if spec.out_norm == "layernorm":
         out = out.to(compute_dtype(out.dtype))
         out = F.layer_norm(out, out.shape[-1:])
     return out.to(out_dtype)
+
+
+def _sharpened(q, k, v, spec: AttentionSpec, sizes: Sizes, norms, block_mask: BlockMask) -> torch.Tensor:
+    """The two passes of docs/attention.md#the-two-pass-sharpening (f >= 0, norm l1)."""
+    # Pass 1 supplies log Z_i and the row maximum: a narrow zero value tensor keeps it cheap.
+    v_stats = q.new_zeros(q.shape[:-1] + (16,))
+    out_stats, log_z, max_log_score = _flex(q, k, v_stats, first_stage_score_mod(spec, sizes, norms), block_mask,
+                                            with_stats=True)
+    has_mass = sharpen_rows_with_mass(log_z.detach(), max_log_score.detach())
+    log_z = torch.where(torch.isfinite(log_z), log_z, torch.zeros_like(log_z))
+    second = sharpen_score_mod(spec, sizes, log_z, has_mass, norms)
+    out, _, _ = _flex(q, k, v, second, block_mask, with_stats=False)
+    # Pass 1's output (zeros: v_stats is 0) stays in the graph. Discarded, a compiled graph hands FlexAttention's
+    # backward no output gradient at all and inductor cannot lower it (LoweringException in
+    # flex_attention_backward); tied in, it gets a zero gradient, and its LSE the true one, which pass 2 needs.
+    return out + out_stats[..., :1].to(out.dtype) * 0
+
+
+def _row_sums(q, k, v, spec: AttentionSpec, sizes: Sizes, norms, block_mask: BlockMask) -> torch.Tensor:
+    """``sum_j f_ij v_j``, normalised per ``spec.norm``, from FlexAttention's output and LSE (compute dtype).
+
+    With ``f+``/``f-`` (``Z+ = exp(lse+)``, ``out+``, and likewise for ``f-``): ``U_i = Z+ out+ - Z- out-``;
+    ``l1``: ``U_i / (Z+ + Z-)``, ``none``: ``U_i``, ``count``: ``U_i / N_i`` (docs/attention.md#unnormalised-
+    rows). Computed relative to ``m_i = max(lse+, lse-)``: no overflow, and a row with no visible weight (both
+    LSEs ``-inf``: FlexAttention's output is 0) gives exactly 0 and no NaN in either direction.
+    """
+    dtype = compute_dtype(q.dtype)
+    outs, lses = [], []
+    for part in parts_of(spec):
+        out, lse, _ = _flex(q, k, v, first_stage_score_mod(spec, sizes, norms, part), block_mask,
+                            with_stats=True, with_max=False)
+        outs.append(out.to(dtype))
+        lses.append(lse.to(dtype))
+    m = lses[0] if len(lses) == 1 else torch.maximum(lses[0], lses[1])
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    weights = [torch.exp(lse - m).unsqueeze(-1) for lse in lses]
+    u = weights[0] * outs[0] if len(outs) == 1 else weights[0] * outs[0] - weights[1] * outs[1]
+    if spec.norm == "l1":  # only for a sign-changing f: the non-negative one is FlexAttention's output itself
+        return u / (weights[0] + weights[1]).clamp_min(torch.finfo(dtype).tiny)
+    u = u * torch.exp(m).unsqueeze(-1)
+    if spec.norm == "count":
+        u = u / visible_keys(torch.arange(sizes.seq_len, device=u.device), dtype)[:, None]
+    return u
