@@ -308,3 +308,55 @@ def test_importing_from_repo_root_does_not_shadow_platform():
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == __import__("platform").system() and out in ("Linux", "Darwin", "Windows")
     assert not (root / "platform" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("name", ["lssar", "relu_wortsman", "softmax_recentred_l1"])
+def test_dense_reference_is_float32_under_bf16_autocast(name):
+    # Under autocast the reference's q k^T and A v must not be rounded to bf16: the same float32 result.
+    from attnlab.attention.dense import attend_dense
+
+    q, k, v = _qkv(T=40, d=16, dtype=torch.float32)
+    spec = get_variant(name)
+    want = attend_dense(q, k, v, spec)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attend_dense(q, k, v, spec)
+        weights = attention_weights(q, k, spec)
+    assert got.dtype == torch.float32 and weights.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max().item()
+    assert torch.allclose(weights, attention_weights(q, k, spec), rtol=0, atol=1e-7)
+
+
+def test_dense_chunk_loop_does_not_unroll_under_compile():
+    # A 40-row sequence that needs 40 chunks: traced with gradients it is one chunk (2 matmuls, not 80);
+    # without gradients it runs as one eager region outside the graph (no matmul traced at all).
+    import torch._dynamo
+    from attnlab.attention.dense import attend_dense
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def matmuls(gm):
+        return sum(node.op == "call_function" and "matmul" in str(node.target) for node in gm.graph.nodes)
+
+    spec = get_variant("lssar")
+    q, k, v = _qkv(T=40, d=16, dtype=torch.float32)
+    fn = torch.compile(lambda q, k, v: attend_dense(q, k, v, spec, chunk_bytes=1), backend=backend,
+                       dynamic=False)
+    torch._dynamo.reset()
+    try:
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = fn(qg, kg, vg)
+        assert len(graphs) == 1 and matmuls(graphs[0]) == 2
+        assert torch.allclose(out, attend_dense(q, k, v, spec), atol=1e-6)
+        out.sum().backward()
+        assert torch.isfinite(qg.grad).all()
+        graphs.clear()
+        with torch.no_grad():
+            out = fn(q, k, v)
+        assert sum(matmuls(gm) for gm in graphs) == 0
+        assert torch.allclose(out, attend_dense(q, k, v, spec, chunk_bytes=1), atol=1e-6)
+    finally:
+        torch._dynamo.reset()

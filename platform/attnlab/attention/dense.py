@@ -1,7 +1,7 @@
 """The dense reference implementation of every variant, written to read like docs/attention.md.
 
-It materialises the ``(B, H, T, T)`` weights in float32 (float64 for float64 inputs) and is the oracle the
-fused path is tested against. Rows are independent, so :func:`attend_dense` can process query rows in chunks
+It materialises the ``(B, H, T, T)`` weights in float32 (float64 for float64 inputs; autocast is switched off
+inside) and is the oracle the fused path is tested against. Rows are independent, so :func:`attend_dense` can process query rows in chunks
 (exactly: the first-three-rows rule and ``N_i`` use absolute row indices), which bounds memory at long lengths.
 No Ray, no model code here.
 """
@@ -89,6 +89,11 @@ def weights_for_rows(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, row_
     ``q``: ``(..., Tq, d)``, ``k``: ``(..., Tk, d)``; ``seq_len`` is the full sequence length T (for the
     ``-ln T`` bias), by default ``Tk``. Returns ``(..., Tq, Tk)`` in the compute dtype.
     """
+    with torch.autocast(device_type=q.device.type, enabled=False):  # float32 (or float64) under autocast too
+        return _weights_for_rows(q, k, spec, row_start, seq_len)
+
+
+def _weights_for_rows(q, k, spec: AttentionSpec, row_start: int, seq_len: int | None) -> torch.Tensor:
     dtype = compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
     d = q.shape[-1]
@@ -128,18 +133,51 @@ def weights_for_rows(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, row_
 
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
-    """``A @ v`` (plus the variant's output LayerNorm) with query rows processed in memory-bounded chunks."""
+    """``A @ v`` (plus the variant's output LayerNorm) with query rows processed in memory-bounded chunks.
+
+    Computed in float32 (float64 for float64 inputs) whatever autocast is active: autocast is switched off
+    inside and the inputs are upcast, so the products ``q k^T`` and ``A v`` are not rounded to bf16.
+
+    Under ``torch.compile`` the row-chunk loop is not traced chunk by chunk (one graph body per chunk: dozens
+    per layer at B=64, T=1024): with gradients the whole sequence is one chunk, since autograd saves every
+    chunk's weights for the backward anyway and chunking bounds nothing there; without gradients (long
+    evaluation windows, where chunking is what bounds memory) a sequence that needs several chunks runs as one
+    ``torch.compiler.disable``d region, eagerly and chunked, between two graphs.
+    """
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled():
+            chunk_bytes = max(chunk_bytes, _weights_bytes(q) * q.shape[-2])
+        elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
+            return _attend_dense_eager(q, k, v, spec, chunk_bytes)
+    return _attend_dense(q, k, v, spec, chunk_bytes)
+
+
+def _weights_bytes(q: torch.Tensor) -> int:
+    """Bytes of the weights and temporaries of one query row (all heads and batch entries)."""
+    batch = math.prod(q.shape[:-2])
+    return max(1, batch * q.shape[-2] * torch.finfo(compute_dtype(q.dtype)).bits // 8 * 4)
+
+
+def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
+    return max(1, min(q.shape[-2], chunk_bytes // _weights_bytes(q)))
+
+
+def _attend_dense(q, k, v, spec: AttentionSpec, chunk_bytes: int) -> torch.Tensor:
     T = q.shape[-2]
     dtype = compute_dtype(q.dtype)
-    batch = math.prod(q.shape[:-2])
-    bytes_per_row = max(1, batch * T * torch.finfo(dtype).bits // 8 * 4)  # weights + temporaries
-    chunk = max(1, min(T, chunk_bytes // bytes_per_row))
-    outs = []
-    for r0 in range(0, T, chunk):
-        r1 = min(T, r0 + chunk)
-        a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T)
-        outs.append(a @ v[..., :r1, :].to(dtype))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    if spec.out_norm == "layernorm":
-        out = F.layer_norm(out, out.shape[-1:])
+    chunk = _chunk_rows(q, chunk_bytes)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q, k, vv = q.to(dtype), k.to(dtype), v.to(dtype)
+        outs = []
+        for r0 in range(0, T, chunk):
+            r1 = min(T, r0 + chunk)
+            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T)
+            outs.append(a @ vv[..., :r1, :])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+        if spec.out_norm == "layernorm":
+            out = F.layer_norm(out, out.shape[-1:])
     return out.to(v.dtype)
+
+
+# Under torch.compile without gradients, a multi-chunk sequence: eager, chunked, outside the graph.
+_attend_dense_eager = torch.compiler.disable(_attend_dense)
