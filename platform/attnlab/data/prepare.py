@@ -12,6 +12,13 @@ Two phases, each a list of independent work items run serially (``workers=1``) o
    shard gathers its tokens from the memory-mapped part files and writes ``train-NNNNN.arrow`` /
    ``val-NNNNN.arrow``. Then ``manifest.json`` is written and ``_work`` removed.
 
+Into object storage (``--out s3://...``) the work folder is on this machine's disk instead
+(:func:`local_work_dir`, kept for a re-run to resume from), so every intermediate byte is read once and only
+the shards and the manifest are uploaded: a tokenise task that runs on another machine of the Ray cluster
+leaves its part in ``OUT/_work``, copied here once after phase 1; phase 2 runs in this process, the part
+files memory-mapped, and records each uploaded shard's entry in the work folder so a re-run skips it
+without reading it back.
+
 Shard bytes depend only on the inputs, the seed and the sizes, never on the number of workers. Every
 file is written under a temporary name and renamed, so an interrupted run leaves only whole files; a
 re-run with the same arguments skips the finished partitions and shards (``_work/plan.json`` records the
@@ -22,14 +29,18 @@ Never imports Ray at module level.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 
 from attnlab.data.shards import (
@@ -74,10 +85,16 @@ class TokenizeJob:
     source: Source
     partition: Partition
     work: Location
+    host: str | None = None  # work is on this host's disk (output on object storage) ...
+    fallback: Location | None = None  # ... a task on another host writes its part here (OUT/_work)
 
 
 def tokenize_partition(job: TokenizeJob) -> tuple[int, int]:
     """Tokenise one partition into ``_work/part-NNNNN.arrow``; return (documents, tokens)."""
+    if job.host is not None and job.fallback is not None and (
+        socket.gethostname() != job.host or not os.path.isdir(job.work.path)
+    ):
+        job = TokenizeJob(job.source, job.partition, job.fallback)
     schema = pa.schema([pa.field("tokens", pa.large_list(pa.uint16()))])
     final = job.work.join(_part_name(job.partition.index))
     tmp = job.work.join(f".{_part_name(job.partition.index)}.tmp-{os.getpid()}")
@@ -153,11 +170,13 @@ class ShardJob:
     part_doc_ends: np.ndarray  # cumulative document count per part file
 
 
-def assemble_shard(job: ShardJob) -> dict:
-    """Gather one shard's tokens from the part files and write it; return its manifest entry."""
+def assemble_shard(job: ShardJob, parts: dict[int, _PartFile] | None = None) -> dict:
+    """Gather one shard's tokens from the part files and write it; return its manifest entry.
+
+    ``parts``: part files already open (kept across shards when they are memory-mapped in this process)."""
     tokens = np.empty(job.num_tokens, dtype=np.uint16)
     starts: list[int] = []
-    parts: dict[int, _PartFile] = {}
+    parts = {} if parts is None else parts
     pos = 0
     for k, (doc, lo, hi) in enumerate(zip(job.doc_ids, job.piece_lo, job.piece_hi)):
         p = int(np.searchsorted(job.part_doc_ends, doc, side="right"))
@@ -236,6 +255,21 @@ def plan_shards(split: str, doc_ids: np.ndarray, lengths: np.ndarray, shard_toke
             }
         )
     return shards
+
+
+def _remove_work(loc: Location, work: Location, remote: bool) -> None:
+    loc.delete(WORK_DIR)
+    if remote and os.path.isdir(work.path):
+        shutil.rmtree(work.path, ignore_errors=True)
+
+
+def local_work_dir(out: Location) -> Location:
+    """The work folder of a preparation into object storage: on this machine's disk, named by the output URI
+    (``<attnlab cache>/prepare-work/<sha256(uri)[:16]>``), so a re-run resumes from it."""
+    from attnlab.data.demo import cache_dir
+
+    key = hashlib.sha256(out.uri.encode()).hexdigest()[:16]
+    return Location.parse(str(cache_dir() / "prepare-work" / key))
 
 
 def _identity(record: dict) -> dict:
@@ -336,7 +370,10 @@ def prepare(
         raise UserError(f"--val-tokens must be >= 0, got {val_tokens}")
     src = make_source(source, path, name, text_column) if isinstance(source, str) else source
     loc = Location.parse(out, field="--out")
-    work = loc.child(WORK_DIR)
+    remote = not loc.is_local
+    # into object storage: the intermediate files stay on this machine's disk (read once, never uploaded)
+    work = local_work_dir(loc) if remote else loc.child(WORK_DIR)
+    remote_work = loc.child(WORK_DIR) if remote else None
     wanted = {
         "tokenizer": TOKENIZER_NAME,
         "vocab_size": GPT2_VOCAB,
@@ -348,8 +385,8 @@ def prepare(
     }
 
     # --- refuse a folder prepared differently; detect a finished or interrupted run (nothing written yet)
-    if loc.exists(WORK_DIR + "/" + PLAN):
-        _check_same(json.loads(loc.read_bytes(WORK_DIR + "/" + PLAN)), wanted, loc.uri)
+    if work.exists(PLAN):
+        _check_same(json.loads(work.read_bytes(PLAN)), wanted, loc.uri)
     if loc.exists(MANIFEST):
         try:
             existing = json.loads(loc.read_bytes(MANIFEST))
@@ -360,7 +397,7 @@ def prepare(
         return {"manifest": existing, "tokens": total, "seconds": time.perf_counter() - t0, "tokens_per_s": None,
                 "skipped_partitions": None, "skipped_shards": len(existing["shards"]), "already_prepared": True,
                 "summary": f"{loc.uri} is already prepared with these arguments ({total:,} tokens); nothing to do"}
-    if not loc.exists(WORK_DIR + "/" + PLAN):
+    if not work.exists(PLAN):
         stray = [n for n in loc.list_names() if n.endswith(".arrow") and n.split("-")[0] in SPLITS]
         if stray:
             raise UserError(
@@ -374,15 +411,16 @@ def prepare(
     workers = resolve_workers(workers)
     created_out = not loc.is_dir()
     work.mkdir()
-    created_plan = not loc.exists(WORK_DIR + "/" + PLAN)
+    created_plan = not work.exists(PLAN)
     if created_plan:
-        loc.write_bytes(WORK_DIR + "/" + PLAN, manifest_bytes(wanted))
-    for stale in loc.list_names() + [WORK_DIR + "/" + n for n in loc.list_names(WORK_DIR)]:
-        if ".tmp-" in stale.rsplit("/", 1)[-1]:
-            loc.delete(stale)
+        work.write_bytes(PLAN, manifest_bytes(wanted))
+    for folder in (loc, work) if remote else (loc,):
+        for stale in folder.list_names() + [WORK_DIR + "/" + n for n in folder.list_names(WORK_DIR)]:
+            if ".tmp-" in stale.rsplit("/", 1)[-1]:
+                folder.delete(stale)
 
     skipped_shards = 0
-    done_parts = set(loc.list_names(WORK_DIR))
+    done_parts = set(work.list_names()) | (set(remote_work.list_names()) if remote else set())
     todo = [p for p in partitions if _part_name(p.index) not in done_parts]
     skipped_parts = len(partitions) - len(todo)
     if progress:
@@ -395,7 +433,8 @@ def prepare(
         bar = _progress(len(partitions), "tokenise", progress)
         if bar is not None:
             bar.update(skipped_parts)
-        jobs = [TokenizeJob(src, p, work) for p in todo]
+        host = socket.gethostname() if remote else None
+        jobs = [TokenizeJob(src, p, work, host, remote_work) for p in todo]
         for _, (_docs, toks) in pool.map(tokenize_partition, jobs):
             if bar is not None:
                 bar.update(1)
@@ -403,13 +442,20 @@ def prepare(
         if bar is not None:
             bar.close()
 
+        if remote:  # parts a task on another machine left in OUT/_work: fetched once, to this machine's disk
+            here = set(work.list_names())
+            for p in partitions:
+                if _part_name(p.index) not in here:
+                    pafs.copy_files(remote_work.join(_part_name(p.index)), work.join(_part_name(p.index)),
+                                    source_filesystem=loc.fs, destination_filesystem=work.fs)
+
         # ---- plan: shuffle documents, split val/train, cut shards
         part_files = [_PartFile(work, _part_name(p.index)) for p in partitions]
         lengths = np.concatenate([pf.doc_lengths() for pf in part_files]).astype(np.int64)
         part_doc_ends = np.cumsum([pf.num_docs for pf in part_files], dtype=np.int64)
         del part_files
         def discard(message: str) -> UserError:  # bad input found after tokenising: leave nothing behind
-            loc.delete(WORK_DIR)
+            _remove_work(loc, work, remote)
             if created_out and not loc.list_names():
                 loc.fs.delete_dir(loc.path)
             return UserError(message)
@@ -433,7 +479,13 @@ def prepare(
         entries: dict[str, dict] = {}
         shard_jobs = []
         for plan in plans:
-            if plan["name"] in existing_names:
+            if remote:  # a shard uploaded by an interrupted run: its entry was recorded here (never read back)
+                recorded = work.read_json(f"shards/{plan['name']}.json")
+                if recorded is not None and plan["name"] in existing_names:
+                    entries[plan["name"]] = recorded
+                    skipped_shards += 1
+                    continue
+            elif plan["name"] in existing_names:
                 data = read_shard(loc, plan["name"])
                 if len(data.tokens) == plan["num_tokens"]:
                     entries[plan["name"]] = _entry(
@@ -446,8 +498,15 @@ def prepare(
         bar = _progress(len(plans), "shards", progress)
         if bar is not None:
             bar.update(skipped_shards)
-        for _, entry in pool.map(assemble_shard, shard_jobs):
+        if remote:  # in this process: the part files are on this machine's disk, memory-mapped once
+            open_parts: dict[int, _PartFile] = {}
+            done = ((i, assemble_shard(job, open_parts)) for i, job in enumerate(shard_jobs))
+        else:
+            done = pool.map(assemble_shard, shard_jobs)
+        for _, entry in done:
             entries[entry["name"]] = entry
+            if remote:
+                work.write_json(f"shards/{entry['name']}.json", entry)
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -475,7 +534,7 @@ def prepare(
         "shards": shards,
     }
     loc.write_bytes(MANIFEST, manifest_bytes(manifest))
-    loc.delete(WORK_DIR)
+    _remove_work(loc, work, remote)
     seconds = time.perf_counter() - t0
     result = {
         "manifest": manifest,

@@ -39,7 +39,7 @@ from attnlab.location import Location
 
 CACHE_ENV = "ATTNLAB_DATA_CACHE"
 PREFETCH_ENV = "ATTNLAB_DATA_PREFETCH"  # "0": never fetch in the background (ranged reads only)
-_CHUNK = 8 << 20
+_CHUNK = 16 << 20
 _HEAD = 64 << 10  # the schema and record-batch metadata of a shard fit in this many leading bytes
 
 
@@ -137,11 +137,16 @@ def fetch(loc: Location, name: str, sha256: str, *, root: str | None = None, blo
     try:
         if os.path.exists(final):  # another process fetched it while we waited
             return final
+        for stale in os.listdir(root):  # left by a process killed while fetching this shard
+            if stale.startswith(f".{sha256}.tmp-"):
+                os.unlink(os.path.join(root, stale))
         tmp = os.path.join(root, f".{sha256}.tmp-{uuid.uuid4().hex[:12]}")
         h = hashlib.sha256()
         try:
-            with loc.fs.open_input_stream(loc.join(name)) as src, open(tmp, "wb") as out:
-                while chunk := src.read(_CHUNK):
+            with loc.fs.open_input_file(loc.join(name)) as src, open(tmp, "wb") as out:
+                size = src.size()
+                for pos in range(0, size, _CHUNK):  # one ranged GET per chunk; anonymous memory: one chunk
+                    chunk = src.read_at(min(_CHUNK, size - pos), pos)
                     h.update(chunk)
                     out.write(chunk)
             if h.hexdigest() != sha256:
@@ -206,7 +211,7 @@ class RemoteShard:
         with self._mutex:
             if self._file is None:
                 f = self.loc.fs.open_input_file(self.loc.join(self.name))
-                head = f.read_at(min(_HEAD, f.size()), 0).to_pybytes()
+                head = bytes(f.read_at(min(_HEAD, f.size()), 0))
                 try:
                     layout = token_layout(head)
                 except (ValueError, struct.error, TypeError) as exc:
