@@ -1,6 +1,7 @@
 """``attnlab cluster validate|fits|extract-crd``: offline checks of the cluster configs in ``cluster/``.
 
-Thin argument handling over :mod:`attnlab.cluster.validate`; ``fits`` reads each study with the study spec.
+Thin argument handling over :mod:`attnlab.cluster.validate`; ``fits`` reads each study with the study spec and
+also checks its GPU memory (as ``attnlab study validate --cluster``).
 Bad input raises ``UserError`` (one line, exit 2).
 """
 
@@ -22,7 +23,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="cluster launcher YAMLs (cluster/*.yaml) or KubeRay manifests")
     p.set_defaults(func=_validate)
     p = sub.add_parser("fits", help="check that each study's resources fit a cluster config",
-                       description="Refuse, before submission, a study that no node type of the config can host.")
+                       description="Refuse, before submission, a study that no node type of the config can host, "
+                       "or whose training step or evaluation does not fit that node's GPU memory.")
     p.add_argument("--config", required=True, help="a cluster YAML (cluster/aws.yaml, gcp.yaml, kuberay/...)")
     p.add_argument("studies", nargs="+", metavar="STUDY.yaml", help="study files whose trials must fit the cluster")
     p.set_defaults(func=_fits)
@@ -49,10 +51,14 @@ def _fits(args: argparse.Namespace) -> int:
     from attnlab.cluster.validate import plan_fit
     from attnlab.study.spec import load_spec
 
+    from attnlab.study.cli import check_study_memory
+
     for study in args.studies:
-        fit = plan_fit(load_spec(study).resource_request(), args.config)
+        spec = load_spec(study)
+        fit = plan_fit(spec.resource_request(), args.config)
+        note = check_study_memory(spec, args.config)
         print(f"ok: {study} on {args.config}: nodes per trial {fit.nodes_per_trial}, "
-              f"{fit.concurrent_trials} trial(s) at once")
+              f"{fit.concurrent_trials} trial(s) at once; {note}")
     return 0
 
 

@@ -10,6 +10,8 @@ Three things live here:
   "strictified" so that unknown fields are errors, as with ``kubectl --validate=strict``.
 - ``check_fits(request, config_path)``: refuses a study whose trials no node type (or allowed span of
   nodes) of a config can schedule, with a one-line ``UserError``, instead of letting Ray wait forever.
+- ``trial_gpu(request, config_path)``: the GPU type (and its memory, :data:`GPU_MEMORY`) a trial's workers
+  would be placed on, for the memory check of ``attnlab study validate --cluster`` (docs/gpu-memory.md).
 
 This module never starts Ray, never contacts a cloud or a Kubernetes API, and holds no credentials;
 the only Ray it touches is the autoscaler's config helpers and schema file.
@@ -63,6 +65,47 @@ INSTANCE_TYPES: dict[str, dict[str, dict[str, int]]] = {
         "a3-highgpu-8g": {"CPU": 208, "GPU": 8},  # 8x H100 80 GB
     },
 }
+
+# GPU memory per GPU type, in bytes (nvidia-smi's total; torch's total_memory is a few hundred MiB less,
+# which the estimate's CUDA-context reserve covers), and the GPU type of each machine type or Kubernetes node
+# label value that names one. The one place the memory check reads GPU types from (docs/gpu-memory.md).
+MIB = 1024**2
+GPU_MEMORY: dict[str, int] = {
+    "A10G-24GB": 23028 * MIB,
+    "A100-40GB": 40960 * MIB,
+    "A100-80GB": 81920 * MIB,
+    "H100-80GB": 81559 * MIB,
+}
+GPU_OF_MACHINE: dict[str, str] = {  # fnmatch patterns: instance types, GCE machine types, GKE accelerator labels
+    "g5.*": "A10G-24GB",
+    "p4d.24xlarge": "A100-40GB",
+    "p4de.24xlarge": "A100-80GB",
+    "p5.48xlarge": "H100-80GB",
+    "a2-highgpu-*": "A100-40GB",
+    "a2-megagpu-*": "A100-40GB",
+    "a2-ultragpu-*": "A100-80GB",
+    "a3-highgpu-*": "H100-80GB",
+    "nvidia-tesla-a100": "A100-40GB",
+    "nvidia-a100-80gb": "A100-80GB",
+    "nvidia-h100-80gb": "H100-80GB",
+    "nvidia-a10g": "A10G-24GB",
+}
+# Kubernetes node labels a nodeSelector may pin a GPU pool with (EKS / any: instance type; GKE: accelerator).
+GPU_NODE_LABELS = ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type",
+                   "cloud.google.com/gke-accelerator", "cloud.google.com/machine-family")
+
+
+def gpu_of_machine(machine: str | None) -> str | None:
+    """The GPU type of a machine type / accelerator label (``GPU_OF_MACHINE``), None when unknown."""
+    import fnmatch
+
+    if not machine:
+        return None
+    for pattern, gpu in GPU_OF_MACHINE.items():
+        if fnmatch.fnmatchcase(str(machine), pattern):
+            return gpu
+    return None
+
 
 # The one shape of a resource request (``attnlab.study.StudySpec.resource_request`` builds it): one trial = a
 # Tune trial driver (``trial_cpus``) that runs a Ray Train job of ``workers`` workers, each ``gpus_per_worker``
@@ -283,6 +326,8 @@ class NodeType:
     gpus: float
     max_nodes: int
     is_head: bool = False
+    gpu_type: str | None = None  # a GPU_MEMORY key; None: no GPU, or not known from the config
+    gpu_source: str = ""  # what named the GPU type (or why it is unknown)
 
 
 def _launcher_node_types(config: dict, path: str | Path) -> tuple[list[NodeType], int]:
@@ -311,7 +356,10 @@ def _launcher_node_types(config: dict, path: str | Path) -> tuple[list[NodeType]
                 f"attnlab.cluster.validate.INSTANCE_TYPES[{provider!r}]); declare resources: {{CPU: n, GPU: m}}"
             )
         max_nodes = 1 if name == head else min(int(node_type.get("max_workers", global_max)), global_max)
-        nodes.append(NodeType(name, float(resources["CPU"]), float(resources.get("GPU", 0)), max_nodes, name == head))
+        gpu = gpu_of_machine(machine)
+        source = f"machine {machine}" if gpu else f"machine {machine!r} is not in GPU_OF_MACHINE"
+        nodes.append(NodeType(name, float(resources["CPU"]), float(resources.get("GPU", 0)), max_nodes, name == head,
+                              gpu, source))
     return nodes, global_max
 
 
@@ -342,6 +390,18 @@ def _kuberay_group(group: dict, name: str, path: str | Path) -> tuple[float, flo
     return float(cpus), gpus
 
 
+def _kuberay_gpu(group: dict) -> tuple[str | None, str]:
+    """A group's GPU type from its pod template's nodeSelector (instance type or GKE accelerator label)."""
+    selector = ((group.get("template") or {}).get("spec") or {}).get("nodeSelector") or {}
+    for label in GPU_NODE_LABELS:
+        if label in selector:
+            gpu = gpu_of_machine(selector[label])
+            if gpu:
+                return gpu, f"nodeSelector {label}={selector[label]}"
+            return None, f"nodeSelector {label}={selector[label]!r} is not in GPU_OF_MACHINE"
+    return None, "no nodeSelector names an instance type or GPU accelerator"
+
+
 def _kuberay_node_types(documents: list[dict], path: str | Path) -> tuple[list[NodeType], int]:
     specs = []
     for doc in documents:
@@ -358,7 +418,8 @@ def _kuberay_node_types(documents: list[dict], path: str | Path) -> tuple[list[N
     for group in spec.get("workerGroupSpecs") or []:
         cpus, gpus = _kuberay_group(group, group["groupName"], path)
         max_pods = int(group.get("maxReplicas", 0)) * int(group.get("numOfHosts", 1))
-        nodes.append(NodeType(group["groupName"], cpus, gpus, max_pods))
+        gpu, source = _kuberay_gpu(group)
+        nodes.append(NodeType(group["groupName"], cpus, gpus, max_pods, False, gpu, source))
     return nodes, sum(n.max_nodes for n in nodes if not n.is_head)
 
 
@@ -501,3 +562,96 @@ def check_fits(request: dict, cluster_config_path: str | Path) -> None:
     at once than ``max_concurrent_trials`` is not an error (Tune queues the rest); see ``plan_fit``.
     """
     plan_fit(request, cluster_config_path)
+
+
+@dataclass(frozen=True)
+class TrialGpu:
+    """The GPU a trial's workers get: its type and memory (None when the config does not say), and why."""
+
+    gpu_type: str | None
+    memory_bytes: int | None
+    note: str  # e.g. "gpu.a100 (machine p4d.24xlarge)", or why the type is unknown
+
+
+def trial_gpu(request: dict, cluster_config_path: str | Path) -> TrialGpu | None:
+    """The GPU type a trial of ``request`` is placed on (:func:`plan_fit`); the smallest one when a trial spans
+    node types. None for a CPU-only request; ``gpu_type`` None when a node type's GPU cannot be known."""
+    req = normalise_request(request)
+    if req["gpus_per_worker"] <= 0:
+        return None
+    fit = plan_fit(req, cluster_config_path)
+    nodes = {n.name: n for n in load_node_types(cluster_config_path)[0]}
+    placed = [nodes[name] for name in fit.nodes_per_trial]
+    unknown = [n for n in placed if n.gpu_type not in GPU_MEMORY]
+    if unknown:
+        n = unknown[0]
+        return TrialGpu(None, None, f"{Path(cluster_config_path).name}: node type {n.name!r}: GPU type unknown "
+                                    f"({n.gpu_source}); GPU memory check skipped")
+    n = min(placed, key=lambda n: GPU_MEMORY[n.gpu_type])
+    return TrialGpu(n.gpu_type, GPU_MEMORY[n.gpu_type], f"{n.name} ({n.gpu_source})")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def check_memory(study: str, trials: list, eval_lengths, eval_batch: int | None, request: dict,
+                 cluster_config_path: str | Path) -> str:
+    """Refuse (one-line ``UserError``) a study whose training step or evaluation does not fit the GPU its
+    trials are placed on; return a one-line note of what was checked (or why the check was skipped).
+
+    ``trials``: the trials' ``attnlab.train.config.TrainConfig`` (one per distinct point); ``eval_lengths``: the
+    lengths evaluated after training, or a function of the training length giving them (the training length
+    is checked too, at ``val_batch``: training's own validation); ``eval_batch``:
+    ``eval.batch_size`` (None: ``val_batch x seq_len // length``, at least 1, as evaluation does). Estimates come
+    from :mod:`attnlab.model.memory`; ``micro_batch: auto`` is resolved for the GPU type.
+    """
+    from attnlab.model.memory import estimate_eval, largest_eval_batch
+
+    gpu = trial_gpu(request, cluster_config_path)
+    if gpu is None:
+        return "GPU memory: CPU workers, not checked"
+    if gpu.gpu_type is None:
+        return gpu.note
+    budget, where = gpu.memory_bytes, f"the {gpu.gpu_type}'s {_gib(gpu.memory_bytes)} ({gpu.note})"
+    worst_train, worst_eval = None, None
+    for cfg in trials:
+        attention = cfg.gpt_config().attention_spec().name
+        best = cfg.fitting_micro_batch(budget)
+        batch = best if cfg.micro_batch == "auto" else cfg.micro_batch
+        if batch < 1:
+            est = cfg.step_memory(1)
+            raise UserError(f"study {study!r}: a training step of attention {attention} needs {_gib(est.total)} per "
+                            f"GPU at micro_batch=1 x {cfg.seq_length} tokens, more than {where}; no micro_batch "
+                            f"fits: shorten seq_len or use a larger GPU")
+        est = cfg.step_memory(batch)
+        if est.total > budget:
+            raise UserError(f"study {study!r}: a training step of attention {attention} at micro_batch={batch} x "
+                            f"{cfg.seq_length} tokens needs ~{_gib(est.total)} per GPU, more than {where}; the "
+                            f"largest micro_batch that fits (and divides the step's sequences) is {best}: set "
+                            f"train.micro_batch: {best} or auto")
+        if worst_train is None or est.total > worst_train[0]:
+            worst_train = (est.total, batch)
+        settings = cfg.memory_settings()
+        gpt = cfg.gpt_config()
+        T = cfg.seq_length
+        lengths = eval_lengths(T) if callable(eval_lengths) else eval_lengths
+        for length in sorted({T, *lengths}):
+            b = cfg.val_batch if length == T and eval_batch is None else (
+                eval_batch or max(1, cfg.val_batch * T // length))
+            est = estimate_eval(gpt, length, b, settings["precision"], settings["backend"])
+            if est.total > budget:
+                fits = largest_eval_batch(gpt, length, budget, precision=settings["precision"],
+                                          backend=settings["backend"])
+                advice = (f"the largest eval batch that fits is {fits}: set eval.batch_size: {fits}" if fits else
+                          "not even 1 window fits: evaluate shorter lengths or use a larger GPU")
+                raise UserError(f"study {study!r}: evaluating attention {attention} at {length:,} tokens (eval batch "
+                                f"{b}) needs ~{_gib(est.total)} per GPU, more than {where}; {advice}")
+            if worst_eval is None or est.total > worst_eval[0]:
+                worst_eval = (est.total, length, b)
+    if worst_train is None:
+        return f"GPU memory: no trials to check on {gpu.gpu_type}"
+    out = f"GPU memory on {gpu.gpu_type} ({_gib(budget)}): training step <= {_gib(worst_train[0])}"
+    if worst_eval is not None:
+        out += f", evaluation <= {_gib(worst_eval[0])} (at {worst_eval[1]:,} tokens, batch {worst_eval[2]})"
+    return out

@@ -7,6 +7,12 @@ Defaults are the paper's recipe (docs/protocol.md#training, llm.c's GPT-2 124M):
 warm-up steps then cosine decay to 0, weight decay 0.1 on 2-D weights only, gradient clipping 1.0,
 524,288 tokens per step reached by gradient accumulation whatever the number of workers, bf16 autocast on
 CUDA. A study overrides any field. No Ray here.
+
+``micro_batch: auto`` picks the largest micro-batch whose estimated peak memory
+(:mod:`attnlab.model.memory`) fits the GPU, among the divisors of the sequences each worker takes per step,
+so ``tokens_per_step`` is kept through gradient accumulation (docs/gpu-memory.md). On a worker it reads the
+device's ``total_memory``; ``attnlab study validate --cluster`` uses the cluster's GPU type; without a GPU it
+resolves to :data:`CPU_AUTO_MICRO_BATCH` (or the largest divisor below it).
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ RUN_SETTINGS = frozenset({
 })
 
 
+# What ``micro_batch: auto`` resolves to without a GPU (capped to a divisor of the sequences per worker).
+CPU_AUTO_MICRO_BATCH = 16
+AUTO = "auto"
+
 # Recipe defaults that fit each preset's size: fields a config leaves unset take them (a field set by the user
 # always wins). The class defaults are llm.c's GPT-2 124M recipe (docs/protocol.md#training), which would make
 # the CPU-sized presets take 524,288 tokens per step; gpt2-medium takes llm.c's 350M learning rate.
@@ -45,7 +55,8 @@ PRESET_RECIPES: dict[str, dict[str, Any]] = {
                  val_every=100, val_tokens=16_384, checkpoint_every=300),
     "tiny-4l": dict(steps=1000, tokens_per_step=4096, micro_batch=32, lr=2e-3, warmup_steps=50, log_every=10,
                     val_every=250, val_tokens=65_536, checkpoint_every=500),
-    "gpt2-medium": dict(lr=3e-4),
+    # 355M: llm.c's micro-batch 64 needs ~2x an 80 GB GPU (docs/gpu-memory.md); auto picks what fits.
+    "gpt2-medium": dict(lr=3e-4, micro_batch=AUTO),
 }
 # A step needing more micro-steps than this (per worker) is warned about before a run starts.
 MANY_ACCUMULATION_STEPS = 64
@@ -67,7 +78,8 @@ class TrainConfig(BaseModel):
     # budget and batch
     steps: int = Field(default=18_865, gt=0)
     tokens_per_step: int = Field(default=524_288, gt=0)
-    micro_batch: int = Field(default=64, gt=0)  # sequences per worker per micro-step
+    # sequences per worker per micro-step, or auto: the largest that fits the GPU (module docstring)
+    micro_batch: int | Literal["auto"] = 64
     # optimiser (llm.c recipe)
     lr: float = Field(default=6e-4, gt=0)
     min_lr_frac: float = Field(default=0.0, ge=0, le=1)
@@ -115,6 +127,15 @@ class TrainConfig(BaseModel):
                                                               cls.model_fields["tokens_per_step"].default))
             data["steps"] = max(1, math.ceil(tokens / per_step)) if isinstance(per_step, int) and per_step > 0 else 1
         return data
+
+    @field_validator("micro_batch", mode="before")
+    @classmethod
+    def _micro_batch(cls, value):
+        if value == AUTO:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError("is not allowed: use a positive integer or auto (the largest that fits the GPU)")
+        return value
 
     @field_validator("preset")
     @classmethod
@@ -185,14 +206,81 @@ class TrainConfig(BaseModel):
             overrides["vocab_size"] = vocab_size
         return with_kind(preset(self.preset, **overrides), kind)
 
-    def batch_plan(self, world_size: int) -> tuple[int, int]:
-        """``(global_batch_sequences, grad_accum_steps)`` for ``world_size`` workers; UserError if it doesn't divide."""
+    # ------------------------------------------------------------------ memory (attnlab.model.memory)
+    def memory_settings(self) -> dict:
+        """``precision``/``compiled``/``backend``/``ddp`` as :func:`attnlab.model.memory.estimate_train_step`
+        takes them, for GPU workers (bf16 unless fp32; compiled unless ``compile: false``)."""
+        return {"precision": "fp32" if self.precision == "fp32" else "bf16",
+                "compiled": self.compile is not False, "backend": self.attn_impl, "ddp": self.workers > 1}
+
+    def step_memory(self, micro_batch: int | None = None, vocab_size: int | None = None):
+        """The estimated per-GPU peak of one training micro-step (a :class:`attnlab.model.memory.MemoryEstimate`)."""
+        from attnlab.model.memory import estimate_train_step
+
+        batch = micro_batch or self.micro_batch
+        if batch == AUTO:
+            raise UserError("micro_batch is auto: give micro_batch, or resolve it (TrainConfig.resolved)")
+        return estimate_train_step(self.gpt_config(vocab_size=vocab_size), self.seq_length, batch,
+                                   **self.memory_settings())
+
+    def fitting_micro_batch(self, budget_bytes: int, world_size: int | None = None,
+                            vocab_size: int | None = None) -> int:
+        """The largest micro-batch that divides the sequences per worker per step and whose estimate fits
+        ``budget_bytes`` (0: not even one sequence fits)."""
+        from attnlab.model.memory import largest_micro_batch
+
+        per_worker = self._sequences_per_worker(world_size or self.workers)
+        s = self.memory_settings()
+        return largest_micro_batch(self.gpt_config(vocab_size=vocab_size), self.seq_length, budget_bytes,
+                                   precision=s["precision"], compiled=s["compiled"], backend=s["backend"],
+                                   ddp=s["ddp"], divisor_of=per_worker)
+
+    def _sequences_per_worker(self, world_size: int) -> int:
         global_batch = self.tokens_per_step // self.seq_length
-        per_micro = self.micro_batch * world_size
+        if global_batch % world_size:
+            raise UserError(f"tokens_per_step={self.tokens_per_step} gives {global_batch} sequences of "
+                            f"{self.seq_length}, not a multiple of workers={world_size}; adjust one of them")
+        return global_batch // world_size
+
+    def auto_micro_batch(self, world_size: int | None = None, budget_bytes: int | None = None,
+                         vocab_size: int | None = None) -> int:
+        """What ``micro_batch: auto`` resolves to: the largest fitting divisor of the sequences per worker for
+        ``budget_bytes`` (default: this process's CUDA device's ``total_memory`` when the config uses GPUs and
+        one is visible); without a GPU the largest divisor <= :data:`CPU_AUTO_MICRO_BATCH`. UserError when not
+        even one sequence fits."""
+        world = world_size or self.workers
+        per_worker = self._sequences_per_worker(world)
+        if budget_bytes is None and self.gpu:
+            import torch
+
+            if torch.cuda.is_available():
+                budget_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if budget_bytes is None:
+            return max(b for b in range(1, min(CPU_AUTO_MICRO_BATCH, per_worker) + 1) if per_worker % b == 0)
+        best = self.fitting_micro_batch(budget_bytes, world, vocab_size)
+        if best < 1:
+            raise UserError(f"micro_batch=auto: not even 1 sequence of {self.seq_length} tokens fits "
+                            f"{budget_bytes / 1024**3:.1f} GiB (estimate {self.step_memory(1, vocab_size).describe()})")
+        return best
+
+    def resolved(self, world_size: int | None = None, budget_bytes: int | None = None,
+                 vocab_size: int | None = None) -> "TrainConfig":
+        """This config with ``micro_batch: auto`` replaced by :meth:`auto_micro_batch` (itself when an integer)."""
+        if self.micro_batch != AUTO:
+            return self
+        batch = self.auto_micro_batch(world_size, budget_bytes, vocab_size)
+        return self.model_copy(update={"micro_batch": batch})
+
+    def batch_plan(self, world_size: int) -> tuple[int, int]:
+        """``(global_batch_sequences, grad_accum_steps)`` for ``world_size`` workers; UserError if it doesn't divide.
+        ``micro_batch: auto`` is resolved first (:meth:`auto_micro_batch`)."""
+        global_batch = self.tokens_per_step // self.seq_length
+        micro_batch = self.auto_micro_batch(world_size) if self.micro_batch == AUTO else self.micro_batch
+        per_micro = micro_batch * world_size
         if global_batch % per_micro:
             raise UserError(
                 f"tokens_per_step={self.tokens_per_step} gives {global_batch} sequences of {self.seq_length}, "
-                f"not a multiple of micro_batch={self.micro_batch} x workers={world_size}; adjust one of them")
+                f"not a multiple of micro_batch={micro_batch} x workers={world_size}; adjust one of them")
         return global_batch, global_batch // per_micro
 
     def warnings(self, world_size: int | None = None) -> list[str]:
@@ -204,12 +292,12 @@ class TrainConfig(BaseModel):
                        "lower warmup_steps")
         workers = world_size or self.workers
         try:
-            _, accum = self.batch_plan(workers)
+            global_batch, accum = self.batch_plan(workers)
         except UserError:
             return out
         if accum > MANY_ACCUMULATION_STEPS:
             out.append(f"tokens_per_step={self.tokens_per_step:,} is {accum} micro-steps of micro_batch="
-                       f"{self.micro_batch} x {self.seq_length} tokens per worker ({workers} worker(s)) for every "
+                       f"{global_batch // accum // workers} x {self.seq_length} tokens per worker ({workers} worker(s)) for every "
                        "optimizer step: a step will be slow; lower tokens_per_step or raise micro_batch / workers")
         return out
 
@@ -223,9 +311,11 @@ class TrainConfig(BaseModel):
         size = f" ({num_params / 1e6:.1f}M params)" if num_params else ""
         data = self.data if isinstance(self.data, str) else f"synthetic:{self.data.get('synthetic')}"
         device = f"{self.gpus_per_worker:g} GPU" if self.gpu else f"{self.cpus_per_worker:g} CPU"
+        batch = global_batch // accum // workers
+        batch = f"auto (here {batch})" if self.micro_batch == AUTO else batch
         return (f"plan: {self.preset}{size} {attention}, {self.steps:,} steps x {self.tokens_per_step:,} tokens "
                 f"({global_batch} x {self.seq_length}) = {self.steps * self.tokens_per_step:,} tokens; {workers} "
-                f"worker(s) of {device}, micro-batch {self.micro_batch}, grad accumulation {accum}; data {data}")
+                f"worker(s) of {device}, micro-batch {batch}, grad accumulation {accum}; data {data}")
 
     def identity(self, data_fingerprint: str, vocab_size: int | None = None) -> dict:
         """What determines the trained weights: the resolved model (attention spec included), the data by its

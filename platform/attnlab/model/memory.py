@@ -1,0 +1,268 @@
+"""Per-GPU peak memory of a training step and of evaluation, estimated without a GPU (docs/gpu-memory.md).
+
+An analytic model: what lives at the peak of a step, counted tensor by tensor from the code of
+:mod:`attnlab.model.gpt` and :mod:`attnlab.train.loop`:
+
+- ``params`` (fp32 master weights), ``grads`` (fp32; counted always: from the second micro-step of gradient
+  accumulation on, grads are live during the forward), ``optimizer`` (AdamW's two fp32 moments),
+  ``ddp_buckets`` (DDP's gradient buckets, one more fp32 copy of the grads, when ``ddp``), ``autocast_weights``
+  (bf16 copies of the weight matrices that autocast caches and the backward keeps).
+- ``activations``: what autograd saves per layer, per token (bytes per token below), plus the dense attention
+  weights, O(T^2), when the backend is ``dense``. The number of ``(rows x keys)`` tensors a variant's dense
+  path saves is read by running :func:`attnlab.attention.dense.attend_dense` once on a tiny CPU input under
+  ``saved_tensors_hooks`` (so LSSA with sharpening counts more than softmax, exactly).
+- ``loss_path``: the logits and the float32 cross-entropy (saved log-softmax output plus the gradient's
+  temporaries at the start of the backward: 12 x vocab bytes per token eager, fewer compiled).
+- ``transient``: the largest short-lived working set on top (the dense path's chunk of weights).
+
+``MemoryEstimate.tensor_bytes`` is what ``torch.cuda.max_memory_allocated`` (or torch's ``MemTracker`` on
+CPU) would report; ``MemoryEstimate.total`` adds the allocator's fragmentation (``ALLOCATOR_OVERHEAD``) and
+the CUDA context with cuBLAS/Triton workspaces (``CUDA_CONTEXT_BYTES``): the figure checked against a GPU's
+memory. The bf16 and compiled coefficients are derived, not measured (no GPU here); ``make bench-gpu``
+prints measured peaks next to these estimates to calibrate them.
+
+Stable API (bench/gpu.py and the cluster check call it):
+
+- ``estimate_train_step(gpt_cfg, seq_len, micro_batch, precision="bf16", compiled=True, backend="auto",
+  *, ddp=False) -> MemoryEstimate``
+- ``estimate_eval(gpt_cfg, length, batch, precision="bf16", backend="auto") -> MemoryEstimate``
+- ``largest_micro_batch(gpt_cfg, seq_len, budget_bytes, *, precision, compiled, backend, ddp, divisor_of)
+  -> int`` (0 when not even one sequence fits)
+- ``largest_eval_batch(gpt_cfg, length, budget_bytes, *, precision, backend) -> int``
+- ``resolve_backend_name(gpt_cfg, backend)``: the concrete backend (``dense``/``flex``/``sdpa``) on a GPU.
+
+``precision``: ``bf16`` (CUDA autocast) or ``fp32``; ``backend``: ``auto`` (what CUDA would pick for the
+variant), ``sdpa``, ``flex`` (both O(T) memory) or ``dense`` (O(T^2)). No Ray, no cluster code, no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from attnlab.model.config import GPTConfig
+
+# The CUDA context, cuBLAS and Triton workspaces, NCCL buffers: outside torch's allocator, per process.
+CUDA_CONTEXT_BYTES = 1536 * 1024**2
+# Reserved-but-unused memory of the caching allocator (fragmentation), as a fraction of the tensor peak.
+ALLOCATOR_OVERHEAD = 0.10
+PRECISIONS = ("bf16", "fp32")
+BACKENDS = ("auto", "sdpa", "flex", "dense")
+# Positions per chunk of the evaluation LM head (GPT.token_stats(chunk=...)).
+EVAL_HEAD_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """A peak in bytes: ``tensor_bytes`` (live tensors, as max_memory_allocated) and ``total`` (with the
+    allocator's overhead and the CUDA context); ``breakdown`` names each part of ``tensor_bytes``."""
+
+    tensor_bytes: int
+    total: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+    def gib(self) -> float:
+        return self.total / 1024**3
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / 1024**3:.2f}" for k, v in self.breakdown.items() if v)
+        return f"{self.total / 1024**3:.1f} GiB ({parts} GiB; tensors {self.tensor_bytes / 1024**3:.2f} GiB)"
+
+
+def _check(precision: str, backend: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not allowed: use one of {', '.join(PRECISIONS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
+
+
+def _positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed: use a positive integer")
+    return value
+
+
+def num_params(cfg: GPTConfig) -> int:
+    """Parameters of :class:`attnlab.model.GPT` (tied embedding counted once), without building it."""
+    C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    b = 1 if cfg.bias else 0
+    per_layer = (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b) \
+        + 2 * (C + C * b)
+    return V * C + L * per_layer + (C + C * b)
+
+
+def _matrix_params(cfg: GPTConfig) -> int:
+    """Weights autocast casts to bf16 (the linear layers' weights, the tied head included)."""
+    C = cfg.n_embd
+    return cfg.vocab_size * C + cfg.n_layer * 12 * C * C
+
+
+def resolve_backend_name(cfg: GPTConfig, backend: str = "auto") -> str:
+    """The backend a CUDA worker would use: ``auto`` -> sdpa (softmax family), flex (fusable variants) or dense."""
+    from attnlab.attention.flex import unfusable_reason
+    from attnlab.attention.sdpa import sdpa_unsupported_reason
+
+    if backend == "auto":
+        backend = cfg.attn_impl
+    if backend in ("dense", "sdpa"):
+        return backend
+    spec = cfg.attention_spec()
+    if backend == "auto" and sdpa_unsupported_reason(spec) is None:
+        return "sdpa"
+    return "dense" if unfusable_reason(spec) is not None else "flex"
+
+
+@functools.lru_cache(maxsize=64)
+def dense_saved_factor(cfg: GPTConfig) -> float:
+    """Bytes autograd saves per element of the dense ``(rows x keys)`` weights for this variant, per head.
+
+    Read, not assumed: one tiny :func:`attend_dense` call on CPU under ``saved_tensors_hooks`` at two lengths;
+    the difference of the saved bytes over the difference of ``T^2`` is the quadratic coefficient.
+    """
+    import torch
+
+    from attnlab.attention.dense import attend_dense
+
+    spec = cfg.attention_spec()
+
+    def saved(T: int) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 1, T, 8, generator=g, requires_grad=True) for _ in range(3))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            attend_dense(q, k, v, spec, chunk_bytes=1 << 40)
+        return sum(storages.values())
+
+    return (saved(96) - saved(48)) / (96 * 96 - 48 * 48)
+
+
+def _dense_rows_keys(B: int, H: int, T: int) -> int:
+    """Elements of the dense weights over all chunks (attend_dense's chunking: causal keys ``:r1`` per chunk)."""
+    bytes_per_row = max(1, B * H * T * 4 * 4)
+    chunk = max(1, min(T, 256 * 1024**2 // bytes_per_row))
+    total = 0
+    for r0 in range(0, T, chunk):
+        r1 = min(T, r0 + chunk)
+        total += (r1 - r0) * r1
+    return B * H * total
+
+
+def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backend: str) -> int:
+    """Bytes autograd saves per token per block, besides the dense attention weights.
+
+    Read off :class:`attnlab.model.gpt.Block` under ``saved_tensors_hooks`` on CPU (fp32) and carried to bf16
+    with autocast's dtypes: LayerNorm and the residual stream stay float32, linear inputs/outputs are bf16.
+    """
+    C = cfg.n_embd
+    a = 2 if precision == "bf16" else 4
+    r = 4
+    saved = {"ln_1 input": r * C + 8, "c_attn input": a * C, "c_proj input": a * C, "ln_2 input": r * C + 8,
+             "c_fc input": a * C, "c_fc output": 4 * a * C, "gelu output": 4 * a * C}
+    if backend == "dense":  # q, k^T and v copied to float32 (and contiguous) for the two matmuls
+        saved["q, k, v"] = 3 * 4 * C
+    else:  # the fused kernels save q and k after RoPE, v as a view of the qkv projection, output + logsumexp
+        saved["q, k, v"] = 5 * a * C + a * C + 4 * cfg.n_head
+    if compiled:  # inductor recomputes the cheap pointwise GELU in the backward instead of saving it
+        saved.pop("gelu output")
+    return sum(saved.values())
+
+
+def _loss_path_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool) -> int:
+    """The logits the loop holds (``_, loss = model(x, y)`` keeps them through the backward) and the float32
+    cross-entropy: its saved log-softmax output and, at the backward's start, NLL's dense gradient and
+    log-softmax's gradient."""
+    V = cfg.vocab_size
+    a = 2 if precision == "bf16" else 4
+    if compiled:  # fused log-softmax + NLL: the logits are what it saves; one fp32 gradient and its cast
+        return a * V + 4 * V + (2 * V if precision == "bf16" else 0)
+    return a * V + 12 * V
+
+
+def _finish(parts: dict[str, int]) -> MemoryEstimate:
+    tensors = int(sum(parts.values()))
+    total = int(tensors * (1 + ALLOCATOR_OVERHEAD)) + CUDA_CONTEXT_BYTES
+    return MemoryEstimate(tensor_bytes=tensors, total=total, breakdown={k: int(v) for k, v in parts.items()})
+
+
+def estimate_train_step(cfg: GPTConfig, seq_len: int, micro_batch: int, precision: str = "bf16",
+                        compiled: bool = True, backend: str = "auto", *, ddp: bool = False) -> MemoryEstimate:
+    """Peak memory of one worker's training micro-step (forward + backward, AdamW state present)."""
+    _check(precision, backend)
+    T, B = _positive(seq_len, "seq_len"), _positive(micro_batch, "micro_batch")
+    backend = resolve_backend_name(cfg, backend)
+    P = num_params(cfg)
+    N = B * T
+    parts = {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P, "ddp_buckets": 4 * P if ddp else 0,
+             "autocast_weights": 2 * _matrix_params(cfg) if precision == "bf16" else 0}
+    layer = _layer_bytes_per_token(cfg, precision, compiled, backend) * N
+    if backend == "dense":
+        layer += dense_saved_factor(cfg) * _dense_rows_keys(B, cfg.n_head, T)
+    C = cfg.n_embd
+    head_in = (4 * C + 8) + (2 if precision == "bf16" else 4) * C  # ln_f input, lm_head input
+    parts["activations"] = cfg.n_layer * layer + head_in * N
+    parts["loss_path"] = _loss_path_bytes_per_token(cfg, precision, compiled) * N
+    parts["transient"] = 0
+    return _finish(parts)
+
+
+def estimate_eval(cfg: GPTConfig, length: int, batch: int, precision: str = "bf16",
+                  backend: str = "auto") -> MemoryEstimate:
+    """Peak memory of scoring ``batch`` windows of ``length`` tokens (no grad; the LM head in chunks of
+    ``EVAL_HEAD_CHUNK`` positions, as :meth:`attnlab.model.GPT.token_stats`)."""
+    _check(precision, backend)
+    T, B = _positive(length, "length"), _positive(batch, "batch")
+    backend = resolve_backend_name(cfg, backend)
+    C, V, H = cfg.n_embd, cfg.vocab_size, cfg.n_head
+    a = 2 if precision == "bf16" else 4
+    N = B * T
+    parts = {"params": 4 * num_params(cfg), "autocast_weights": 2 * _matrix_params(cfg) if precision == "bf16" else 0}
+    # Inside one block: the residual (fp32), qkv, q/k after rope, the MLP's hidden pair; the next residual.
+    block = (4 * C + 4 * C) + 3 * a * C + 2 * a * C + 8 * a * C
+    if backend == "dense":  # fp32 weights of one chunk of rows, with attend_dense's temporaries (x4)
+        rows = _dense_rows_keys(B, H, T) / (B * H * T)  # mean keys per row
+        chunk = max(1, min(T, 256 * 1024**2 // max(1, B * H * T * 16)))
+        parts["attention_workspace"] = int(min(T, chunk) * max(rows, T) * B * H * 4 * 4)
+    parts["activations"] = block * N
+    # One chunk of logits: bf16 head output, its float copy, cross-entropy's log-softmax; and the outputs.
+    rows = B * min(T, EVAL_HEAD_CHUNK)
+    parts["lm_head_chunk"] = (a + 4 + 4) * V * rows + 2 * 4 * N
+    return _finish(parts)
+
+
+def largest_micro_batch(cfg: GPTConfig, seq_len: int, budget_bytes: int, *, precision: str = "bf16",
+                        compiled: bool = True, backend: str = "auto", ddp: bool = False,
+                        divisor_of: int | None = None, limit: int = 1024) -> int:
+    """The largest micro_batch whose estimated ``total`` fits ``budget_bytes`` (0: not even 1). With
+    ``divisor_of`` only divisors of it are candidates (sequences per worker per step, for accumulation)."""
+    best = 0
+    top = min(limit, divisor_of) if divisor_of else limit
+    for b in range(1, top + 1):
+        if divisor_of and divisor_of % b:
+            continue
+        if estimate_train_step(cfg, seq_len, b, precision, compiled, backend, ddp=ddp).total > budget_bytes:
+            break
+        best = b
+    return best
+
+
+def largest_eval_batch(cfg: GPTConfig, length: int, budget_bytes: int, *, precision: str = "bf16",
+                       backend: str = "auto", limit: int = 1024) -> int:
+    """The largest evaluation batch at ``length`` whose estimated ``total`` fits ``budget_bytes`` (0: none)."""
+    best = 0
+    for b in range(1, limit + 1):
+        if estimate_eval(cfg, length, b, precision, backend).total > budget_bytes:
+            break
+        best = b
+    return best
+
+
+__all__ = ["ALLOCATOR_OVERHEAD", "BACKENDS", "CUDA_CONTEXT_BYTES", "MemoryEstimate", "PRECISIONS",
+           "dense_saved_factor", "estimate_eval", "estimate_train_step", "largest_eval_batch",
+           "largest_micro_batch", "num_params", "resolve_backend_name"]
