@@ -1,0 +1,242 @@
+"""The CUDA attention path, checked on CPU: inductor's lowering of the compiled FlexAttention training graph, and
+the number of compilations of a compiled model over training steps and evaluation lengths.
+
+Lowering: ``flex.cuda_code_path()`` makes a ``torch.compile`` trace of the fused path on CPU tensors take its
+CUDA branch (FlexAttention's higher-order op with LSE, row maximum and gradients), AOTAutograd splits forward and
+backward, and both graphs go through inductor's lowering (``compile_fx_inner``). Inductor's FlexAttention
+lowerings are run in full up to the point where they need the GPU: the Triton kernel template (``No module
+named 'triton'``) or the device's properties for its configurations (``Torch not compiled with CUDA
+enabled``). That stop is caught per FlexAttention call, the call's outputs are replaced by empty buffers of the
+right shapes, and lowering continues with the rest of the graph, so that every FlexAttention call of the graph
+(two or four per variant) is lowered, not only the first; code generation is then stopped. The forward lowering
+takes inductor's CUDA branch by reporting the call's inputs as CUDA tensors (on CPU inductor would pick its C++
+template, which has no LSE); the score_mod and mask subgraphs are lowered before the stop. Any other exception
+(a ``LoweringException`` of our graph, e.g. a FlexAttention backward with no output gradient) fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.attention import attend, get_variant
+from attnlab.attention import flex
+
+pytestmark = pytest.mark.cuda_proxy
+
+# Where lowering needs a GPU (the only stops allowed).
+_GPU_STOPS = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver", "0 active drivers")
+
+
+class _LoweredUpToCodegen(Exception):
+    """Raised instead of generating code, once a graph is lowered."""
+
+
+def _chain(exc):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _is_gpu_stop(exc) -> bool:
+    for e in _chain(exc):
+        if isinstance(e, ModuleNotFoundError) and e.name == "triton":
+            return True
+        if isinstance(e, (AssertionError, RuntimeError)) and any(s in str(e) for s in _GPU_STOPS):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _lowering_up_to_the_gpu(stops: list[str]):
+    """Inductor's FlexAttention lowerings, each run until it needs the GPU (``stops`` records ``fw``/``bw``)."""
+    from torch._inductor import graph as inductor_graph
+    from torch._inductor import ir
+    from torch._inductor.lowering import empty_strided, lowerings
+    from torch.utils._pytree import tree_leaves
+
+    fw_op, bw_op = torch.ops.higher_order.flex_attention, torch.ops.higher_order.flex_attention_backward
+    lower_fw, lower_bw = lowerings[fw_op], lowerings[bw_op]
+
+    def empty(size, dtype, like):
+        return empty_strided(size, None, dtype=dtype, device=like.get_device())
+
+    def as_cuda(args):
+        # Every IR node of the call's inputs reports a CUDA device: inductor takes its Triton (CUDA) branch.
+        nodes, seen = [], set()
+        for node in tree_leaves(list(args)):
+            while isinstance(node, ir.IRNode) and not isinstance(node, ir.Loops) and id(node) not in seen:
+                seen.add(id(node))
+                nodes.append(node)
+                node = getattr(node, "data", None)
+        for node in nodes:
+            node.get_device = lambda: torch.device("cuda", 0)
+        return nodes
+
+    def fw(*args, **kwargs):
+        query, _, value = args[:3]
+        B, H, T, _ = query.get_size()
+        device, dtype = query.get_device(), query.get_dtype()
+        nodes = as_cuda(args)
+        try:
+            lower_fw(*args, **kwargs)
+            raise AssertionError("FlexAttention's forward lowered without needing a GPU")
+        except Exception as exc:
+            if not _is_gpu_stop(exc):
+                raise
+            stops.append("fw")
+        finally:
+            for node in nodes:
+                del node.get_device
+        out = empty_strided([B, H, T, value.get_size()[-1]], None, dtype=dtype, device=device)
+        stats = [empty_strided([B, H, T], None, dtype=torch.float32, device=device) for _ in range(2)]
+        return (out, *stats)
+
+    def bw(*args, **kwargs):
+        query, key, value = args[:3]
+        try:
+            lower_bw(*args, **kwargs)
+            raise AssertionError("FlexAttention's backward lowered without needing a GPU")
+        except Exception as exc:
+            if not _is_gpu_stop(exc):
+                raise
+            stops.append("bw")
+        captured = args[-2]  # score_mod_other_buffers
+        return (empty(query.get_size(), query.get_dtype(), query), empty(key.get_size(), key.get_dtype(), key),
+                empty(value.get_size(), value.get_dtype(), value),
+                tuple(empty(b.get_size(), b.get_dtype(), b) for b in captured))
+
+    def stop_before_codegen(self, *args, **kwargs):
+        raise _LoweredUpToCodegen()
+
+    compile_to_module = inductor_graph.GraphLowering.compile_to_module
+    lowerings[fw_op], lowerings[bw_op] = fw, bw
+    inductor_graph.GraphLowering.compile_to_module = stop_before_codegen
+    try:
+        yield
+    finally:
+        lowerings[fw_op], lowerings[bw_op] = lower_fw, lower_bw
+        inductor_graph.GraphLowering.compile_to_module = compile_to_module
+
+
+def _lowering_backend(lowered: list[str]):
+    """AOTAutograd with inductor's lowering for forward and backward, stopped before code generation.
+
+    The forward graph then runs eagerly (the backward needs its outputs); the backward raises
+    :class:`_LoweredUpToCodegen` after lowering.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    def lower(gm, example_inputs, which):
+        try:
+            compile_fx_inner(gm, example_inputs)
+        except Exception as exc:
+            if not any(isinstance(e, _LoweredUpToCodegen) for e in _chain(exc)):
+                raise
+        else:
+            raise AssertionError("code generation was not stopped")
+        lowered.append(which)
+        if which == "bw":
+            raise _LoweredUpToCodegen()
+        return gm.forward
+
+    return aot_autograd(fw_compiler=lambda gm, ex: lower(gm, ex, "fw"),
+                        bw_compiler=lambda gm, ex: lower(gm, ex, "bw"),
+                        decompositions=select_decomp_table())
+
+
+@pytest.fixture
+def fresh_dynamo():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+# name, p, head dim, dtype: the softmax-free variants of Table 4 (sharpened and not), sharpened softmax, and the
+# sign split of Tables 1-3; bf16 as training runs under autocast.
+LOWERED = [("lssa", None, 16, torch.float32), ("lssar", 15, 64, torch.float32), ("lssar", 15, 16, torch.bfloat16),
+           ("softmax", 3, 16, torch.float32), ("relu_l1", None, 16, torch.float32),
+           ("sigmoid_l1", None, 16, torch.float32), ("sigmoid_ramapuram", None, 16, torch.float32),
+           ("sigmoid_ramapuram_b", None, 16, torch.float32), ("relu_wortsman", None, 16, torch.float32),
+           ("relu_shen", None, 16, torch.float32), ("gelu", None, 16, torch.float32),
+           ("scenario_ii", None, 16, torch.float32), ("softmax_recentred", None, 16, torch.float32)]
+
+
+@pytest.mark.parametrize("name, p, D, dtype", LOWERED, ids=lambda x: str(x).replace("torch.", ""))
+def test_compiled_training_graph_lowers_up_to_the_gpu(name, p, D, dtype, fresh_dynamo):
+    spec = get_variant(name, p=p)
+    assert flex.is_fusable(spec)
+    calls = 2 if spec.p is not None or flex.parts_of(spec) != ("whole",) else 1  # FlexAttention calls
+    T = 128
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, T, D, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    lowered, stops = [], []
+    fn = torch.compile(lambda q, k, v: attend(q, k, v, spec, impl="flex"), backend=_lowering_backend(lowered),
+                       fullgraph=True, dynamic=False)
+    with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops):
+        out = fn(q, k, v)
+        assert out.shape == (2, 2, T, D) and out.dtype == dtype
+        with pytest.raises(_LoweredUpToCodegen):
+            out.float().sum().backward()
+    assert lowered == ["fw", "bw"]
+    assert stops == ["fw"] * calls + ["bw"] * calls  # every call of both graphs lowered up to the GPU
+
+
+def test_the_switch_changes_nothing_outside_a_compiled_graph():
+    spec = get_variant("lssar")
+    q, k, v = (torch.randn(1, 2, 20, 16, dtype=torch.float64) for _ in range(3))
+    with flex.cuda_code_path():
+        inside = flex.attend_flex(q, k, v, spec)
+    assert torch.equal(inside, flex.attend_flex(q, k, v, spec)) and not flex._cuda_code_path_on_cpu
+
+
+# --- recompiles of a compiled model ---------------------------------------------------------------------------
+
+def test_training_steps_and_evaluation_compile_once_per_shape(fresh_dynamo):
+    from torch._dynamo.testing import CompileCounter
+
+    from attnlab.model import GPT, compile_model, preset
+    from attnlab.model.scoring import window_token_stats
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", attention="lssar", vocab_size=128))
+    eager = copy.deepcopy(model)
+    counter = CompileCounter()
+    compile_model(model, True, backend=counter)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 128, (2, 65), generator=torch.Generator().manual_seed(1))
+    frames = []
+    for _ in range(4):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames == [frames[0]] * 4, frames  # step 1 compiles, steps 2-4 do not
+
+    eager.load_state_dict(model.state_dict())  # the trained weights, uncompiled
+    rng = np.random.default_rng(0)
+    windows = {L: rng.integers(0, 128, size=(3, L + 1)) for L in (32, 64, 128)}
+    per_length = []
+    for L, w in windows.items():  # evaluation: scoring's batches of 2 (and a last batch of 1)
+        before = counter.frame_count
+        got = torch.cat([loss for _, loss, _, _ in window_token_stats(model, w, batch_size=2)])
+        per_length.append(counter.frame_count - before)
+        want = torch.cat([loss for _, loss, _, _ in window_token_stats(eager, w, batch_size=2)])
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    total = counter.frame_count
+    for w in windows.values():  # the same lengths again: nothing new
+        list(window_token_stats(model, w, batch_size=2))
+    assert counter.frame_count == total
+    # One block graph per (length, batch size): 2 and 1 here; nothing per layer or per call.
+    assert per_length == [2, 2, 2], per_length
