@@ -215,24 +215,28 @@ def estimate_train_step(cfg: GPTConfig, seq_len: int, micro_batch: int, precisio
 def estimate_eval(cfg: GPTConfig, length: int, batch: int, precision: str = "bf16",
                   backend: str = "auto") -> MemoryEstimate:
     """Peak memory of scoring ``batch`` windows of ``length`` tokens (no grad; the LM head in chunks of
-    ``EVAL_HEAD_CHUNK`` positions, as :meth:`attnlab.model.GPT.token_stats`)."""
+    ``EVAL_HEAD_CHUNK`` positions, as :meth:`attnlab.model.GPT.token_stats`).
+
+    Without autograd nothing is kept between phases, so the peak is the largest of three: a block's attention
+    (residual, qkv, q/k after RoPE, output; the dense path's chunk of weights), its MLP (residual, LayerNorm
+    output, the 4x hidden before and after GELU) and the LM head (the final hidden states, one chunk's float32
+    logits and log-softmax, the per-token outputs)."""
     _check(precision, backend)
     T, B = _positive(length, "length"), _positive(batch, "batch")
     backend = resolve_backend_name(cfg, backend)
     C, V, H = cfg.n_embd, cfg.vocab_size, cfg.n_head
-    a = 2 if precision == "bf16" else 4
+    a, r = (2 if precision == "bf16" else 4), 4
     N = B * T
     parts = {"params": 4 * num_params(cfg), "autocast_weights": 2 * _matrix_params(cfg) if precision == "bf16" else 0}
-    # Inside one block: the residual (fp32), qkv, q/k after rope, the MLP's hidden pair; the next residual.
-    block = (4 * C + 4 * C) + 3 * a * C + 2 * a * C + 8 * a * C
-    if backend == "dense":  # fp32 weights of one chunk of rows, with attend_dense's temporaries (x4)
-        rows = _dense_rows_keys(B, H, T) / (B * H * T)  # mean keys per row
+    attention = (r * C + 3 * a * C + 2 * a * C + a * C) * N
+    if backend == "dense":  # attend_dense: fp32 scores, masked copy and weights of one chunk of query rows
         chunk = max(1, min(T, 256 * 1024**2 // max(1, B * H * T * 16)))
-        parts["attention_workspace"] = int(min(T, chunk) * max(rows, T) * B * H * 4 * 4)
-    parts["activations"] = block * N
-    # One chunk of logits: bf16 head output, its float copy, cross-entropy's log-softmax; and the outputs.
-    rows = B * min(T, EVAL_HEAD_CHUNK)
-    parts["lm_head_chunk"] = (a + 4 + 4) * V * rows + 2 * 4 * N
+        per_element = max(12.0, dense_saved_factor(cfg))  # sharpening's temporaries: what training saves
+        attention += int(per_element * B * H * chunk * T) + 3 * 4 * C * N  # and q, k, v in float32
+    mlp = (r * C + a * C + 8 * a * C) * N
+    head = r * C * N + 8 * V * B * min(T, EVAL_HEAD_CHUNK) + 5 * N
+    phase = max(("attention", attention), ("mlp", mlp), ("lm_head", head), key=lambda kv: kv[1])
+    parts[f"working_set ({phase[0]})"] = phase[1]
     return _finish(parts)
 
 
