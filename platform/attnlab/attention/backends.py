@@ -5,9 +5,11 @@ validate against :class:`Backend`, so a new backend is added here once. :func:`r
 requested backend, a spec and a device into the concrete one (``dense``, ``flex`` or ``sdpa``), once per call:
 
 - ``auto`` on CUDA: the fastest exact path. SDPA (FlashAttention) for softmax with any scale override,
-  QK-norm or row bias; the compiled FlexAttention passes for the other normalised non-negative variants
-  (LSSA, LSSAR, the l1 variants, sharpened softmax); the dense reference, after one warning per variant, for
-  the rest.
+  QK-norm or row bias; the compiled FlexAttention calls for every other registered variant (LSSA, LSSAR, the
+  l1 variants, sharpened softmax, the unnormalised Table 4 rows, the sign-changing ``f`` of Tables 1-3,
+  negate and recentre: see :func:`attnlab.attention.flex.unfusable_reason`); the dense reference, after one
+  warning per variant, for what has no fused form (``softmax_recentred_l1``, sharpening of rows that are not
+  normalised and non-negative).
 - ``auto`` anywhere else (CPU): the dense reference, so CPU results never depend on this choice.
 - ``sdpa``: on any device; a spec SDPA cannot compute exactly is refused (ValueError naming why).
 - ``flex``: FlexAttention (its unfused form on CPU, for tests); a variant without a fused form falls back to
@@ -36,7 +38,7 @@ class Backend(str, enum.Enum):
 
     AUTO = "auto"    # the fastest exact path for the spec and the device (see the module docstring)
     DENSE = "dense"  # the reference: materialises the weights, chunked over query rows
-    FLEX = "flex"    # FlexAttention: O(T) memory on CUDA, every normalised non-negative variant
+    FLEX = "flex"    # FlexAttention: O(T) memory on CUDA, every variant with a fused form
     SDPA = "sdpa"    # scaled_dot_product_attention: softmax variants only, exactly
 
     def __str__(self) -> str:

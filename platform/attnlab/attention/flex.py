@@ -1,4 +1,4 @@
-"""The fused path: every normalised non-negative variant, and its sharpening, with FlexAttention in O(T) memory.
+"""The fused path: every variant but ``recentre_l1``, and sharpening, with FlexAttention in O(T) memory.
 
 The idea (docs/attention.md#the-identity): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
 the visible keys, so the first stage is one FlexAttention call whose ``score_mod`` returns ``log f(scale_i * s
@@ -21,9 +21,14 @@ the dense path in bf16. The norm buffers carry no gradient; :class:`RadialGradie
 gradient through the normalisation exactly (FlexAttention's ``g/|x|`` minus its component along ``x``), so no
 scattered buffer gradient is needed for them.
 
-Variants that cannot be written this way (``f`` that can be negative, no normalisation, post-processing of the
-rows) use the dense reference and say so once per variant name. The causal mask and N_i come from
-``masks.py`` (the one place for them).
+Rows that are not normalised come from FlexAttention's row sums (docs/attention.md#unnormalised-rows): its
+output is ``sum_j f_ij v_j / Z_i`` and its LSE ``log Z_i``, so norm ``none`` is ``out * exp(lse)`` and ``count``
+that over N_i (a row with no visible weight: LSE ``-inf``, output exactly 0). An ``f`` that changes sign is
+split, ``f = f+ - f-`` (docs/attention.md#sign-changing-f): two calls with ``log f+`` and ``log f-`` give
+``U_i = Z+ out+ - Z- out-``, divided by ``Z+ + Z-`` for l1. ``negate`` is ``-out``, ``recentre`` subtracts
+``[i >= 3]`` times the causal mean of v. What remains (``recentre_l1``, sharpening of anything but normalised
+non-negative rows) uses the dense reference and says so once per variant name. The causal mask and N_i come
+from ``masks.py`` (the one place for them).
 
 On CUDA the compiled FlexAttention kernels are used. On CPU, compiled FlexAttention has no backward and no
 LSE, so the CPU path calls FlexAttention's unfused implementation: it materialises ``(B, H, T, T)`` scores
