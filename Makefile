@@ -46,8 +46,10 @@ bench: setup
 	$(PY) bench/data.py
 	$(PY) bench/train.py
 
-# On one CUDA GPU: the CUDA tests, then attention, training and evaluation figures, appended to
-# bench/RESULTS.md (bench/gpu.py; under 20 minutes on one H100; `python bench/gpu.py --smoke` on CPU).
+# On one CUDA GPU, the first thing to run on a GPU node: the CPU tests of the CUDA paths (pytest -m cuda_proxy),
+# the memory plan, the CUDA tests, then attention, training and evaluation figures with the measured peak memory
+# beside the plan's estimate, and one line per part saying what passed and what did not; appended to
+# bench/RESULTS.md (bench/gpu.py; under 25 minutes on one H100; `python bench/gpu.py --smoke` on CPU).
 bench-gpu: setup
 	$(PY) bench/gpu.py
 

@@ -3,6 +3,13 @@
 
 Parts, in order (each has a time allotment; an item that would start past it is reported as skipped):
 
+0. ``proxy``: the CPU tests of the CUDA-only paths (``pytest -m cuda_proxy``: FlexAttention's training graph
+   lowered by inductor, checkpoints resumed onto a non-CPU device, recompiles counted, the memory plan). They
+   pass on any machine; a failure here means the GPU parts below would fail too.
+   ``plan``: the memory plan of what the run does (:mod:`attnlab.model.memory`): the estimated peak of each
+   training and evaluation configuration below, and the largest micro-batch that fits this device. The
+   ``train`` and ``eval`` tables then print the measured peak (``torch.cuda.max_memory_allocated``) next to
+   the estimate's tensor bytes, so the first GPU run calibrates the plan (docs/gpu-memory.md).
 1. ``tests``: the CUDA tests (``pytest -m gpu``: every CUDA test carries the ``gpu`` marker).
 2. ``attention``: forward + backward time and peak memory of softmax (SDPA), lssa and lssar (p = 15, FlexAttention)
    at T = 1K, 4K, 16K, B*H = 16, d = 64, bf16, each as a ratio to SDPA softmax at the same T. CUDA events,
@@ -23,14 +30,16 @@ Parts, in order (each has a time allotment; an item that would start past it is 
    registered variant plus sharpened softmax, on a 2-layer gpt2-small at T = 1024: finite loss and gradients,
    or the variant's expected failure (:data:`EXPECTED_FAILURES`, with the reason).
 
-Then the issue's targets beside the figures, as met / not met (measured, never asserted).
+Then the targets beside the figures, as met / not met (measured, never asserted), and a summary of what
+passed and what did not, one line per part.
 
 ``--smoke``: tiny sizes, a few iterations, no time allotments, no compile (``--compile-backend eager`` captures
 graphs), float32, on CPU without CUDA (or on the GPU if there is one), no append unless ``--append``; a test runs
 it so this script cannot rot. Without CUDA and without ``--smoke`` it exits 2.
 ``--json PATH`` writes every figure as JSON too. Budget: under 20 minutes on one H100.
 
-Run: ``python bench/gpu.py [--smoke] [--parts tests,attention,train,eval,variants] [--no-append] [--json PATH]``
+Run: ``python bench/gpu.py [--smoke] [--parts proxy,plan,tests,attention,train,eval,variants] [--no-append]
+[--json PATH]``
 (or ``make bench-gpu``).
 """
 
@@ -58,7 +67,7 @@ sys.path.insert(0, str(ROOT / "platform"))
 
 import torch  # noqa: E402
 
-PARTS = ("tests", "attention", "train", "eval", "variants")
+PARTS = ("proxy", "plan", "tests", "attention", "train", "eval", "variants")
 VARIANTS = (("softmax", None), ("lssa", None), ("lssar", 15.0))  # the three the issue measures
 LLMC_TOKENS_PER_S = {"H100": 468e3, "A100": 218e3}  # llm.c GPT-2 124M training, per GPU
 TARGETS = {
@@ -106,14 +115,14 @@ GPU = Sizes(att_lengths=(1024, 4096, 16384), att_batch=1, att_heads=16, head_dim
             preset="gpt2-small", train_len=1024, max_micro_batch=64, train_warmup=3, train_steps=10,
             eval_multiples=(1, 16), eval_batch_at_1x=8, eval_calls=3,
             check_layers=2, check_len=1024, check_batch=4, check_steps=4, dtype="bfloat16",
-            budgets_s=dict(tests=300, attention=150, train=390, eval=150, variants=150))
+            budgets_s=dict(proxy=300, plan=60, tests=300, attention=150, train=390, eval=150, variants=150))
 # The smoke run checks that every step runs, not how fast: no time allotments (a loaded machine must not skip).
 SMOKE = Sizes(att_lengths=(32,), att_batch=1, att_heads=2, head_dim=64, att_repeats=1, att_warmup=1,
               preset="tiny", train_len=32, max_micro_batch=4, train_warmup=1, train_steps=1,
               eval_multiples=(1, 2), eval_batch_at_1x=2, eval_calls=1,
               check_layers=1, check_len=16, check_batch=2, check_steps=2, dtype="float32", vocab_size=512,
-              budgets_s=dict(tests=600, attention=1e9, train=1e9, eval=1e9, variants=1e9))
-TOTAL_BUDGET_S = 19 * 60  # no new item starts after this (GPU run); the issue allows 20 minutes
+              budgets_s=dict(proxy=1200, plan=1e9, tests=600, attention=1e9, train=1e9, eval=1e9, variants=1e9))
+TOTAL_BUDGET_S = 24 * 60  # no new item starts after this (GPU run): under 25 minutes in all
 
 
 # --- small helpers -----------------------------------------------------------------------------------------
@@ -173,6 +182,54 @@ def vocab(sizes: Sizes) -> dict:
     return {} if sizes.vocab_size is None else {"vocab_size": sizes.vocab_size}
 
 
+def model_config(sizes: Sizes, name: str, p, n_layer: int | None = None):
+    """The GPT config every part builds for variant ``name`` (sharpening ``p``) at the run's sizes."""
+    from attnlab.model import preset
+
+    overrides = {} if n_layer is None else {"n_layer": n_layer}
+    return preset(sizes.preset, attention=name, p_train=p, train_len=sizes.train_len, **overrides, **vocab(sizes))
+
+
+def variant_label(name: str, p) -> str:
+    return name if p is None else f"{name} p={p:g}"
+
+
+def precision_name(sizes: Sizes) -> str:
+    """The memory plan's name for the run's autocast dtype."""
+    return "bf16" if sizes.dtype == "bfloat16" else "fp32"
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The device's memory in bytes (None on the CPU: the plan then says what a GPU would need)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def eval_batch(sizes: Sizes, mult: int) -> int:
+    """Evaluation windows per call at ``mult`` times the training length (the eval part's batch)."""
+    return max(1, sizes.eval_batch_at_1x * sizes.train_len // (mult * sizes.train_len))
+
+
+def train_estimate(sizes: Sizes, cfg, micro_batch: int, compiled: bool):
+    from attnlab.model.memory import estimate_train_step
+
+    return estimate_train_step(cfg, sizes.train_len, micro_batch, precision=precision_name(sizes), compiled=compiled)
+
+
+def eval_estimate(sizes: Sizes, cfg, length: int, batch: int):
+    from attnlab.model.memory import estimate_eval
+
+    return estimate_eval(cfg, length, batch, precision=precision_name(sizes))
+
+
+def gib(n_bytes) -> float | None:
+    return None if n_bytes is None else n_bytes / 2**30
+
+
+def peak_vs_estimate(peak_gib: float | None, estimate_gib: float | None) -> float | None:
+    """Measured peak / estimated tensor bytes (1.0 = the plan was exact; None where nothing was measured)."""
+    return peak_gib / estimate_gib if peak_gib is not None and estimate_gib else None
+
+
 def precision_label(sizes: Sizes) -> str:
     return "no autocast (float32)" if sizes.dtype == "float32" else f"{sizes.dtype} autocast"
 
@@ -219,11 +276,47 @@ def llmc_reference(device: torch.device) -> tuple[str, float] | None:
     return None
 
 
+# --- 0. the memory plan ---------------------------------------------------------------------------------------
+
+def bench_plan(sizes: Sizes, device: torch.device, compile_backend: str | None) -> list[dict]:
+    """The estimated peak of every training and evaluation configuration the run measures, and what fits here."""
+    from attnlab.model.memory import largest_micro_batch
+
+    budget = device_memory(device)
+    compiled = compile_backend is not None
+    say(f"attnlab.model.memory, {precision_name(sizes)}, {'compiled' if compiled else 'eager'}; "
+        f"device memory: {f'{gib(budget):.1f} GiB' if budget else 'none (CPU): the figures are what a GPU needs'}\n")
+    say("| step | variant | T | batch | estimate GiB (total) | tensors GiB | fits | largest micro-batch that fits |")
+    say("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for name, p in VARIANTS:
+        cfg = model_config(sizes, name, p)
+        label = name if p is None else f"{name} p={p:g}"
+        items = [("train", sizes.train_len, sizes.max_micro_batch, train_estimate(sizes, cfg, sizes.max_micro_batch,
+                                                                                  compiled))]
+        items += [("eval", m * sizes.train_len, eval_batch(sizes, m),
+                   eval_estimate(sizes, cfg, m * sizes.train_len, eval_batch(sizes, m))) for m in sizes.eval_multiples]
+        for step, T, batch, est in items:
+            fits = None if budget is None else est.total <= budget
+            largest = (largest_micro_batch(cfg, T, budget, precision=precision_name(sizes), compiled=compiled)
+                       if budget is not None and step == "train" else None)
+            rows.append({"step": step, "variant": name, "p": p, "T": T, "batch": batch, "estimate_gib": est.gib(),
+                         "tensor_gib": gib(est.tensor_bytes), "breakdown": est.breakdown, "fits": fits,
+                         "largest_micro_batch": largest})
+            say(f"| {step} | {label} | {T} | {batch} | {est.gib():.2f} | {gib(est.tensor_bytes):.2f} | "
+                f"{'-' if fits is None else 'yes' if fits else 'NO'} | {fmt(largest, 'd')} |")
+    return rows
+
+
 # --- 1. the CUDA tests ---------------------------------------------------------------------------------------
 
-def run_cuda_tests(paths: list[str], timeout_s: float) -> dict:
-    """``pytest -m gpu`` on ``paths`` in a subprocess: its summary line, return code and seconds."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths]
+def run_cuda_tests(paths: list[str], timeout_s: float, marker: str = "gpu") -> dict:
+    """``pytest -m MARKER`` on ``paths`` in a subprocess: its summary line, return code and seconds.
+
+    ``gpu``: the tests that need a CUDA device; ``cuda_proxy``: the CPU tests of the CUDA-only paths (graph
+    capture, inductor lowering, checkpoints on a non-CPU device, the memory plan), which run anywhere.
+    """
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider", *paths]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "platform"), os.environ.get("PYTHONPATH", "")]))
     start = time.monotonic()
     try:
@@ -363,15 +456,14 @@ def train_steps(model, optimizer, batches, device, dtype) -> list[float]:
 def train_throughput(sizes: Sizes, device: torch.device, name: str, p, micro_batch: int, compile_backend: str | None,
                      n_layer: int | None = None) -> dict:
     """Tokens/s and MFU of ``sizes.train_steps`` timed steps after ``sizes.train_warmup`` warm-up steps."""
-    from attnlab.model import GPT, compile_model, preset
+    from attnlab.model import GPT, compile_model
     from attnlab.train.config import TrainConfig
     from attnlab.train.recipe import build_optimizer, peak_flops
 
-    overrides = {} if n_layer is None else {"n_layer": n_layer}
     torch.manual_seed(0)
-    overrides.update(vocab(sizes))
-    model = GPT(preset(sizes.preset, attention=name, p_train=p, train_len=sizes.train_len, **overrides)).to(device)
+    model = GPT(model_config(sizes, name, p, n_layer)).to(device)
     compiled = compile_backend is not None
+    estimate = train_estimate(sizes, model.cfg, micro_batch, compiled)
     if compiled:
         compile_model(model, True, backend=compile_backend)
     optimizer = build_optimizer(model, TrainConfig(preset=sizes.preset), device)
@@ -403,7 +495,9 @@ def train_throughput(sizes: Sizes, device: torch.device, name: str, p, micro_bat
         mfu = model.flops_per_token(T) * tokens_per_s / peak_flops_s if peak_flops_s else None
         return {"variant": name, "p": p, "micro_batch": micro_batch, "compiled": compiled,
                 "tokens_per_s": tokens_per_s, "step_ms": seconds / len(batches) * 1e3, "mfu": mfu,
-                "first_step_s": first_s, "peak_gib": peak, "loss_finite": all(math.isfinite(x) for x in losses)}
+                "first_step_s": first_s, "peak_gib": peak, "estimate_gib": gib(estimate.tensor_bytes),
+                "peak_vs_estimate": peak_vs_estimate(peak, gib(estimate.tensor_bytes)),
+                "loss_finite": all(math.isfinite(x) for x in losses)}
     finally:
         del model, optimizer
         free_memory(device)
@@ -414,13 +508,14 @@ def bench_train(sizes: Sizes, device: torch.device, clock: Clock, compile_backen
         f"{'compiled (' + compile_backend + ')' if compile_backend else 'eager'}, "
         f"AdamW{' (fused)' if device.type == 'cuda' else ''}, grad clip 1.0, {sizes.train_warmup} warm-up + "
         f"{sizes.train_steps} timed steps, one micro-batch per step, random tokens\n")
-    say("| variant | micro-batch | tokens/s | step ms | MFU | peak GiB | first step s (compile) |")
-    say("|---|---|---|---|---|---|---|")
+    say("| variant | micro-batch | tokens/s | step ms | MFU | peak GiB | estimate GiB | peak / estimate | "
+        "first step s (compile) |")
+    say("|---|---|---|---|---|---|---|---|---|")
     rows, start = [], sizes.max_micro_batch
     for name, p in VARIANTS:
         if clock.expired():
             rows.append({"variant": name, "p": p, "skipped": "time budget"})
-            say(f"| {name} | skipped (time budget) | | | | | |")
+            say(f"| {name} | skipped (time budget) | | | | | | | |")
             continue
         try:
             b, row, ooms = largest_fitting(
@@ -435,11 +530,11 @@ def bench_train(sizes: Sizes, device: torch.device, clock: Clock, compile_backen
         rows.append(row)
         reset_dynamo()
         if "error" in row:
-            say(f"| {name} | {row['error']} | | | | | |")
+            say(f"| {name} | {row['error']} | | | | | | | |")
         else:
             say(f"| {name}{'' if p is None else f' p={p:g}'} | {row['micro_batch']} | {row['tokens_per_s']:,.0f} | "
-                f"{row['step_ms']:.1f} | {fmt(row['mfu'], '.1%', 'unknown')} | {fmt(row['peak_gib'], '.1f')} | "
-                f"{row['first_step_s']:.1f} |")
+                f"{row['step_ms']:.1f} | {fmt(row['mfu'], '.1%', 'unknown')} | {fmt(row['peak_gib'])} | "
+                f"{fmt(row['estimate_gib'])} | {fmt(row['peak_vs_estimate'])} | {row['first_step_s']:.1f} |")
     ref = llmc_reference(device)
     softmax = next((r for r in rows if r["variant"] == "softmax" and "tokens_per_s" in r), None)
     if ref and softmax:
@@ -451,28 +546,29 @@ def bench_train(sizes: Sizes, device: torch.device, clock: Clock, compile_backen
 # --- 4. evaluation throughput -----------------------------------------------------------------------------
 
 def bench_eval(sizes: Sizes, device: torch.device, clock: Clock, compile_backend: str | None) -> list[dict]:
-    from attnlab.model import GPT, compile_model, preset
+    from attnlab.model import GPT, compile_model
 
     dtype = getattr(torch, sizes.dtype)
     say(f"{sizes.preset} (untrained), token_stats under no_grad, {precision_label(sizes)}, NTK RoPE, "
         f"{'compiled (' + compile_backend + ')' if compile_backend else 'eager'}, "
         f"{sizes.eval_calls} timed calls after the first\n")
-    say("| variant | multiple | T | batch | tokens/s | first call s (compile) |")
-    say("|---|---|---|---|---|---|")
+    say("| variant | multiple | T | batch | tokens/s | first call s (compile) | peak GiB | estimate GiB | "
+        "peak / estimate |")
+    say("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name, p in VARIANTS:
         torch.manual_seed(0)
-        model = GPT(preset(sizes.preset, attention=name, p_train=p, train_len=sizes.train_len, **vocab(sizes)))
-        model = model.to(device).eval()
+        model = GPT(model_config(sizes, name, p)).to(device).eval()
         if compile_backend:
             compile_model(model, True, backend=compile_backend)
         for mult in sizes.eval_multiples:
             T = mult * sizes.train_len
-            B = max(1, sizes.eval_batch_at_1x * sizes.train_len // T)
-            row = {"variant": name, "p": p, "multiple": mult, "T": T, "batch": B}
+            B = eval_batch(sizes, mult)
+            row = {"variant": name, "p": p, "multiple": mult, "T": T, "batch": B,
+                   "estimate_gib": gib(eval_estimate(sizes, model.cfg, T, B).tensor_bytes), "peak_gib": None}
             if clock.expired():
                 row["skipped"] = "time budget"
-                say(f"| {name} | {mult}x | {T} | {B} | skipped (time budget) | |")
+                say(f"| {name} | {mult}x | {T} | {B} | skipped (time budget) | | | | |")
                 rows.append(row)
                 continue
             try:
@@ -486,17 +582,23 @@ def bench_eval(sizes: Sizes, device: torch.device, clock: Clock, compile_backend
                 loss, _ = call()
                 sync(device)
                 row["first_call_s"] = time.perf_counter() - t0
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
                 row["finite"] = bool(torch.isfinite(loss).all())
                 t0 = time.perf_counter()
                 for _ in range(sizes.eval_calls):
                     call()
                 sync(device)
                 row["tokens_per_s"] = B * T * sizes.eval_calls / (time.perf_counter() - t0)
+                if device.type == "cuda":
+                    row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                row["peak_vs_estimate"] = peak_vs_estimate(row["peak_gib"], row["estimate_gib"])
                 say(f"| {name}{'' if p is None else f' p={p:g}'} | {mult}x | {T} | {B} | "
-                    f"{row['tokens_per_s']:,.0f} | {row['first_call_s']:.1f} |")
+                    f"{row['tokens_per_s']:,.0f} | {row['first_call_s']:.1f} | {fmt(row['peak_gib'])} | "
+                    f"{fmt(row['estimate_gib'])} | {fmt(row['peak_vs_estimate'])} |")
             except Exception as exc:  # noqa: BLE001
                 row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                say(f"| {name} | {mult}x | {T} | {B} | {row['error']} | |")
+                say(f"| {name} | {mult}x | {T} | {B} | {row['error']} | | | | |")
             rows.append(row)
             free_memory(device)
         del model
@@ -629,6 +731,43 @@ def targets(results: dict, device: torch.device) -> list[dict]:
     return out
 
 
+def summary(results: dict) -> list[dict]:
+    """One line per part that ran: PASSED, FAILED or INCOMPLETE (skipped for time), with what failed."""
+    out = []
+
+    def add(part, failures, skipped, detail_ok=""):
+        verdict = "FAILED" if failures else "INCOMPLETE" if skipped else "PASSED"
+        detail = "; ".join(failures) if failures else f"{skipped} item(s) skipped for time" if skipped else detail_ok
+        out.append({"part": part, "verdict": verdict, "detail": detail})
+
+    for part in ("proxy", "tests"):
+        if part in results:
+            r = results[part]
+            add(part, [] if r["rc"] in (0, 5) else [r["summary"]], 0, r["summary"])
+    if "plan" in results:
+        too_big = [f"{r['step']} {r['variant']} T={r['T']} batch {r['batch']} needs {r['estimate_gib']:.1f} GiB"
+                   for r in results["plan"] if r["fits"] is False]
+        add("plan", too_big, 0, "every configuration fits" if any(r["fits"] for r in results["plan"])
+            else "estimates only (no GPU memory to compare with)")
+    for part in ("attention", "train", "eval"):
+        if part in results:
+            rows = results[part]
+            failures = [f"{r['variant']}{' ' + str(r['T']) if 'T' in r else ''}: {r['error']}" for r in rows
+                        if r.get("error")]
+            ratios = [r["peak_vs_estimate"] for r in rows if r.get("peak_vs_estimate")]
+            detail = f"measured peak / estimate {min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+            add(part, failures, sum(1 for r in rows if r.get("skipped")), detail)
+    if "variants" in results:
+        rows = results["variants"]
+        failures = [f"{variant_label(r['variant'], r['p'])}: {r['failure']}" for r in rows
+                    if r.get("verdict") == "UNEXPECTED failure"]
+        dense = [r["variant"] for r in rows if r.get("backend") == "dense"]
+        add("variants", failures, sum(1 for r in rows if r.get("skipped")),
+            f"{len(rows)} variants finite" + (f"; on the dense reference: {', '.join(dense)}" if dense else
+                                              "; none on the dense reference"))
+    return out
+
+
 def print_targets(rows: list[dict]) -> None:
     say("| target | measured | verdict |")
     say("|---|---|---|")
@@ -705,13 +844,16 @@ def main(argv: list[str] | None = None) -> int:
         say(f"- parts: {', '.join(parts)}" + ("; no time allotments (smoke)\n" if args.smoke else
                                                f"; no item starts after {TOTAL_BUDGET_S // 60} min\n"))
         steps = {
+            "proxy": lambda: run_cuda_tests(args.test_paths or ["tests"], sizes.budgets_s["proxy"], "cuda_proxy"),
+            "plan": lambda: bench_plan(sizes, device, backend),
             "tests": lambda: run_cuda_tests(args.test_paths or ["tests"], sizes.budgets_s["tests"]),
             "attention": lambda: bench_attention(sizes, device, clock),
             "train": lambda: bench_train(sizes, device, clock, backend),
             "eval": lambda: bench_eval(sizes, device, clock, backend),
             "variants": lambda: bench_variants(sizes, device, clock),
         }
-        titles = {"tests": "CUDA tests (`pytest -m gpu`)", "attention": "Attention forward + backward",
+        titles = {"proxy": "CPU tests of the CUDA paths (`pytest -m cuda_proxy`)", "plan": "Memory plan",
+                  "tests": "CUDA tests (`pytest -m gpu`)", "attention": "Attention forward + backward",
                   "train": "Training throughput", "eval": "Evaluation throughput",
                   "variants": f"Every variant: a few {sizes.dtype} training steps"}
         for part in PARTS:
@@ -720,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"### {titles[part]}\n")
             clock.begin(sizes.budgets_s[part])
             results[part] = steps[part]()
-            if part == "tests":
+            if part in ("proxy", "tests"):
                 r = results[part]
                 say(f"`{r['command']}`: {r['summary']} (rc {r['rc']}, {r['seconds']:.0f} s)")
                 if r["tail"]:
@@ -729,6 +871,10 @@ def main(argv: list[str] | None = None) -> int:
         say("### Targets (measured, not asserted)\n")
         results["targets"] = targets(results, device)
         print_targets(results["targets"])
+        say("\n### What passed and what did not\n")
+        results["summary"] = summary(results)
+        for row in results["summary"]:
+            say(f"- {row['part']}: **{row['verdict']}**{' - ' + row['detail'] if row['detail'] else ''}")
         results["seconds"] = time.monotonic() - clock.start
         say(f"\nTotal: {results['seconds'] / 60:.1f} min.")
     if args.json:

@@ -53,7 +53,7 @@ def test_smoke_run_end_to_end(bench, tmp_path, capsys):
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# Benchmark results\n")
     out_json = tmp_path / "gpu.json"
-    rc = bench.main(["--smoke", "--parts", "attention,train,eval,variants", "--append", "--results",
+    rc = bench.main(["--smoke", "--parts", "plan,attention,train,eval,variants", "--append", "--results",
                      str(results_md), "--json", str(out_json)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -62,11 +62,18 @@ def test_smoke_run_end_to_end(bench, tmp_path, capsys):
     assert [(r["T"], r["variant"]) for r in data["attention"]] == [
         (T, v) for T in bench.SMOKE.att_lengths for v in ("softmax", "lssa", "lssar")]
     assert all(r["ms"] > 0 and r["x_time"] > 0 for r in data["attention"])
+    # the memory plan: a training and an evaluation estimate per variant, growing with the evaluation length
+    plan = data["plan"]
+    assert [(r["step"], r["variant"]) for r in plan] == [
+        (step, v) for v in ("softmax", "lssa", "lssar") for step in ["train"] + ["eval"] * len(bench.SMOKE.eval_multiples)]
+    assert all(r["estimate_gib"] > r["tensor_gib"] > 0 and r["fits"] is None for r in plan)  # CPU: nothing to fit
     # training: the three variants, finite, with tokens/s at the largest micro-batch tried
     assert [r["variant"] for r in data["train"]] == ["softmax", "lssa", "lssar"]
     assert all(r["tokens_per_s"] > 0 and r["loss_finite"] and r["micro_batch"] == bench.SMOKE.max_micro_batch
                for r in data["train"])
     assert all(r["mfu"] is None for r in data["train"])  # CPU: no peak figure, never a made-up MFU
+    assert all(r["estimate_gib"] > 0 and r["peak_gib"] is None and r["peak_vs_estimate"] is None
+               for r in data["train"] + data["eval"])  # the estimate beside a peak only a GPU measures
     # evaluation: both multiples for each variant
     assert len(data["eval"]) == 3 * len(bench.SMOKE.eval_multiples)
     assert all(r["tokens_per_s"] > 0 and r["finite"] for r in data["eval"])
@@ -80,6 +87,9 @@ def test_smoke_run_end_to_end(bench, tmp_path, capsys):
     assert isinstance(met[1], bool) and isinstance(met[3], bool)  # the ratios are measured, whatever they are
     text = results_md.read_text()
     assert text.startswith("# Benchmark results\n") and "## GPU path" in text and "### Targets" in text
+    assert [r["part"] for r in data["summary"]] == ["plan", "attention", "train", "eval", "variants"]
+    assert all(r["verdict"] == "PASSED" for r in data["summary"]), data["summary"]
+    assert "### What passed and what did not" in text and "- train: **PASSED**" in text
     assert "| lssar p=15 | flex |" in text and text.strip().endswith("min.")
     assert "## GPU path" in printed
 
@@ -126,6 +136,26 @@ def test_cuda_test_runner_reports_the_summary(bench, tmp_path):
         "import pytest\n\n@pytest.mark.gpu\ndef test_on_gpu():\n    pass\n\ndef test_on_cpu():\n    pass\n")
     result = bench.run_cuda_tests([str(tmp_path / "test_fake.py")], timeout_s=240)
     assert result["rc"] == 0 and "1 passed" in result["summary"] and "1 deselected" in result["summary"]
+
+
+def test_summary_names_what_failed(bench):
+    results = {
+        "proxy": {"rc": 1, "summary": "1 failed, 20 passed"},
+        "plan": [{"step": "train", "variant": "lssar", "T": 1024, "batch": 64, "estimate_gib": 52.9, "fits": False},
+                 {"step": "eval", "variant": "lssar", "T": 16384, "batch": 1, "estimate_gib": 3.0, "fits": True}],
+        "train": [{"variant": "softmax", "tokens_per_s": 1.0, "peak_vs_estimate": 1.1},
+                  {"variant": "lssar", "error": "OOM at micro-batch 1"}],
+        "eval": [{"variant": "softmax", "T": 1024, "skipped": "time budget"}],
+        "variants": [{"variant": "relu_l1", "p": None, "backend": "flex", "verdict": "as expected", "failure": None},
+                     {"variant": "softmax", "p": 15.0, "backend": "flex", "verdict": "UNEXPECTED failure",
+                      "failure": "loss nan at step 2"}],
+    }
+    rows = {r["part"]: r for r in bench.summary(results)}
+    assert rows["proxy"] == {"part": "proxy", "verdict": "FAILED", "detail": "1 failed, 20 passed"}
+    assert rows["plan"]["verdict"] == "FAILED" and "train lssar T=1024 batch 64 needs 52.9 GiB" in rows["plan"]["detail"]
+    assert rows["train"]["verdict"] == "FAILED" and rows["train"]["detail"] == "lssar: OOM at micro-batch 1"
+    assert rows["eval"]["verdict"] == "INCOMPLETE"
+    assert rows["variants"]["verdict"] == "FAILED" and rows["variants"]["detail"] == "softmax p=15: loss nan at step 2"
 
 
 def test_targets_are_judged_from_the_figures(bench):
