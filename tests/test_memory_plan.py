@@ -62,6 +62,8 @@ def test_train_estimate_matches_the_cpu_measurement(model, seq_len, micro_batch,
     cfg = preset(model.pop("preset"), vocab_size=2048, **model)
     measured = _measured_train_peak(cfg, seq_len, micro_batch)
     est = estimate_train_step(cfg, seq_len, micro_batch, precision="fp32", compiled=False, backend=backend)
+    print(f"train {cfg.attention} {backend} T={seq_len} B={micro_batch}: measured {measured:,} B, estimate "
+          f"{est.tensor_bytes:,} B ({est.tensor_bytes / measured - 1:+.1%})")
     assert abs(est.tensor_bytes / measured - 1) <= TRAIN_TOLERANCE, (est.tensor_bytes, measured, est.breakdown)
     assert est.total > est.tensor_bytes == sum(est.breakdown.values())
 
@@ -85,6 +87,8 @@ def test_eval_estimate_matches_the_cpu_measurement(model, length, batch, low, hi
         net.token_stats(x, x)
     measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     est = estimate_eval(cfg, length, batch, precision="fp32", backend="dense")
+    print(f"eval {cfg.attention} L={length} B={batch}: measured {measured:,} B, estimate {est.tensor_bytes:,} B "
+          f"({est.tensor_bytes / measured - 1:+.1%})")
     assert low <= est.tensor_bytes / measured - 1 <= high, (est.tensor_bytes, measured, est.breakdown)
 
 

@@ -55,7 +55,7 @@ PRESET_RECIPES: dict[str, dict[str, Any]] = {
                  val_every=100, val_tokens=16_384, checkpoint_every=300),
     "tiny-4l": dict(steps=1000, tokens_per_step=4096, micro_batch=32, lr=2e-3, warmup_steps=50, log_every=10,
                     val_every=250, val_tokens=65_536, checkpoint_every=500),
-    # 355M: llm.c's micro-batch 64 needs ~2x an 80 GB GPU (docs/gpu-memory.md); auto picks what fits.
+    # 355M: micro-batch 64 x 1024 needs ~93 GiB, more than an 80 GB GPU (docs/gpu-memory.md); auto picks what fits.
     "gpt2-medium": dict(lr=3e-4, micro_batch=AUTO),
 }
 # A step needing more micro-steps than this (per worker) is warned about before a run starts.
