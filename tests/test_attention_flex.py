@@ -31,9 +31,15 @@ SHARPENABLE = ("softmax exp scenario_iv relu relu2 relu6 sigmoid softplus sigmoi
 # sign-changing f, negate and recentre (Tables 1-3).
 TABLE4_ROW_SUMS = ("sigmoid_ramapuram", "sigmoid_ramapuram_b", "relu_wortsman", "relu_shen")
 SIGN_SPLIT_AND_POST = ("gelu", "mish", "scenario_i", "scenario_ii", "scenario_iii", "softmax_inverse",
-                       "softmax_recentred")
+                       "softmax_recentred", "softmax_recentred_l1")
 FUSABLE = SHARPENABLE + list(TABLE4_ROW_SUMS) + list(SIGN_SPLIT_AND_POST)
-UNFUSABLE = ("softmax_recentred_l1",)
+# Overrides with a fused form that no registered variant has: post-processing on other rows.
+FUSED_OVERRIDES = [("relu_l1", dict(post="recentre_l1")), ("lssa", dict(post="recentre_l1")),
+                   ("relu_wortsman", dict(post="negate")), ("mish", dict(post="recentre")),
+                   ("relu_shen", dict(post="recentre")), ("scenario_iii", dict(bias="neg_log_n"))]
+# Overrides without one: sharpening of rows that are not normalised non-negative ones, recentre_l1 of them.
+UNFUSABLE = [("relu_wortsman", dict(p=3)), ("gelu", dict(p=2)), ("softmax_inverse", dict(p=3)),
+             ("gelu", dict(post="recentre_l1"))]
 FORWARD_VARIANTS = [n for n in SHARPENABLE if n not in ("exp", "scenario_iv", "relu_l1")]  # one per distinct spec
 LENGTHS = (1, 2, 3, 4, 17, 64, 130)  # the first-three-rows rule, odd sizes, and past one 128-row block
 POWERS = (None, 1, 3, 15)
@@ -62,14 +68,12 @@ def test_flex_mask_and_counts_are_the_dense_ones(T):
 
 # --- which variants are fused ----------------------------------------------------------------------------------
 
-def test_fusable_variants_are_every_registered_one_but_recentre_l1():
-    assert sorted(n for n in variant_names() if is_fusable(get_variant(n))) == sorted(FUSABLE)
-    assert sorted(n for n in variant_names() if not is_fusable(get_variant(n))) == sorted(UNFUSABLE)
+def test_every_registered_variant_is_fusable():
+    assert sorted(n for n in variant_names() if is_fusable(get_variant(n))) == sorted(FUSABLE) == variant_names()
     assert is_fusable(get_variant("softmax", p=3)) and is_fusable(get_variant("sigmoid_l1", scale="log_n"))
     assert is_fusable(get_variant("lssa", phi="mish"))  # the sign split
-    # Sharpening is fused on normalised non-negative rows without post-processing only.
-    assert not is_fusable(get_variant("lssa", phi="mish", p=3))
-    assert not is_fusable(get_variant("relu_wortsman", p=3)) and not is_fusable(get_variant("softmax_inverse", p=3))
+    assert all(is_fusable(get_variant(n, **o)) for n, o in FUSED_OVERRIDES)
+    assert not any(is_fusable(get_variant(n, **o)) for n, o in UNFUSABLE)
 
 
 # --- forward in float64 -----------------------------------------------------------------------------------------
@@ -137,8 +141,7 @@ def test_rows_with_mass_from_lse_and_row_max():
 def test_unfusable_variants_fall_back_to_dense_and_warn_once(monkeypatch):
     monkeypatch.setattr(flex, "_warned_fallback", set())
     q, k, v = _qkv(11, 16)
-    unfusable = [get_variant(n) for n in UNFUSABLE] + [get_variant("relu_wortsman", p=3), get_variant("gelu", p=2)]
-    for spec in unfusable:
+    for spec in [get_variant(n, **o) for n, o in UNFUSABLE[:3]]:  # three distinct names (one warning each)
         name = spec.name
         with warnings.catch_warnings(record=True) as first:
             warnings.simplefilter("always")
@@ -233,9 +236,10 @@ def _forward_and_grads(fn, spec, q, k, v, w):
     return (out, *torch.autograd.grad((out * w).sum(), (q, k, v)))
 
 
-@pytest.mark.parametrize("name", TABLE4_ROW_SUMS + SIGN_SPLIT_AND_POST)
-def test_row_sum_variants_match_dense_forward_and_backward_in_float64(name):
-    spec = get_variant(name)
+@pytest.mark.parametrize("name, overrides", [(n, {}) for n in TABLE4_ROW_SUMS + SIGN_SPLIT_AND_POST] + FUSED_OVERRIDES,
+                         ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}={v}" for k, v in x.items()))
+def test_row_sum_variants_match_dense_forward_and_backward_in_float64(name, overrides):
+    spec = get_variant(name, **overrides)
     worst = dict.fromkeys(("out", "dq", "dk", "dv"), 0.0)
     for D, T in ((16, 1), (16, 4), (16, 17), (64, 130)):
         q, k, v = _qkv(T, D, seed=T * D, requires_grad=True)

@@ -7,9 +7,9 @@ requested backend, a spec and a device into the concrete one (``dense``, ``flex`
 - ``auto`` on CUDA: the fastest exact path. SDPA (FlashAttention) for softmax with any scale override,
   QK-norm or row bias; the compiled FlexAttention calls for every other registered variant (LSSA, LSSAR, the
   l1 variants, sharpened softmax, the unnormalised Table 4 rows, the sign-changing ``f`` of Tables 1-3,
-  negate and recentre: see :func:`attnlab.attention.flex.unfusable_reason`); the dense reference, after one
-  warning per variant, for what has no fused form (``softmax_recentred_l1``, sharpening of rows that are not
-  normalised and non-negative).
+  negate, recentre and recentre_l1: see :func:`attnlab.attention.flex.unfusable_reason`); the dense
+  reference, after one warning per variant, for what has no fused form (only overrides: sharpening of rows
+  that are not normalised and non-negative, recentre_l1 of them).
 - ``auto`` anywhere else (CPU): the dense reference, so CPU results never depend on this choice.
 - ``sdpa``: on any device; a spec SDPA cannot compute exactly is refused (ValueError naming why).
 - ``flex``: FlexAttention (its unfused form on CPU, for tests); a variant without a fused form falls back to

@@ -1,4 +1,4 @@
-"""The fused path: every variant but ``recentre_l1``, and sharpening, with FlexAttention in O(T) memory.
+"""The fused path: every registered variant, and sharpening, with FlexAttention in O(T) memory.
 
 The idea (docs/attention.md#the-identity): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
 the visible keys, so the first stage is one FlexAttention call whose ``score_mod`` returns ``log f(scale_i * s
@@ -26,8 +26,9 @@ output is ``sum_j f_ij v_j / Z_i`` and its LSE ``log Z_i``, so norm ``none`` is 
 that over N_i (a row with no visible weight: LSE ``-inf``, output exactly 0). An ``f`` that changes sign is
 split, ``f = f+ - f-`` (docs/attention.md#sign-changing-f): two calls with ``log f+`` and ``log f-`` give
 ``U_i = Z+ out+ - Z- out-``, divided by ``Z+ + Z-`` for l1. ``negate`` is ``-out``, ``recentre`` subtracts
-``[i >= 3]`` times the causal mean of v. What remains (``recentre_l1``, sharpening of anything but normalised
-non-negative rows) uses the dense reference and says so once per variant name. The causal mask and N_i come
+``[i >= 3]`` times the causal mean of v, ``recentre_l1`` divides that by ``sum_j |A_ij - c_i|`` from a second
+call reading pass 1's LSE. What remains (overrides only: sharpening of anything but normalised non-negative
+rows, ``recentre_l1`` of other rows) uses the dense reference and says so once per variant name. The causal mask and N_i come
 from ``masks.py`` (the one place for them).
 
 On CUDA the compiled FlexAttention kernels are used. On CPU, compiled FlexAttention has no backward and no
@@ -71,12 +72,14 @@ def unfusable_reason(spec: AttentionSpec) -> str | None:
     """Why ``spec`` has no FlexAttention form (None when it has one).
 
     Fused: every ``phi`` (a sign-changing ``f`` as two calls, ``f+`` and ``f-``), every norm (``l1``, ``none``
-    and ``count`` from FlexAttention's row sums), ``negate`` and ``recentre`` (a causal mean of v), output
-    LayerNorm, and sharpening of normalised non-negative rows. Not fused: ``recentre_l1`` (its normaliser
-    ``sum_j |A_ij - 1/N_i|`` is a third sign split, not implemented) and sharpening on top of anything else.
+    and ``count`` from FlexAttention's row sums), ``negate`` and ``recentre`` (a causal mean of v),
+    ``recentre_l1`` of normalised non-negative rows (a second call for ``sum_j |A_ij - c_i|``), output
+    LayerNorm, and sharpening of normalised non-negative rows. Not fused: ``recentre_l1`` of other rows and
+    sharpening on top of anything else.
     """
-    if spec.post == "recentre_l1":
-        return "post='recentre_l1' needs sum_j |A_ij - 1/N_i| per row, which has no fused form here"
+    if spec.post == "recentre_l1" and (spec.norm != "l1" or spec.phi not in NONNEGATIVE_PHIS):
+        return (f"post='recentre_l1' is fused on l1-normalised non-negative rows only "
+                f"(phi={spec.phi!r}, norm={spec.norm!r})")
     if spec.p is not None and (spec.norm != "l1" or spec.phi not in NONNEGATIVE_PHIS or spec.post != "none"):
         return (f"sharpening is fused for l1-normalised non-negative rows without post-processing only "
                 f"(phi={spec.phi!r}, norm={spec.norm!r}, post={spec.post!r})")
@@ -407,12 +410,14 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
 
     if spec.p is not None:
         out = _sharpened(q, k, v, spec, sizes, norms, block_mask)
+    elif spec.post == "recentre_l1":
+        out = _recentred_l1(q, k, v, spec, sizes, norms, block_mask)
     elif spec.phi in NONNEGATIVE_PHIS and spec.norm == "l1":
         out, _, _ = _flex(q, k, v, first_stage_score_mod(spec, sizes, norms), block_mask, with_stats=False)
     else:
         out = _row_sums(q, k, v, spec, sizes, norms, block_mask)
 
-    if spec.post != "none":
+    if spec.post in ("negate", "recentre"):
         out = out.to(compute_dtype(out.dtype))
         if spec.post == "negate":
             out = -out
@@ -441,6 +446,49 @@ def _sharpened(q, k, v, spec: AttentionSpec, sizes: Sizes, norms, block_mask: Bl
     # backward no output gradient at all and inductor cannot lower it (LoweringException in
     # flex_attention_backward); tied in, it gets a zero gradient, and its LSE the true one, which pass 2 needs.
     return out + out_stats[..., :1].to(out.dtype) * 0
+
+
+def recentre_score_mod(spec: AttentionSpec, sizes: Sizes, log_z: torch.Tensor,
+                       norms: tuple[torch.Tensor, ...] = ()) -> ScoreMod:
+    """``log relu(A_ij - c_i)`` with ``A_ij = exp(log f_ij - log Z_i)`` (pass 1's LSE, captured with its
+    gradient) and ``c_i = [i >= 3] / N_i``: its LSE is ``log sum_j relu(A_ij - c_i)``."""
+    return ScoreMod(_uncached_if_compiling(_recentre_fn)(spec, sizes), (log_z, *norms))
+
+
+@functools.lru_cache(maxsize=256)
+def _recentre_fn(spec: AttentionSpec, sizes: Sizes) -> Callable:
+    def score_mod(score, b, h, q_idx, kv_idx, log_z, *norms):
+        log_a = first_stage_log_score(spec, sizes, score, b, h, q_idx, kv_idx, *norms)
+        n = visible_keys(q_idx, log_a.dtype)
+        centre = (q_idx >= SHARPEN_EXEMPT_ROWS).to(log_a.dtype) / n
+        return log_positive(torch.exp(log_a - log_z[b, h, q_idx]) - centre)
+    return score_mod
+
+
+def _recentred_l1(q, k, v, spec: AttentionSpec, sizes: Sizes, norms, block_mask: BlockMask) -> torch.Tensor:
+    """``l1norm(A - c)`` @ v for l1-normalised non-negative ``A`` and ``c_i = [i >= 3] / N_i`` (compute dtype).
+
+    Numerator: ``A v - c_i sum_{j <= i} v_j`` (pass 1's output minus a cumulative sum). Normaliser:
+    ``sum_j |A_ij - c_i| = 2 sum_j relu(A_ij - c_i) - (sum_j A_ij - N_i c_i)``, the relu sum from a second call
+    that reads pass 1's LSE (``sum_j A_ij`` is 1, or 0 for a row with no visible weight).
+    """
+    dtype = compute_dtype(q.dtype)
+    out, log_z, _ = _flex(q, k, v, first_stage_score_mod(spec, sizes, norms), block_mask, with_stats=True,
+                          with_max=False)
+    has_weight = torch.isfinite(log_z)
+    log_z = torch.where(has_weight, log_z, torch.zeros_like(log_z))
+    v_stats = q.new_zeros(q.shape[:-1] + (16,))
+    out_stats, log_pos, _ = _flex(q, k, v_stats, recentre_score_mod(spec, sizes, log_z, norms), block_mask,
+                                  with_stats=True, with_max=False)
+    rows = torch.arange(sizes.seq_len, device=q.device)
+    n = visible_keys(rows, dtype)
+    exempt = rows < SHARPEN_EXEMPT_ROWS
+    centred_sum = torch.where(exempt, torch.zeros_like(n), torch.ones_like(n))  # N_i c_i
+    l1 = 2.0 * torch.exp(log_pos.to(dtype)) - (has_weight.to(dtype) - centred_sum)
+    numerator = out.to(dtype) - torch.where(exempt, 0.0, 1.0 / n)[:, None] * torch.cumsum(v.to(dtype), dim=-2)
+    result = numerator / l1.clamp_min(torch.finfo(dtype).tiny).unsqueeze(-1)
+    # The second call's (zero) output stays in the graph, as in _sharpened: a compiled backward needs it.
+    return result + out_stats[..., :1].to(dtype) * 0
 
 
 def _row_sums(q, k, v, spec: AttentionSpec, sizes: Sizes, norms, block_mask: BlockMask) -> torch.Tensor:
