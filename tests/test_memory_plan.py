@@ -223,9 +223,8 @@ def test_bad_micro_batch_values_are_refused_in_one_line(value, tmp_path):
 def test_every_shipped_study_fits_the_gpu_of_its_cluster_files(config):
     """Every study against the default GPU node type of the cloud configs (p4d = A100 40 GB on AWS, A100 80 GB
     on GCP); the KubeRay manifest names no GPU type, so its check is skipped (the other test above)."""
-    from attnlab.study.cli import check_study_memory
     from attnlab.study.spec import load_spec
 
     for study in STUDIES:
-        note = check_study_memory(load_spec(study), str(config))
+        note = cv.check_study_memory(load_spec(study), str(config))
         assert note.startswith("GPU memory"), (study.name, note)

@@ -51,7 +51,7 @@ def _fits(args: argparse.Namespace) -> int:
     from attnlab.cluster.validate import plan_fit
     from attnlab.study.spec import load_spec
 
-    from attnlab.study.cli import check_study_memory
+    from attnlab.cluster.validate import check_study_memory
 
     for study in args.studies:
         spec = load_spec(study)

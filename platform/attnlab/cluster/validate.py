@@ -11,7 +11,8 @@ Three things live here:
 - ``check_fits(request, config_path)``: refuses a study whose trials no node type (or allowed span of
   nodes) of a config can schedule, with a one-line ``UserError``, instead of letting Ray wait forever.
 - ``trial_gpu(request, config_path)``: the GPU type (and its memory, :data:`GPU_MEMORY`) a trial's workers
-  would be placed on, for the memory check of ``attnlab study validate --cluster`` (docs/gpu-memory.md).
+  would be placed on; ``check_study_memory(spec, config_path)`` refuses a study whose training step or
+  evaluation does not fit it (``attnlab study validate --cluster``, docs/gpu-memory.md).
 
 This module never starts Ray, never contacts a cloud or a Kubernetes API, and holds no credentials;
 the only Ray it touches is the autoscaler's config helpers and schema file.
@@ -655,3 +656,36 @@ def check_memory(study: str, trials: list, eval_lengths, eval_batch: int | None,
     if worst_eval is not None:
         out += f", evaluation <= {_gib(worst_eval[0])} (at {worst_eval[1]:,} tokens, batch {worst_eval[2]})"
     return out
+
+
+def trial_configs(spec) -> list:
+    """One ``TrainConfig`` per distinct trial of a study (an ``attnlab.study.spec.StudySpec``, passed in: this
+    module never imports the study layer) (the grid's points; for a sampled search, each attention
+    and each searched value or range end), for checks that need every trial's model and batch."""
+    knobs = spec.space.knobs()
+    if spec.search.engine == "grid":
+        points = spec.grid_points()
+    else:
+        points = [{"attention": name} if spec.space.attention else {} for name in spec.attentions()]
+        for key, axis in knobs.items():
+            for name in (axis.when or spec.attentions()):
+                base = {"attention": name} if spec.space.attention else {}
+                values = axis.values if not axis.is_range else [axis.low, axis.high]
+                if axis.is_int_range:
+                    values = [int(v) for v in values]
+                points += [{**base, key: v} for v in values]
+    out, seen = [], set()
+    for point in points:
+        cfg = spec.train_config({k: v for k, v in point.items() if k != "seed"})
+        key = cfg.model_dump_json()
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
+    return out
+
+
+def check_study_memory(spec, cluster: str | Path) -> str:
+    """Refuse (one line) a study (a ``StudySpec``) whose trials' training step or evaluation does not fit the GPU
+    type ``cluster`` places them on (:func:`check_memory`); return its one-line note."""
+    return check_memory(spec.name, trial_configs(spec), spec.eval.eval_lengths, spec.eval.batch_size,
+                        spec.resource_request(), cluster)

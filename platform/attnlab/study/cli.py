@@ -71,6 +71,8 @@ def _validate(args: argparse.Namespace) -> int:
             from attnlab.cluster.validate import check_fits
 
             check_fits(spec.resource_request(), args.cluster)
+            from attnlab.cluster.validate import check_study_memory
+
             note = check_study_memory(spec, args.cluster)
         print(f"{path}: ok")
         print("  " + spec.describe().replace("\n", "\n  "))
@@ -78,36 +80,3 @@ def _validate(args: argparse.Namespace) -> int:
             print("  " + note)
     return 0
 
-
-def trial_configs(spec) -> list:
-    """One ``TrainConfig`` per distinct trial of a study (the grid's points; for a sampled search, each attention
-    and each searched value or range end), for checks that need every trial's model and batch."""
-    knobs = spec.space.knobs()
-    if spec.search.engine == "grid":
-        points = spec.grid_points()
-    else:
-        points = [{"attention": name} if spec.space.attention else {} for name in spec.attentions()]
-        for key, axis in knobs.items():
-            for name in (axis.when or spec.attentions()):
-                base = {"attention": name} if spec.space.attention else {}
-                values = axis.values if not axis.is_range else [axis.low, axis.high]
-                if axis.is_int_range:
-                    values = [int(v) for v in values]
-                points += [{**base, key: v} for v in values]
-    out, seen = [], set()
-    for point in points:
-        cfg = spec.train_config({k: v for k, v in point.items() if k != "seed"})
-        key = cfg.model_dump_json()
-        if key not in seen:
-            seen.add(key)
-            out.append(cfg)
-    return out
-
-
-def check_study_memory(spec, cluster: str) -> str:
-    """Refuse (one line) a study whose trials' training step or longest evaluation does not fit the GPU type
-    ``cluster`` places them on (:func:`attnlab.cluster.validate.check_memory`); return its one-line note."""
-    from attnlab.cluster.validate import check_memory
-
-    return check_memory(spec.name, trial_configs(spec), spec.eval.eval_lengths, spec.eval.batch_size,
-                        spec.resource_request(), cluster)
