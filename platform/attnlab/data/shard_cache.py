@@ -39,7 +39,7 @@ from attnlab.location import Location
 
 CACHE_ENV = "ATTNLAB_DATA_CACHE"
 PREFETCH_ENV = "ATTNLAB_DATA_PREFETCH"  # "0": never fetch in the background (ranged reads only)
-_CHUNK = 16 << 20
+_CHUNK = 8 << 20
 _HEAD = 64 << 10  # the schema and record-batch metadata of a shard fit in this many leading bytes
 
 
