@@ -8,7 +8,9 @@ lowerings are run in full up to the point where they need the GPU: the Triton ke
 named 'triton'``) or the device's properties for its configurations (``Torch not compiled with CUDA
 enabled``). That stop is caught per FlexAttention call, the call's outputs are replaced by empty buffers of the
 right shapes, and lowering continues with the rest of the graph, so that every FlexAttention call of the graph
-(two or four per variant) is lowered, not only the first; code generation is then stopped. The forward lowering
+(up to two per graph) is lowered, not only the first; code generation is then stopped. The pipeline is
+``compile_fx``, as ``torch.compile``'s inductor backend runs it (joint-graph passes, partition, post-grad passes),
+with its inner compiler stopped after lowering. The forward lowering
 takes inductor's CUDA branch by reporting the call's inputs as CUDA tensors (on CPU inductor would pick its C++
 template, which has no LSE); the score_mod and mask subgraphs are lowered before the stop. Any other exception
 (a ``LoweringException`` of our graph, e.g. a FlexAttention backward with no output gradient) fails the test.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -124,18 +127,20 @@ def _lowering_up_to_the_gpu(stops: list[str]):
 
 
 def _lowering_backend(lowered: list[str]):
-    """AOTAutograd with inductor's lowering for forward and backward, stopped before code generation.
+    """Inductor as ``torch.compile`` runs it (``compile_fx``: decompositions, joint-graph passes, AOTAutograd's
+    partition), with each graph lowered and stopped before code generation.
 
     The forward graph then runs eagerly (the backward needs its outputs); the backward raises
     :class:`_LoweredUpToCodegen` after lowering.
     """
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.output_code import MockFXGraphCacheOutput
 
-    def lower(gm, example_inputs, which):
+    def inner_compile(gm, example_inputs, **kwargs):
+        which = "bw" if kwargs.get("is_backward") else "fw"
         try:
-            compile_fx_inner(gm, example_inputs)
+            compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as exc:
             if not any(isinstance(e, _LoweredUpToCodegen) for e in _chain(exc)):
                 raise
@@ -144,11 +149,9 @@ def _lowering_backend(lowered: list[str]):
         lowered.append(which)
         if which == "bw":
             raise _LoweredUpToCodegen()
-        return gm.forward
+        return MockFXGraphCacheOutput(gm=make_boxed_func(gm.forward))  # the graph, run eagerly
 
-    return aot_autograd(fw_compiler=lambda gm, ex: lower(gm, ex, "fw"),
-                        bw_compiler=lambda gm, ex: lower(gm, ex, "bw"),
-                        decompositions=select_decomp_table())
+    return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 @pytest.fixture
@@ -192,6 +195,15 @@ def test_compiled_training_graph_lowers_up_to_the_gpu(name, p, D, dtype, fresh_d
             out.float().sum().backward()
     assert lowered == ["fw", "bw"]
     assert stops == ["fw"] * calls + ["bw"] * calls  # every call of both graphs lowered up to the GPU
+
+
+def test_on_cuda_no_registered_variant_uses_the_dense_reference():
+    from attnlab.attention import Backend, resolve_backend, variant_names
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        chosen = {name: resolve_backend(get_variant(name), "cuda") for name in variant_names()}
+    assert set(chosen.values()) <= {Backend.FLEX, Backend.SDPA}, chosen
 
 
 def test_the_switch_changes_nothing_outside_a_compiled_graph():
