@@ -25,9 +25,10 @@ GIB = 1024**3
 TRAIN_TOLERANCE = 0.05
 
 
-def _measured_train_peak(cfg, seq_len: int, micro_batch: int) -> int:
+def _measured_train_peak(cfg, seq_len: int, micro_batch: int, precision: str = "fp32") -> int:
     """Peak bytes of live CPU tensors over two optimizer steps of two micro-steps each (the second step has
-    AdamW's state and, in its second micro-step, live grads), as the training loop runs them."""
+    AdamW's state and, in its second micro-step, live grads), as the training loop runs them; ``bf16``: under
+    CPU autocast (linear layers in bf16, LayerNorm and the loss in fp32, as CUDA's autocast)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
@@ -42,27 +43,34 @@ def _measured_train_peak(cfg, seq_len: int, micro_batch: int) -> int:
         for _ in range(2):
             for _ in range(2):
                 tracker.reset_mod_stats()  # per-module stats only; the device peak is kept
-                _, loss = model(x, y)  # the loop holds the logits like this through the backward
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    _, loss = model(x, y)  # the loop holds the logits like this through the backward
                 (loss / 2).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+WIDE = dict(preset="tiny", n_layer=4, n_head=8, n_embd=512, vocab_size=256)  # activations over the loss path
+
+
 @pytest.mark.cuda_proxy
-@pytest.mark.parametrize("model, seq_len, micro_batch, backend", [
-    (dict(preset="tiny"), 64, 8, "dense"),
-    (dict(preset="tiny"), 256, 4, "dense"),
-    (dict(preset="tiny", attention="lssa", p_train=15), 256, 2, "dense"),
-    (dict(preset="tiny-4l", attention="sigmoid_l1"), 128, 4, "dense"),
-    (dict(preset="tiny", attn_impl="sdpa"), 128, 8, "sdpa"),
-], ids=["softmax-64x8", "softmax-256x4", "lssar-256x2", "sigmoid_l1-4l-128x4", "sdpa-128x8"])
-def test_train_estimate_matches_the_cpu_measurement(model, seq_len, micro_batch, backend):
-    model = dict(model)
-    cfg = preset(model.pop("preset"), vocab_size=2048, **model)
-    measured = _measured_train_peak(cfg, seq_len, micro_batch)
-    est = estimate_train_step(cfg, seq_len, micro_batch, precision="fp32", compiled=False, backend=backend)
-    print(f"train {cfg.attention} {backend} T={seq_len} B={micro_batch}: measured {measured:,} B, estimate "
+@pytest.mark.parametrize("model, seq_len, micro_batch, backend, precision", [
+    (dict(preset="tiny"), 64, 8, "dense", "fp32"),
+    (dict(preset="tiny"), 256, 4, "dense", "fp32"),
+    (dict(preset="tiny", attention="lssa", p_train=15), 256, 2, "dense", "fp32"),
+    (dict(preset="tiny-4l", attention="sigmoid_l1"), 128, 4, "dense", "fp32"),
+    (dict(preset="tiny", attn_impl="sdpa"), 128, 8, "sdpa", "fp32"),
+    (WIDE, 128, 4, "dense", "bf16"),
+    (dict(WIDE, attn_impl="sdpa"), 128, 4, "sdpa", "bf16"),
+], ids=["softmax-64x8", "softmax-256x4", "lssar-256x2", "sigmoid_l1-4l-128x4", "sdpa-128x8", "wide-bf16-128x4",
+        "wide-bf16-sdpa-128x4"])
+def test_train_estimate_matches_the_cpu_measurement(model, seq_len, micro_batch, backend, precision):
+    model = {"vocab_size": 2048, **model}
+    cfg = preset(model.pop("preset"), **model)
+    measured = _measured_train_peak(cfg, seq_len, micro_batch, precision)
+    est = estimate_train_step(cfg, seq_len, micro_batch, precision=precision, compiled=False, backend=backend)
+    print(f"train {cfg.attention} {backend} {precision} T={seq_len} B={micro_batch}: measured {measured:,} B, estimate "
           f"{est.tensor_bytes:,} B ({est.tensor_bytes / measured - 1:+.1%})")
     assert abs(est.tensor_bytes / measured - 1) <= TRAIN_TOLERANCE, (est.tensor_bytes, measured, est.breakdown)
     assert est.total > est.tensor_bytes == sum(est.breakdown.values())
