@@ -77,7 +77,7 @@ def _lowering_up_to_the_gpu(stops: list[str]):
                 nodes.append(node)
                 node = getattr(node, "data", None)
         for node in nodes:
-            node.get_device = lambda: torch.device("cuda", 0)
+            object.__setattr__(node, "get_device", lambda: torch.device("cuda", 0))  # some IR nodes are frozen
         return nodes
 
     def fw(*args, **kwargs):
@@ -94,7 +94,7 @@ def _lowering_up_to_the_gpu(stops: list[str]):
             stops.append("fw")
         finally:
             for node in nodes:
-                del node.get_device
+                object.__delattr__(node, "get_device")
         out = empty_strided([B, H, T, value.get_size()[-1]], None, dtype=dtype, device=device)
         stats = [empty_strided([B, H, T], None, dtype=torch.float32, device=device) for _ in range(2)]
         return (out, *stats)
@@ -254,3 +254,23 @@ def test_training_steps_and_evaluation_compile_once_per_shape(fresh_dynamo):
     assert counter.frame_count == total
     # One block graph per (length, batch size): 2 and 1 here; nothing per layer or per call.
     assert per_length == [2, 2, 2], per_length
+
+
+def test_compiled_model_training_graph_lowers_up_to_the_gpu(fresh_dynamo):
+    # The whole compiled GPT (LSSAR through FlexAttention, under bf16 autocast as training runs on CUDA): one
+    # graph, the block mask built in it, two FlexAttention calls per layer, forward and backward lowered.
+    from attnlab.model import GPT, compile_model, preset
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", attention="lssar", vocab_size=128, attn_impl="flex"))
+    lowered, stops = [], []
+    compile_model(model, True, backend=_lowering_backend(lowered))
+    idx = torch.randint(0, 128, (2, 129), generator=torch.Generator().manual_seed(1))
+    with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+        with pytest.raises(_LoweredUpToCodegen):
+            loss.backward()
+    layers = len(model.blocks)
+    assert lowered == ["fw", "bw"]
+    assert stops == ["fw"] * (2 * layers) + ["bw"] * (2 * layers)
