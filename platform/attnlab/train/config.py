@@ -207,11 +207,12 @@ class TrainConfig(BaseModel):
         return with_kind(preset(self.preset, **overrides), kind)
 
     # ------------------------------------------------------------------ memory (attnlab.model.memory)
-    def memory_settings(self) -> dict:
+    def memory_settings(self, world_size: int | None = None) -> dict:
         """``precision``/``compiled``/``backend``/``ddp`` as :func:`attnlab.model.memory.estimate_train_step`
-        takes them, for GPU workers (bf16 unless fp32; compiled unless ``compile: false``)."""
-        return {"precision": "fp32" if self.precision == "fp32" else "bf16",
-                "compiled": self.compile is not False, "backend": self.attn_impl, "ddp": self.workers > 1}
+        takes them, for GPU workers (bf16 unless fp32; compiled unless ``compile: false``; DDP's buckets with
+        more than one worker)."""
+        return {"precision": "fp32" if self.precision == "fp32" else "bf16", "compiled": self.compile is not False,
+                "backend": self.attn_impl, "ddp": (world_size or self.workers) > 1}
 
     def step_memory(self, micro_batch: int | None = None, vocab_size: int | None = None):
         """The estimated per-GPU peak of one training micro-step (a :class:`attnlab.model.memory.MemoryEstimate`)."""
@@ -230,7 +231,7 @@ class TrainConfig(BaseModel):
         from attnlab.model.memory import largest_micro_batch
 
         per_worker = self._sequences_per_worker(world_size or self.workers)
-        s = self.memory_settings()
+        s = self.memory_settings(world_size)
         return largest_micro_batch(self.gpt_config(vocab_size=vocab_size), self.seq_length, budget_bytes,
                                    precision=s["precision"], compiled=s["compiled"], backend=s["backend"],
                                    ddp=s["ddp"], divisor_of=per_worker)
