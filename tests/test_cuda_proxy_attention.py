@@ -252,8 +252,11 @@ def test_training_steps_and_evaluation_compile_once_per_shape(fresh_dynamo):
     for w in windows.values():  # the same lengths again: nothing new
         list(window_token_stats(model, w, batch_size=2))
     assert counter.frame_count == total
-    # One block graph per (length, batch size): 2 and 1 here; nothing per layer or per call.
+    # One block graph per (length, batch size): 2 and 1 here (the last batch is short); nothing per layer/call.
     assert per_length == [2, 2, 2], per_length
+    _, loss = model(idx[:, :-1], idx[:, 1:])  # training again after evaluation: the step's graph is reused
+    loss.backward()
+    assert counter.frame_count == total
 
 
 def test_compiled_model_training_graph_lowers_up_to_the_gpu(fresh_dynamo):
