@@ -186,6 +186,25 @@ def test_divergence_stops_the_run_with_the_step_recorded(tmp_path, demo_data_dir
     assert last["step"] == 2 and last["diverged"] is True and not math.isfinite(last["train_loss"])
 
 
+def test_micro_batch_auto_resolves_on_the_worker_and_keeps_the_step(tmp_path, demo_data_dir, capsys):
+    """`--micro-batch auto` reaches the training loop resolved (on CPU: the largest divisor of the step's sequences
+    up to 16; on a GPU: the largest that fits its memory), and the step keeps its tokens through accumulation."""
+    from attnlab.cli import main
+
+    out = tmp_path / "auto"
+    code = main(["train", "--preset", "tiny", "--data", str(demo_data_dir), "--out", str(out), "--steps", "2",
+                 "--tokens-per-step", "2048", "--micro-batch", "auto", "--set", "val_tokens=256", "--set",
+                 "log_every=1", "--set", "threads_per_worker=1", "--local"])
+    assert code == 0, capsys.readouterr().err
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["config"]["micro_batch"] == 16 and provenance["grad_accum_steps"] == 2  # 32 sequences of 64
+    assert provenance["tokens_per_step"] == 2048 and [m["step"] for m in _metrics(out)] == [1, 2]
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal: usage, then the one error line
+        main(["train", "--preset", "tiny", "--data", "x", "--out", str(out), "--micro-batch", "big"])
+    assert refused.value.code == 2
+    assert "--micro-batch: expected a positive integer or auto, got 'big'" in capsys.readouterr().err
+
+
 @pytest.mark.ray
 def test_relative_data_and_out_mean_the_users_folders_on_every_worker(tmp_path, demo_data_dir):
     """`attnlab train --data data/demo --out runs/lssar` as the README writes it: Ray Train workers run in their own

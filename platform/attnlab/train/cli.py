@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--seq-len", type=int, help="training length (default: the preset's)")
     p.add_argument("--tokens-per-step", type=int, help="tokens per optimizer step (gradient accumulation fills it)")
-    p.add_argument("--micro-batch", type=int, help="sequences per worker per micro-step")
+    p.add_argument("--micro-batch", type=_micro_batch, help="sequences per worker per micro-step, or auto (the "
+                   "largest that fits the GPU's memory, keeping --tokens-per-step through accumulation)")
     p.add_argument("--workers", type=int, help="Ray Train workers (DDP ranks)")
     p.add_argument("--gpu", action="store_true", help="one GPU per worker (NCCL); same as --set gpus_per_worker=1")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other config field, repeatable")
@@ -54,6 +55,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="show Ray's and Train's own output in the terminal (default: a log file, whose path is printed)")
     p.set_defaults(func=run)
+
+
+def _micro_batch(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -130,6 +130,9 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
     if cfg.threads_per_worker:
         torch.set_num_threads(cfg.threads_per_worker)
     data = open_data(cfg.data)
+    # micro_batch: auto becomes the largest micro-batch that fits this device's memory (docs/gpu-memory.md).
+    budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    cfg = cfg.resolved(world, budget, vocab_size=data.vocab_size)
     gpt_cfg = cfg.gpt_config(vocab_size=data.vocab_size, kind=model_kind(data))
     global_batch, accum = cfg.batch_plan(world)
     T = cfg.seq_length
