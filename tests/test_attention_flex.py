@@ -296,7 +296,11 @@ def cuda(test):
 CUDA_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
 CUDA_CASES = ([("lssar", 15, T, dt) for T in (1024, 4096) for dt in (torch.float32, torch.bfloat16)]
               + [(n, p, 1024, dt) for n, p in (("lssa", None), ("softmax", None), ("softmax", 3), ("sigmoid_l1", 3))
-                 for dt in (torch.float32, torch.bfloat16)])
+                 for dt in (torch.float32, torch.bfloat16)]
+              # the row sums (Table 4) in both dtypes; the sign split and recentre_l1 in float32 (f+ and f- parts
+              # can cancel, so bf16 outputs there are not held to a fraction of the largest value)
+              + [(n, None, 1024, dt) for n in TABLE4_ROW_SUMS for dt in (torch.float32, torch.bfloat16)]
+              + [(n, None, 1024, torch.float32) for n in ("gelu", "scenario_i", "softmax_recentred_l1")])
 
 
 @cuda
