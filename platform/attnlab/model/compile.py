@@ -13,7 +13,10 @@ Shapes are static (``dynamic=False``): each distinct (batch, length, attention s
 autocast) is compiled once, the first time it is seen; the dynamo recompile limit is raised to
 :data:`RECOMPILE_LIMIT` per code object so an evaluation sweep over lengths and ``p_eval`` values does not
 fall back to eager silently. FlexAttention inside a compiled model is compiled by the enclosing graph (see
-``attention/flex.py``); outside one it uses its own compiled instance. An ``on_attention`` observer makes
+``attention/flex.py``; ``tests/test_cuda_proxy_attention.py`` lowers that graph with inductor on CPU and counts
+compilations over training steps and evaluation lengths); outside one it uses its own compiled instance. The
+dense reference, where it still runs, is one chunk in a graph with gradients and an eager region without
+(``attention/dense.py``), never a loop unrolled into the graph. An ``on_attention`` observer makes
 ``hidden_states`` run the blocks eagerly (diagnostics are not timed).
 
 ``enabled=None`` means on for a model on CUDA, off elsewhere (on CPU inductor builds with the machine's C++
