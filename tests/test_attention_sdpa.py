@@ -120,7 +120,8 @@ def test_auto_on_cuda_picks_the_fastest_exact_path(monkeypatch):
         assert len(fallback) <= (1 if expected is Backend.DENSE else 0), (name, fallback)
     monkeypatch.setattr(flex, "_warned_fallback", set())
     with pytest.warns(UserWarning, match="'gelu' has no fused form.*dense reference"):
-        assert resolve_backend(get_variant("gelu"), cuda) is Backend.DENSE
+        assert resolve_backend(get_variant("gelu", p=2), cuda) is Backend.DENSE  # sharpening a sign-changing f
+    assert all(resolve_backend(get_variant(name), cuda) is not Backend.DENSE for name in variant_names())
     assert resolve_backend(get_variant("lssar"), cuda, "dense") is Backend.DENSE
     assert resolve_backend(get_variant("softmax"), "cpu", Backend.SDPA) is Backend.SDPA
 
