@@ -169,6 +169,13 @@ def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backe
         saved["q, k, v"] = 3 * 4 * C
     else:  # the fused kernels save q and k after RoPE, v as a view of the qkv projection, output + logsumexp
         saved["q, k, v"] = 5 * a * C + a * C + 4 * cfg.n_head
+    if backend == "flex":  # FlexAttention calls beyond the first (attention/flex.py): each saves its output + LSE
+        from attnlab.attention.flex import parts_of
+
+        spec = cfg.attention_spec()
+        full = len(parts_of(spec)) - 1  # f = f+ - f-: a second full-width call, combined in float32
+        narrow = int(spec.p is not None) + int(spec.post == "recentre_l1")  # statistics passes (16-wide values)
+        saved["more FlexAttention calls"] = full * (4 * C + 4 * cfg.n_head) + narrow * cfg.n_head * (16 * a + 4)
     if compiled:  # inductor recomputes the cheap pointwise GELU in the backward instead of saving it
         saved.pop("gelu output")
     return sum(saved.values())
