@@ -98,7 +98,7 @@ def _gather(tokens, starts: np.ndarray, length: int) -> np.ndarray:
         def fill(row: int) -> None:
             out[row] = tokens.window(int(starts[row]), length)
 
-        with ThreadPoolExecutor(min(16, len(starts))) as pool:
+        with ThreadPoolExecutor(min(8, len(starts))) as pool:
             list(pool.map(fill, range(len(starts))))
         return out
     for row, s in enumerate(starts):
