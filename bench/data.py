@@ -49,6 +49,8 @@ def build_corpus(folder: Path, repeat: int, files: int = 8, doc_chars: int = 400
 def first_batch_from_bucket(local: Path, bucket: str, tmp: Path) -> None:
     """Time to the first training batch (32 x 1025 windows): local folder, bucket with an empty node cache
     (ranged reads), and bucket once the shards are in the cache (memory-mapped)."""
+    import torch  # noqa: F401  (imported before timing: the first batch builds tensors)
+
     from attnlab.data.reader import TokenShards, TrainSampler
     from attnlab.location import Location
 
@@ -75,7 +77,7 @@ def first_batch_from_bucket(local: Path, bucket: str, tmp: Path) -> None:
         size = sum(os.path.getsize(p) for p in local.iterdir())
         print(f"first batch (32 x 1025 tokens): local {local_s * 1e3:.0f} ms, bucket cold (ranged reads) "
               f"{cold_s * 1e3:.0f} ms, bucket cached (memory-mapped) {cached_s * 1e3:.0f} ms; fetching the train split "
-              f"({size / 2**20:.0f} MiB with val) into the cache took {fetch_s:.1f} s")
+              f"({size / 2**20:.0f} MiB with val) into the cache took {fetch_s:.2f} s")
     finally:
         target.delete("")
         os.environ.pop("ATTNLAB_DATA_PREFETCH", None)
