@@ -141,3 +141,25 @@ def test_sampler_bad_arguments_are_user_errors(demo_data_dir, one_and_many):  # 
     x, y = s.batch(0, micro_batch=2)
     for row, start in enumerate(s.step_starts(0)):
         assert x[row].tolist() == many.tokens("train")[start : start + 3000].tolist()
+
+
+def test_opening_reads_the_manifest_only_and_each_split_on_first_use(tmp_path, small_text_corpus):  # noqa: F811
+    """Opening needs the manifest alone (the study driver and the preflight read no shard); evaluation reads the
+    val split only; a missing shard is named when its split is first used."""
+    import shutil
+
+    folder, _ = small_text_corpus
+    out = tmp_path / "data"
+    prepare("text", str(folder), str(out), shard_tokens=1500, val_tokens=6000, seed=11, workers=1, progress=False)
+    full = TokenShards.open(out)
+    expected_val = full.eval_windows("val", seq_len=64)
+    train_total = full.num_tokens("train")
+    missing = tmp_path / "missing"
+    shutil.copytree(out, missing)
+    for f in missing.glob("train-*.arrow"):
+        f.unlink()
+    ds = TokenShards.open(missing)
+    assert ds.num_tokens("train") == train_total  # from the manifest
+    assert (ds.eval_windows("val", seq_len=64) == expected_val).all()
+    with pytest.raises(UserError, match=r"shard train-00000\.arrow is missing"):
+        ds.tokens("train")
