@@ -70,8 +70,7 @@ def first_batch_from_bucket(local: Path, bucket: str, tmp: Path) -> None:
         os.environ["ATTNLAB_DATA_PREFETCH"] = "1"
         shards = TokenShards.open(target.uri)
         t = time.perf_counter()
-        shards.tokens("train")
-        shards.prefetchers["train"].join()
+        shards.prefetch("train")
         fetch_s = time.perf_counter() - t
         cached_s = first_batch(target.uri)
         size = sum(os.path.getsize(p) for p in local.iterdir())

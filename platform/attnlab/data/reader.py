@@ -127,6 +127,28 @@ class TokenShards:
         self._doc_offsets: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         self.prefetchers: dict[str, Prefetcher] = {}
+        self._served_events: dict[str, threading.Event] = {}
+
+    def prefetch(self, split: str, wait: bool = True) -> None:
+        """Fetch a bucket split's shards into this node's cache now (``wait``: until done); no-op for a local
+        folder. Raises the first fetch error (e.g. a sha256 mismatch)."""
+        split = self._split(split)
+        self.tokens(split)
+        prefetcher = self.prefetchers.get(split)
+        if prefetcher is None:
+            if self.location.is_local:
+                return
+            prefetcher = self.prefetchers[split] = Prefetcher(self._parts[split])
+        self._served(split).set()
+        if wait:
+            prefetcher.join()
+            if prefetcher.errors:
+                raise prefetcher.errors[0]
+
+    def _served(self, split: str) -> threading.Event:
+        """Set once this process has served its first windows of ``split``: the background fetch of a bucket's
+        shards starts then, so the first batch's ranged reads never queue behind it."""
+        return self._served_events.setdefault(split, threading.Event())
 
     def _load(self, split: str) -> None:
         """Open a split's shards: memory-mapped in place (local folder), else :class:`RemoteShard` s served by
@@ -149,7 +171,7 @@ class TokenShards:
                 parts = [RemoteShard(self.location, entry) for entry in self._entries[split]]
                 views = parts
                 if parts and prefetch_enabled():
-                    self.prefetchers[split] = Prefetcher(parts)
+                    self.prefetchers[split] = Prefetcher(parts, start=self._served(split))
             self._parts[split] = parts
             self._tokens[split] = (
                 views[0] if len(views) == 1 and isinstance(views[0], np.ndarray) else ConcatTokens(views)
@@ -227,7 +249,9 @@ class TokenShards:
             starts = seq_len * np.arange(max(0, (n_tokens - 1) // seq_len), dtype=np.int64)
         if max_tokens is not None:
             starts = starts[: max(0, int(max_tokens) // seq_len)]
-        return _gather(self.tokens(split), starts, seq_len + 1)
+        windows = _gather(self.tokens(split), starts, seq_len + 1)
+        self._served(split).set()
+        return windows
 
     def __repr__(self) -> str:
         return (
@@ -274,6 +298,7 @@ class TrainSampler:
         rows = micro_batch_rows(rank, world_size, micro, micro_batch, self.global_batch)
         windows = _gather(self.shards.tokens(self.split), self.step_starts(step)[rows.start:rows.stop],
                           self.seq_len + 1)
+        self.shards._served(self.split).set()
         data = torch.from_numpy(windows)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 

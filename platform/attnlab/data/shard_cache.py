@@ -14,7 +14,9 @@ ask: under an exclusive lock on ``<sha256>.lock`` it streams the object to a tem
 bytes against the manifest's sha256, and renames it to ``<sha256>.arrow`` (atomic on one filesystem). The
 file name is the content hash, so a changed dataset (new manifest, new hashes) never reuses a stale copy.
 :class:`Prefetcher` runs :func:`fetch` over a split's shards on one background thread per process; several
-processes of a node take the shards' locks without blocking first, so they fetch different shards.
+processes of a node take the shards' locks without blocking first, so they fetch different shards. It starts
+once the process has served its first windows of the split (or after 10 s), so the first batch's ranged reads
+do not queue behind the bulk transfer.
 
 The cache folder is ``$ATTNLAB_DATA_CACHE``, else ``<attnlab cache>/shards`` (``$ATTNLAB_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/attnlab`` or ``~/.cache/attnlab``): put it on the node's local disk.
@@ -256,15 +258,21 @@ class RemoteShard:
 
 
 class Prefetcher:
-    """Fetches a list of shards into the node's cache on one daemon thread (see :func:`fetch`)."""
+    """Fetches a list of shards into the node's cache on one daemon thread (see :func:`fetch`), starting when
+    ``start`` is set (the process served its first windows: start-up reads go first) or after ``START_AFTER_S``."""
 
-    def __init__(self, shards: list[RemoteShard]):
+    START_AFTER_S = 10.0
+
+    def __init__(self, shards: list[RemoteShard], start: threading.Event | None = None):
         self.shards = shards
+        self.start = start
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self._run, name="attnlab-shard-fetch", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        if self.start is not None:
+            self.start.wait(self.START_AFTER_S)
         waiting = []
         # start at a process-dependent shard so a node's processes fetch different shards first
         k = os.getpid() % max(1, len(self.shards))
