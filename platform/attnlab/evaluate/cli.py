@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-_METRIC_ORDER = ("val_loss", "acc", "bpb", "coord_err_au", "loss_bucket", "entropy", "sink_mass", "passkey_acc",
+_METRIC_ORDER = ("val_loss", "acc", "acc_norm", "perplexity", "word_perplexity", "byte_perplexity", "bpb", "coord_err_au", "loss_bucket", "entropy", "sink_mass", "passkey_acc",
                  "passkey_rank")
 
 
@@ -27,8 +27,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--data", help="prepared data folder (default: the checkpoint's training data)")
     p.add_argument("--lengths", help="comma-separated eval lengths, e.g. 1024,2048 or 1k,2k "
                    "(default: --multiples x the training length)")
-    p.add_argument("--multiples", default="1,2,4,8,16",
-                   help="multiples of the training length when --lengths is not given (default 1,2,4,8,16)")
+    p.add_argument("--multiples", default=None,
+                   help="multiples of the training length when --lengths is not given (default 1,2,4,8,16; "
+                   "with --downstream: 1)")
     p.add_argument("--p-eval", default="none",
                    help="sharpening powers at evaluation, e.g. none,3,15 (none = the attention as trained, "
                    "including its p_train; a number replaces it at evaluation; default none)")
@@ -45,6 +46,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--force-probe", choices=("finetune", "linear"), default=None,
                    help="orbit models: also fit a force probe (finetune: Vafa et al.'s fine-tuned force head; linear: "
                         "a ridge probe on frozen states) and run symbolic regression on its forces (docs/orbits.md)")
+    p.add_argument("--downstream", metavar="TASKS",
+                   help="comma-separated lm-evaluation-harness tasks (e.g. hellaswag,arc_easy,lambada_openai) scored "
+                   "at --lengths / --multiples (default: the training length) instead of validation windows "
+                   "(docs/downstream.md; needs pip install 'attnlab[downstream]')")
+    p.add_argument("--tasks-dir", help="with --downstream: a folder (path or URI) of task configs and their data "
+                   "prepared ahead (default: the harness's own tasks, data from the datasets cache)")
+    p.add_argument("--num-fewshot", default="0", help="with --downstream: few-shot examples per prompt (default 0)")
+    p.add_argument("--limit", help="with --downstream: at most this many documents per task (a quick look)")
+    p.add_argument("--windows", action="store_true",
+                   help="with --downstream: also score the validation windows at --lengths / --multiples")
     p.add_argument("--batch-size", help="windows per forward (default: 8 at the training length, fewer for "
                    "longer windows, at least 1)")
     p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
@@ -83,11 +94,12 @@ def eval_config_from_args(args):
     from attnlab.validation import parse
 
     fields: dict = {}
+    downstream = getattr(args, "downstream", None)
     if args.lengths is not None:
         fields["lengths"] = parse_lengths(args.lengths, field="--lengths")
     else:
         multiples = []
-        for item in _list(args.multiples):
+        for item in _list(args.multiples or ("1" if downstream else "1,2,4,8,16")):
             try:
                 multiples.append(float(item))
             except ValueError:
@@ -116,7 +128,38 @@ def eval_config_from_args(args):
     fields.update(long_docs=args.long_docs, passkey=args.passkey, diagnostics=args.diagnostics)
     if getattr(args, "force_probe", None):
         fields["force_probe"] = {"kind": args.force_probe}
-    return parse(EvalConfig, fields, prefix="eval")
+    if downstream:
+        down: dict = {"tasks": downstream, "num_fewshot": _nonnegative_int("--num-fewshot", args.num_fewshot)}
+        if args.tasks_dir:
+            down["data"] = args.tasks_dir
+        if args.limit is not None:
+            down["limit"] = _positive_int("--limit", args.limit)
+        fields["downstream"] = down
+        fields["windows"] = bool(args.windows)
+    else:
+        for flag, name in (("--tasks-dir", "tasks_dir"), ("--limit", "limit"), ("--windows", "windows")):
+            if getattr(args, name, None):
+                raise UserError(f"{flag} is only allowed with --downstream TASKS")
+    config = parse(EvalConfig, fields, prefix="eval")
+    if downstream and config.downstream.lengths is None and args.lengths is not None:
+        config = config.model_copy(update={"downstream": config.downstream.model_copy(
+            update={"lengths": config.eval_lengths(1)})})
+    elif downstream and config.downstream.lengths is None and args.multiples is not None:
+        config = config.model_copy(update={"downstream": config.downstream.model_copy(
+            update={"multiples": config.multiples})})
+    return config
+
+
+def _nonnegative_int(name: str, text: str) -> int:
+    from attnlab.errors import UserError
+
+    try:
+        value = int(str(text).replace("_", ""))
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UserError(f"{name} {text!r} is not allowed: use 0 or a positive integer")
+    return value
 
 
 def _eval(args) -> int:
@@ -146,6 +189,8 @@ def _eval(args) -> int:
     if not rows:
         raise UserError("eval produced no rows (no windows at any length?)")
     frame = pd.DataFrame(rows)
+    if "task" in frame.columns:
+        frame["task"] = frame["task"].astype(object).where(frame["task"].notna(), None)
     present = [m for m in _METRIC_ORDER if m in set(frame["metric"])]
     for metric in present:
         result = reports.table(frame, metric=metric)

@@ -140,7 +140,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
         raise UserError(f"data {source.describe()}: vocabulary {source.vocab_size} exceeds the model's "
                         f"{gpt.vocab_size}; evaluate on the data the model was trained on")
     lengths = config.eval_lengths(int(gpt.train_len))
-    if config.max_tokens < max(lengths):
+    if config.windows and config.max_tokens < max(lengths):
         raise UserError(f"max_tokens={config.max_tokens} is not allowed: use at least the largest length "
                         f"({max(lengths)} tokens), so every length scores whole windows")
     train_key = train_key_of(loaded)
@@ -160,6 +160,10 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
 
         target = store if isinstance(store, ResultsStore) else ResultsStore(store)
 
+    if config.downstream is not None and any(cell.kind == "downstream" for cell, _ in todo):
+        from attnlab.evaluate.downstream import check_tasks
+
+        check_tasks(config.downstream.tasks, config.downstream.data)  # a missing folder or task: one line, now
     rows: list[dict] = []
     pending: list[dict] = []
     pending_cells: list[EvalCell] = []
@@ -177,7 +181,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
     for cell, scores in measure(model, source, [c for c, _ in todo], device=dev,
                                 precision=cfg.get("precision", "auto"), batch_size=config.batch_size,
                                 batch_at_train_len=int(cfg.get("val_batch", 8)),
-                                data_seed=int(cfg.get("data_seed", 0)), log=say):
+                                data_seed=int(cfg.get("data_seed", 0)), log=say, downstream=config.downstream):
         if pending_cells and pending_cells[0].length != cell.length:
             flush()  # one file per length: what was measured is kept if a longer length fails
         say(progress.done(cell))

@@ -5,7 +5,9 @@ For every ``windows`` cell the validation windows of that length (``data.eval_se
 exactly): summed cross-entropy, correct argmax predictions, UTF-8 bytes of the scored tokens (GPT-2 text) and
 per-position-bucket sums. ``passkey`` cells give passkey records (:mod:`attnlab.evaluate.passkey`),
 ``diagnostics`` cells per-layer attention statistics (:mod:`attnlab.evaluate.diagnostics`), the ``force`` cell
-of an orbit model its force probe and recovered law (:mod:`attnlab.evaluate.force_probe`). Coordinate tokens
+of an orbit model its force probe and recovered law (:mod:`attnlab.evaluate.force_probe`), ``downstream`` cells
+lm-evaluation-harness task scores (:mod:`attnlab.evaluate.downstream`; one harness run per length, RoPE scaling
+and p_eval scores all of its tasks). Coordinate tokens
 (orbits) also sum the distance between the predicted and the target bins. p_eval is the
 attention spec passed to the forward; the weights are never touched. At L <= train_len NTK scaling changes
 nothing, so identical forwards (same RoPE base and p) are computed once.
@@ -137,16 +139,20 @@ def attention_spec_for(model, p_eval):
 
 def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, precision: str = "auto",
             batch_size: int | None = None, batch_at_train_len: int = DEFAULT_BATCH_AT_TRAIN_LEN,
-            data_seed: int = 0, log: Callable[[str], None] | None = None) -> Iterator[tuple[EvalCell, object]]:
+            data_seed: int = 0, log: Callable[[str], None] | None = None,
+            downstream=None) -> Iterator[tuple[EvalCell, object]]:
     """Yield ``(cell, scores)`` for each cell that has data, as it is measured; a cell without windows is skipped
     (with a log line). ``scores``: :class:`WindowScores` (windows), a list of passkey records (passkey), a list of
-    per-layer statistics (diagnostics)."""
+    per-layer statistics (diagnostics), ``[(metric, value, stderr, documents), ...]`` (downstream; ``downstream``:
+    the :class:`attnlab.evaluate.plan.DownstreamConfig` saying where the tasks are)."""
     say = log or (lambda message: None)
     gpt = model.cfg
     train_len = int(gpt.train_len)
     token_bytes = gpt2_token_bytes() if _is_gpt2_text(source) else None
     windows_cache: dict = {}
     forwards: dict = {}  # (mode, length, RoPE base, p) -> WindowScores: NTK == none at L <= train_len
+    cells = list(cells)
+    tasks = _DownstreamRuns(model, cells, downstream, device=device, precision=precision, say=say)
 
     def windows_at(cell: EvalCell):
         key = (cell.window_mode, cell.length, cell.max_tokens)
@@ -168,6 +174,9 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
         if cell.kind == "force":
             yield cell, _force_probe(model, source, cell, device=device, say=say)
             continue
+        if cell.kind == "downstream":
+            yield cell, tasks.scores(cell, spec, batch)
+            continue
         windows, mask = windows_at(cell)
         if len(windows) == 0 and cell.window_mode == "nonoverlap":
             raise UserError(f"lengths: {cell.length} does not fit one window in the validation split of "
@@ -188,6 +197,38 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
                                           device=device, precision=precision, rope_scaling=cell.rope, attention=spec)
             forwards[key].bin_width = getattr(source, "bin_width", None)
         yield cell, forwards[key]
+
+
+class _DownstreamRuns:
+    """Harness runs shared by downstream cells: one per (length, RoPE base, p_eval, few-shot, limit) scores
+    every task of the cells with those settings (NTK equals none at lengths up to the training length)."""
+
+    def __init__(self, model, cells: list[EvalCell], config, *, device, precision, say):
+        self.model, self.config, self.device, self.precision, self.say = model, config, device, precision, say
+        self.cells = [c for c in cells if c.kind == "downstream"]
+        self.runs: dict = {}
+        self.task_set = None
+
+    def _group(self, cell: EvalCell):
+        gpt = self.model.cfg
+        base = rope_base(cell.rope, gpt.rope_base, gpt.head_dim, cell.length, int(gpt.train_len))
+        return (cell.length, base, cell.p_eval, cell.extra[1], cell.extra[2])
+
+    def scores(self, cell: EvalCell, spec, batch: int) -> list:
+        from attnlab.evaluate.downstream import open_tasks, run_tasks
+
+        if self.config is None:
+            raise UserError("eval.downstream: downstream cells need the downstream settings (tasks, data)")
+        group = self._group(cell)
+        if group not in self.runs:
+            tasks = sorted({c.extra[0] for c in self.cells if self._group(c) == group})
+            self.say(f"eval: lm-evaluation-harness: {', '.join(tasks)} at L={cell.length} rope={cell.rope}")
+            with open_tasks(tasks, self.config.data) as task_set:
+                self.runs[group] = run_tasks(self.model, task_set, tasks, length=cell.length, rope_scaling=cell.rope,
+                                             attention=spec, num_fewshot=cell.extra[1], limit=cell.extra[2],
+                                             device=self.device, precision=self.precision, batch_size=batch,
+                                             say=self.say)
+        return self.runs[group][cell.extra[0]]
 
 
 def _is_gpt2_text(source) -> bool:

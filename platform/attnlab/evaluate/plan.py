@@ -5,7 +5,8 @@ builds one from its flags. For a model trained at ``train_len`` it expands into 
 (kind, length, p_eval, RoPE scaling, window mode): ``windows`` cells give val_loss / acc / bpb / loss buckets,
 ``passkey`` cells passkey accuracy, ``diagnostics`` cells per-layer attention entropy and sink mass, and a
 ``force`` cell (orbit models, ``force_probe:``) the force probe and the law recovered from it
-(:mod:`attnlab.evaluate.force_probe`).
+(:mod:`attnlab.evaluate.force_probe`), and ``downstream`` cells (``downstream:``) one lm-evaluation-harness task
+each (:mod:`attnlab.evaluate.downstream`).
 
 A cell's key (:meth:`EvalCell.key`) hashes the training run's key, the checkpoint step, the evaluation data's
 fingerprint and everything that changes the cell's numbers (length, p_eval, rope, window mode, token budget,
@@ -33,7 +34,7 @@ from attnlab.names import DEFAULT_MULTIPLES, ROPE_SCALINGS, is_none_word, parse_
 
 DEFAULT_EVAL_TOKENS = 2**18  # target tokens scored at every length unless a study or --max-tokens says otherwise
 WINDOW_MODES = ("nonoverlap", "long_docs")
-CELL_KINDS = ("windows", "passkey", "diagnostics", "force")
+CELL_KINDS = ("windows", "passkey", "diagnostics", "force", "downstream")
 
 
 class ForceProbeConfig(BaseModel):
@@ -62,6 +63,72 @@ class ForceProbeConfig(BaseModel):
         return dict(restarts=self.restarts, population=self.population, generations=self.generations)
 
 
+class DownstreamConfig(BaseModel):
+    """lm-evaluation-harness tasks (docs/downstream.md): a study's ``eval.downstream: [task, ...]`` or the full
+    form. ``data``: a folder (path or s3:// / gs:// URI) of task configs in the harness's YAML format with their
+    data files, prepared ahead (paths in a task's YAML are relative to that folder); tasks not found there are
+    the harness's own (their data must already be in the ``datasets`` cache when ``HF_DATASETS_OFFLINE=1``).
+    Each task is scored at ``lengths`` tokens of context (default: the training length), for every
+    ``eval.rope_scaling`` and ``eval.p_eval``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tasks: list[str]
+    data: str | None = None  # where the tasks' configs and data are (how, not what: not in any key)
+    num_fewshot: int = Field(default=0, ge=0)
+    limit: int | None = Field(default=None, gt=0)  # at most this many documents per task (a quick look)
+    lengths: list[int] | None = None  # context lengths in tokens (default: the training length)
+    multiples: list[float] | None = None  # or multiples of the training length
+
+    @model_validator(mode="after")
+    def _one_way(self) -> DownstreamConfig:
+        if self.lengths is not None and self.multiples is not None:
+            raise ValueError("give lengths or multiples, not both")
+        if self.multiples is not None and (not self.multiples or any(m <= 0 for m in self.multiples)):
+            raise ValueError("multiples must be > 0")
+        return self
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _tasks(cls, value):
+        items = [t.strip() for t in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items or not all(isinstance(t, str) and t.strip() for t in items):
+            raise ValueError("give task names, e.g. [hellaswag, arc_easy, lambada_openai]")
+        items = [t.strip() for t in items]
+        if len(set(items)) != len(items):
+            raise ValueError(f"tasks={items} repeats a task")
+        return items
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, value):
+        import os
+
+        if value is None or "://" in value:
+            return value
+        return os.path.abspath(os.path.expanduser(value))  # a study's evaluation task may run in another folder
+
+    @field_validator("lengths", mode="before")
+    @classmethod
+    def _lengths(cls, value):
+        if value is None:
+            return None
+        out = []
+        for item in value if isinstance(value, list) else [value]:
+            length = parse_length(item)
+            if length is None or length < 1:
+                raise ValueError(f"{item!r} is not a positive length (use e.g. 1024 or 1k)")
+            out.append(length)
+        if len(set(out)) != len(out):
+            raise ValueError(f"lengths={out} repeats a value")
+        return sorted(out)
+
+    def eval_lengths(self, train_len: int) -> list[int]:
+        if self.multiples is not None:
+            return sorted({int(round(m * train_len)) for m in self.multiples})
+        return self.lengths or [int(train_len)]
+
+
 class EvalConfig(BaseModel):
     """The evaluation of one trained checkpoint at several lengths x p_eval x RoPE scaling."""
 
@@ -80,6 +147,8 @@ class EvalConfig(BaseModel):
     diagnostics: bool = False
     diagnostic_windows: int = Field(default=2, gt=0)
     force_probe: ForceProbeConfig | None = None  # orbit models: the force probe + symbolic regression
+    downstream: DownstreamConfig | None = None  # lm-evaluation-harness tasks (a list of names, or the full form)
+    windows: bool = True  # false: no validation-window cells (e.g. `attnlab eval --downstream` alone)
     batch_size: int | None = Field(default=None, gt=0)  # windows per forward; how, not what: not in any key
     compile: bool | None = None  # torch.compile the model (None: on for CUDA, off on CPU); not in any key
 
@@ -96,6 +165,13 @@ class EvalConfig(BaseModel):
                 raise ValueError(f"{item!r} is not a positive length (use e.g. 1024 or 1k)")
             out.append(length)
         return out
+
+    @field_validator("downstream", mode="before")
+    @classmethod
+    def _downstream(cls, value):
+        if isinstance(value, (list, str)):
+            return {"tasks": value}
+        return value
 
     @field_validator("p_eval", mode="before")
     @classmethod
@@ -144,7 +220,7 @@ class EvalConfig(BaseModel):
         """Every cell, in the order they are measured (by length, so each length's windows load once)."""
         out = []
         modes = ["nonoverlap"] + (["long_docs"] if self.long_docs else [])
-        for mode in modes:
+        for mode in modes if self.windows else []:
             for length in self.eval_lengths(train_len):
                 for rope in self.rope_scaling:
                     for p in self.p_eval:
@@ -161,6 +237,15 @@ class EvalConfig(BaseModel):
             probe = self.force_probe
             out.append(EvalCell("force", train_len, None, "none", f"force_{probe.kind}", 0,
                                 tuple(sorted(probe.model_dump().items()))))
+        if self.downstream is not None:
+            down = self.downstream
+            mode = "downstream" if down.num_fewshot == 0 else f"downstream_{down.num_fewshot}shot"
+            for length in down.eval_lengths(train_len):
+                for rope in self.rope_scaling:
+                    for p in self.p_eval:
+                        for task in down.tasks:
+                            out.append(EvalCell("downstream", length, p, rope, mode, 0,
+                                                (task, down.num_fewshot, down.limit)))
         return out
 
 
@@ -168,13 +253,14 @@ class EvalConfig(BaseModel):
 class EvalCell:
     """One measured cell: what kind, at which length, with which p_eval, RoPE scaling, window mode and budget."""
 
-    kind: str  # windows | passkey | diagnostics | force
+    kind: str  # windows | passkey | diagnostics | force | downstream
     length: int
     p_eval: float | None
     rope: str
     window_mode: str
     max_tokens: int
-    extra: tuple = ()  # passkey: (trials,); diagnostics: (windows,); force: the probe's settings as (name, value)
+    extra: tuple = ()  # passkey: (trials,); diagnostics: (windows,); force: the probe's settings as (name, value);
+    # downstream: (task, num_fewshot, limit)
 
     def key(self, train_key: str, step: int, data_fingerprint: str) -> str:
         """The cell's identity (16 hex digits) for this checkpoint and evaluation data."""
@@ -184,6 +270,8 @@ class EvalCell:
 
     def describe(self) -> str:
         p = "none" if self.p_eval is None else f"{self.p_eval:g}"
+        if self.kind == "downstream":
+            return f"downstream {self.extra[0]} L={self.length} rope={self.rope} p_eval={p}"
         return f"{self.kind} L={self.length} mode={self.window_mode} rope={self.rope} p_eval={p}"
 
 
@@ -191,4 +279,4 @@ def p_eval_label(p) -> str:
     return "none" if is_none_word(p) else f"{float(p):g}"
 
 
-__all__ = ["CELL_KINDS", "DEFAULT_EVAL_TOKENS", "EvalCell", "EvalConfig", "ForceProbeConfig", "WINDOW_MODES", "p_eval_label"]
+__all__ = ["CELL_KINDS", "DEFAULT_EVAL_TOKENS", "DownstreamConfig", "EvalCell", "EvalConfig", "ForceProbeConfig", "WINDOW_MODES", "p_eval_label"]

@@ -10,7 +10,9 @@ settings (p_eval, rope_scaling, eval_len, window_mode) and the cell's key (``eva
 - passkey: ``passkey_acc`` per depth and over all depths, ``passkey_rank`` over all depths;
 - diagnostics: ``entropy`` and ``sink_mass`` per layer;
 - force: every metric of :data:`attnlab.evaluate.force_probe.FORCE_METRICS`; the ``force_newton_dist`` row
-  carries the recovered law in ``expression``.
+  carries the recovered law in ``expression``;
+- downstream: one row per lm-evaluation-harness task and metric (``acc``, ``acc_norm``, ``perplexity``, ``bpb``,
+  ...), with ``task``, the harness's ``stderr`` and the number of documents in ``n_tokens``'s place left null.
 
 No Ray, no torch, no store access here.
 """
@@ -22,16 +24,21 @@ from attnlab.evaluate.plan import EvalCell
 
 
 def _row(base: dict, cell: EvalCell, eval_key: str, *, metric: str, value: float, n_tokens: int, bucket=None,
-         layer=None, expression=None) -> dict:
+         layer=None, expression=None, task=None, stderr=None) -> dict:
     row = dict(base)
     row.update(p_eval=cell.p_eval, rope_scaling=cell.rope, eval_len=int(cell.length), window_mode=cell.window_mode,
-               metric=metric, value=float(value), n_tokens=int(n_tokens), eval_key=eval_key)
+               metric=metric, value=float(value), n_tokens=None if n_tokens is None else int(n_tokens),
+               eval_key=eval_key)
     if bucket is not None:
         row["bucket"] = bucket
     if layer is not None:
         row["layer"] = int(layer)
     if expression is not None:
         row["expression"] = expression
+    if task is not None:
+        row["task"] = task
+    if stderr is not None:
+        row["stderr"] = float(stderr)
     return row
 
 
@@ -78,6 +85,12 @@ def force_rows(base: dict, cell: EvalCell, eval_key: str, result) -> list[dict]:
             for metric, (value, n) in force_values(result).items()]
 
 
+def downstream_rows(base: dict, cell: EvalCell, eval_key: str, scores: list) -> list[dict]:
+    """A harness task's rows (``scores``: ``[(metric, value, stderr, documents), ...]``)."""
+    return [_row(base, cell, eval_key, metric=metric, value=value, n_tokens=None, task=cell.extra[0], stderr=stderr)
+            for metric, value, stderr, _ in scores]
+
+
 def rows_for(base: dict, cell: EvalCell, eval_key: str, scores, gpt2_text: bool = False) -> list[dict]:
     """The rows of one measured cell."""
     if cell.kind == "windows":
@@ -86,6 +99,8 @@ def rows_for(base: dict, cell: EvalCell, eval_key: str, scores, gpt2_text: bool 
         return passkey_rows(base, cell, eval_key, scores)
     if cell.kind == "force":
         return force_rows(base, cell, eval_key, scores)
+    if cell.kind == "downstream":
+        return downstream_rows(base, cell, eval_key, scores)
     return diagnostic_rows(base, cell, eval_key, scores)
 
 

@@ -33,7 +33,7 @@ import pyarrow as pa
 from attnlab.errors import UserError
 from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 
-SCHEMA_VERSION = 3  # 2: eval_key; 3: expression (rows of older versions read them as null)
+SCHEMA_VERSION = 4  # 2: eval_key; 3: expression; 4: task, stderr (rows of older versions read them as null)
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
@@ -75,6 +75,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("knobs", "str", False, 'other searched settings of the trial, e.g. "lr=0.001,model.n_layer=4"'),
     Column("eval_key", "str", False, "identity of the evaluation cell the row belongs to (see attnlab.evaluate.plan)"),
     Column("expression", "str", False, "a recovered formula, e.g. the force law of the orbit study's probe; null = none"),
+    Column("task", "str", False, "downstream task (lm-evaluation-harness name, e.g. hellaswag); null = none"),
+    Column("stderr", "float", False, "standard error of value as the task's harness reports it; null = none"),
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
@@ -84,7 +86,7 @@ _BY_NAME = {c.name: c for c in COLUMNS}
 # Columns that identify a configuration (what reports group by); seeds are averaged over.
 CONFIG_COLUMNS = (
     "attention", "scale", "p_train", "p_eval", "rope_scaling", "train_len", "preset", "data", "knobs",
-    "window_mode", "layer", "bucket",
+    "window_mode", "layer", "bucket", "task",
 )
 
 _ARROW_TYPES = {
@@ -130,6 +132,13 @@ for _name, _higher, _doc in (
     ("train_loss", False, "training loss"),
     ("perplexity", False, "exp(cross-entropy)"),
     ("acc", True, "accuracy of a probe / multiple-choice task"),
+    # downstream tasks (lm-evaluation-harness, attnlab.evaluate.downstream); the row's task column names the task
+    ("acc_norm", True, "downstream: multiple-choice accuracy, each choice scored per character of its text"),
+    ("word_perplexity", False, "downstream: perplexity per word of a rolling-loglikelihood task"),
+    ("byte_perplexity", False, "downstream: perplexity per UTF-8 byte of a rolling-loglikelihood task"),
+    ("exact_match", True, "downstream: fraction of exact answers"),
+    ("f1", True, "downstream: F1 score"),
+    ("mcc", True, "downstream: Matthews correlation coefficient"),
     ("passkey_acc", True, "passkey retrieval accuracy (true key ranked first among distractors)"),
     ("passkey_rank", False, "mean rank of the true passkey among distractors (0 = first)"),
     ("entropy", False, "mean attention-row entropy (nats), per layer"),

@@ -1,0 +1,293 @@
+"""Downstream tasks through lm-evaluation-harness: tasks of the harness's own YAML format read from a local
+folder (tests/downstream_tasks, data written here as JSONL), scored by attnlab's harness model class, stored as
+rows with ``task`` and ``stderr``, shown by ``attnlab results table --where task=...``, in a study as one more
+evaluation cell kind; a missing folder or an unknown task is one line.
+
+The scores checked are known: a tiny model trained on the demo corpus prefers English to random GPT-2 tokens,
+so a multiple-choice task whose gold answer is the English continuation in 9 of 12 documents (and the random
+tokens in 3) scores acc 0.75 exactly; the last-word and perplexity tasks are recomputed here token by token
+from the model's own per-token losses (not through the harness class)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.errors import UserError
+from attnlab.evaluate import EvalConfig, evaluate_checkpoint
+from attnlab.validation import parse
+
+pytest.importorskip("lm_eval")
+
+TASKS = Path(__file__).parent / "downstream_tasks"
+MC_GOLD_ENGLISH = 9  # of 12 documents; the other 3 name the random tokens as the answer
+N_MC = 12
+
+
+@pytest.fixture(scope="module")
+def trained(demo_data_dir, tmp_path_factory):
+    """A tiny softmax model (train_len 64) trained 20 steps on the demo corpus with the local loop."""
+    from attnlab.train import load_train_config
+    from attnlab.train.loop import LocalSession, train_worker
+
+    run_dir = tmp_path_factory.mktemp("downstream-run") / "tiny-run"
+    cfg = load_train_config(dict(preset="tiny", data=str(demo_data_dir), steps=20, tokens_per_step=1024,
+                                 micro_batch=16, val_every=20, val_tokens=1024, log_every=20,
+                                 checkpoint_every=20, warmup_steps=4, lr=3e-3))
+    train_worker(cfg, LocalSession(run_dir, device="cpu"), run_dir)
+    return run_dir
+
+
+def _passages(n: int, words: int, offset: int = 0) -> list[str]:
+    from attnlab.data.demo import ensure_demo_corpus
+
+    texts = sorted(ensure_demo_corpus().glob("*.txt"))
+    out = []
+    for i in range(n):
+        body = " ".join(texts[i % len(texts)].read_text(encoding="utf-8").split())
+        start = (2000 + 977 * (i + offset)) % (len(body) - 4000)
+        passage = body[start:].split(" ")[1:words + 1]
+        assert len(passage) == words
+        out.append(" ".join(passage))
+    return out
+
+
+def _gibberish(rng, n_tokens: int) -> str:
+    from attnlab.data.tokenizer import get_encoding
+
+    enc = get_encoding()
+    return enc.decode([int(t) for t in rng.integers(1000, 50000, size=n_tokens)]).strip()
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    """The three test tasks with their data: (folder, mc docs, last-word texts, rolling texts)."""
+    folder = tmp_path_factory.mktemp("tasks") / "tasks"
+    shutil.copytree(TASKS, folder)
+    (folder / "data").mkdir()
+    rng = np.random.default_rng(0)
+    mc = []
+    for i, passage in enumerate(_passages(N_MC, 26)):
+        words = passage.split(" ")
+        english, noise = " ".join(words[20:]), _gibberish(rng, 8)
+        choices = [english, noise] if i % 2 == 0 else [noise, english]
+        gold = choices.index(english) if i < MC_GOLD_ENGLISH else choices.index(noise)
+        mc.append({"context": " ".join(words[:20]), "choices": choices, "label": gold,
+                   "english": choices.index(english)})
+    lastword = [{"text": t} for t in _passages(6, 30, offset=50)]
+    rolling = [{"text": t} for t in _passages(4, 25, offset=90)]
+    for name, docs in (("mc", mc), ("lastword", lastword), ("rolling", rolling)):
+        (folder / "data" / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return folder, mc, [d["text"] for d in lastword], [d["text"] for d in rolling]
+
+
+# ------------------------------------------------------------------------------------------ by hand
+def _model(run_dir):
+    from attnlab.model.checkpoint import load_model
+
+    model, _, _ = load_model(run_dir, device="cpu")
+    return model.eval()
+
+
+def _logprob(model, context_tokens: list[int], continuation_tokens: list[int]) -> tuple[float, bool]:
+    """Sum of log p(continuation | context) and whether every continuation token is the argmax, from the
+    model's per-token losses on the one full sequence (no batching, no padding, no truncation)."""
+    seq = torch.tensor([context_tokens + continuation_tokens])
+    loss, correct = model.token_stats(seq[:, :-1], seq[:, 1:])
+    n = len(continuation_tokens)
+    return -float(loss[0, -n:].double().sum()), bool(correct[0, -n:].all())
+
+
+def _pair(context: str, continuation: str) -> tuple[list[int], list[int]]:
+    from attnlab.data.tokenizer import get_encoding
+
+    enc = get_encoding()
+    ctx = enc.encode_ordinary(context)
+    return ctx, enc.encode_ordinary(context + continuation)[len(ctx):]
+
+
+def _expected_mc(model, docs) -> tuple[float, float, list[bool]]:
+    acc, acc_norm, prefers = [], [], []
+    for doc in docs:
+        lls = [_logprob(model, *_pair(doc["context"], " " + c))[0] for c in doc["choices"]]
+        norm = [ll / len(c) for ll, c in zip(lls, doc["choices"])]  # per character of the choice
+        prefers.append(int(np.argmax(lls)) == doc["english"])
+        acc.append(int(np.argmax(lls)) == doc["label"])
+        acc_norm.append(int(np.argmax(norm)) == doc["label"])
+    return float(np.mean(acc)), float(np.mean(acc_norm)), prefers
+
+
+def _expected_lastword(model, texts) -> tuple[float, float]:
+    lls, greedy = [], []
+    for text in texts:
+        words = text.split(" ")
+        ll, is_greedy = _logprob(model, *_pair(" ".join(words[:-1]), " " + words[-1]))
+        lls.append(ll)
+        greedy.append(is_greedy)
+    return math.exp(-float(np.mean(lls))), float(np.mean(greedy))
+
+
+def _expected_bpb(model, texts) -> float:
+    from attnlab.data.tokenizer import EOT_ID, get_encoding
+
+    enc = get_encoding()
+    total, n_bytes = 0.0, 0
+    for text in texts:
+        tokens = enc.encode_ordinary(text)
+        assert len(tokens) <= 64  # one window at the training length
+        total += _logprob(model, [EOT_ID], tokens)[0]
+        n_bytes += len(text.encode("utf-8"))
+    return -total / math.log(2) / n_bytes
+
+
+def _value(rows, task, metric, length=64):
+    found = [r for r in rows if r.get("task") == task and r["metric"] == metric and r["eval_len"] == length]
+    assert len(found) == 1, (task, metric, length, rows)
+    return found[0]
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_known_scores_land_in_the_store_and_the_table(trained, tasks_dir, tmp_path, capsys):
+    from attnlab.cli import main
+    from attnlab.results import ResultsStore
+
+    folder, mc, lastword, rolling = tasks_dir
+    model = _model(trained)
+    acc, acc_norm, prefers = _expected_mc(model, mc)
+    assert all(prefers), "the trained model prefers the English continuation in every document"
+    assert acc == MC_GOLD_ENGLISH / N_MC  # 0.75: what the task's labels make of that preference
+
+    config = parse(EvalConfig, {"downstream": {"tasks": ["attnlab_mc", "attnlab_lastword", "attnlab_rolling"],
+                                               "data": str(folder)}, "windows": False}, prefix="eval")
+    store = tmp_path / "results"
+    rows = evaluate_checkpoint(trained, config, store=str(store), device="cpu", context={"study": "down"})
+    assert _value(rows, "attnlab_mc", "acc")["value"] == pytest.approx(0.75, abs=1e-12)
+    assert _value(rows, "attnlab_mc", "acc_norm")["value"] == pytest.approx(acc_norm, abs=1e-12)
+    stderr = _value(rows, "attnlab_mc", "acc")["stderr"]
+    assert stderr == pytest.approx(math.sqrt(0.75 * 0.25 / (N_MC - 1)), rel=1e-9)  # the harness's sample stderr
+    perplexity, greedy = _expected_lastword(model, lastword)
+    assert _value(rows, "attnlab_lastword", "perplexity")["value"] == pytest.approx(perplexity, rel=1e-4)
+    assert _value(rows, "attnlab_lastword", "acc")["value"] == pytest.approx(greedy, abs=1e-12)
+    assert _value(rows, "attnlab_rolling", "bpb")["value"] == pytest.approx(_expected_bpb(model, rolling), rel=1e-4)
+    assert {r["window_mode"] for r in rows} == {"downstream"} and {r["rope_scaling"] for r in rows} == {"ntk"}
+
+    stored = ResultsStore(str(store)).read(study="down")
+    assert len(stored) == len(rows) and set(stored["task"]) == {"attnlab_mc", "attnlab_lastword", "attnlab_rolling"}
+
+    assert main(["results", "table", "--store", str(store), "--metric", "acc", "--where", "task=attnlab_mc"]) == 0
+    table = capsys.readouterr().out
+    assert "0.7500" in table and "attnlab_lastword" not in table
+
+    # evaluated again with the stored cells skipped: nothing is measured, nothing written
+    skip = ResultsStore(str(store)).stored_eval_keys("down", rows[0]["config_hash"])
+    assert evaluate_checkpoint(trained, config, store=str(store), device="cpu", context={"study": "down"},
+                               skip=skip) == []
+    assert len(ResultsStore(str(store)).read(study="down")) == len(rows)
+
+
+def test_cli_scores_beyond_the_training_length(trained, tasks_dir, tmp_path, capsys):
+    """--lengths 64,256 --rope both: at 256 the last-word contexts are no longer cut to 64 tokens; with rope none
+    the scores are those of the whole sequence, recomputed here."""
+    from attnlab.cli import main
+
+    folder = tmp_path / "tasks"
+    shutil.copytree(tasks_dir[0], folder)
+    long_texts = [_passages(1, 160, offset=200 + i)[0] for i in range(3)]
+    (folder / "data" / "lastword.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in long_texts))
+    code = main(["eval", str(trained), "--downstream", "attnlab_lastword", "--tasks-dir", str(folder),
+                 "--lengths", "64,256", "--rope", "both", "--format", "csv", "--quiet", "--device", "cpu"])
+    assert code == 0
+    out = capsys.readouterr().out
+    import io
+
+    import pandas as pd
+
+    section = out.split("# perplexity\n")[1].split("#")[0]
+    frame = pd.read_csv(io.StringIO(section))
+    assert len(frame) == 2  # rope ntk and none
+    model = _model(trained)
+    full, _ = _expected_lastword(model, long_texts)
+    assert all(len(_pair(*t.rsplit(" ", 1))[0]) > 150 for t in long_texts)
+    none_row = frame[frame.iloc[:, 0] == "none"]
+    columns = [c for c in frame.columns if c.startswith("mean@")]
+    assert columns == ["mean@64", "mean@256"]
+    assert float(none_row["mean@256"].iloc[0]) == pytest.approx(full, rel=1e-4)
+    assert float(none_row["mean@64"].iloc[0]) != pytest.approx(full, rel=1e-4)  # cut to 64 tokens of context
+
+
+def test_a_missing_folder_or_an_unknown_task_is_one_line(trained, tasks_dir, tmp_path):
+    from attnlab.evaluate.downstream import check_tasks
+
+    folder = tasks_dir[0]
+    with pytest.raises(UserError, match=r"eval.downstream.data: .*nowhere is not a folder") as missing:
+        check_tasks(["attnlab_mc"], str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match=r"task 'attnlab_nope' is not in .*attnlab_lastword, attnlab_mc") as unknown:
+        check_tasks(["attnlab_mc", "attnlab_nope"], str(folder))
+    for exc in (missing, unknown):
+        assert "\n" not in str(exc.value)
+    config = parse(EvalConfig, {"downstream": {"tasks": ["attnlab_nope"], "data": str(folder)}, "windows": False},
+                   prefix="eval")
+    with pytest.raises(UserError, match="attnlab_nope"):
+        evaluate_checkpoint(trained, config, device="cpu")
+    with pytest.raises(UserError, match="eval.downstream"):
+        parse(EvalConfig, {"downstream": []}, prefix="eval")
+
+
+def test_synthetic_vocabulary_models_are_refused(tmp_path):
+    from attnlab.evaluate.harness_lm import AttnlabLM
+    from attnlab.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, train_len=32))
+    with pytest.raises(UserError, match="GPT-2 tokenised text"):
+        AttnlabLM(model)
+
+
+@pytest.mark.ray
+def test_study_downstream_cells_run_once_and_a_new_task_trains_nothing(ray_session, demo_data_dir, tasks_dir,
+                                                                       tmp_path, capsys):
+    from attnlab.cli import main
+    from attnlab.results import ResultsStore
+    from attnlab.study.runner import run_study, study_state
+    from attnlab.study.spec import load_spec
+
+    folder, mc, lastword, _ = tasks_dir
+    train = {"preset": "tiny", "data": str(demo_data_dir), "steps": 4, "tokens_per_step": 512, "micro_batch": 8,
+             "lr": 3.0e-3, "warmup_steps": 1, "log_every": 4, "val_every": 4, "val_tokens": 1024,
+             "checkpoint_every": 4, "keep_checkpoints": 1, "max_failures": 0, "cpus_per_worker": 0.5}
+    study = {"name": "down", "train": train, "search": {"engine": "grid"}, "space": {"attention": ["softmax"]},
+             "objective": "val_loss@1x",
+             "eval": {"multiples": [1], "max_tokens": 1024,
+                      "downstream": {"tasks": ["attnlab_mc"], "data": str(folder)}}}
+    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    first = run_study(load_spec(study), store=store_uri, storage=storage, verbose=0)
+    assert first.trained == 1 and [t["status"] for t in first.trials] == ["complete"]
+    key = first.trials[0]["config_hash"]
+    store = ResultsStore(store_uri)
+    rows = store.read(study="down", task="attnlab_mc")
+    assert sorted(rows["metric"]) == ["acc", "acc_norm"]
+    assert set(rows["window_mode"]) == {"downstream"} and set(rows["eval_len"]) == {64}
+    model = _model(study_state(load_spec(study), storage).run(key).path)
+    acc, acc_norm, _ = _expected_mc(model, mc)  # the study's 4-step model, scored here token by token
+    assert rows.set_index("metric")["value"].to_dict() == pytest.approx({"acc": acc, "acc_norm": acc_norm})
+
+    assert main(["results", "table", "--store", store_uri, "--metric", "acc", "--where", "task=attnlab_mc"]) == 0
+    assert f"{acc:.4f}" in capsys.readouterr().out
+    n_rows = len(store.read(study="down"))
+    again = run_study(load_spec(study), store=store_uri, storage=storage, verbose=0)
+    assert again.trained == 0 and again.evaluated == 0 and len(store.read(study="down")) == n_rows
+
+    grown = {**study, "eval": {**study["eval"], "downstream": {"tasks": ["attnlab_mc", "attnlab_lastword"],
+                                                             "data": str(folder)}}}
+    third = run_study(load_spec(grown), store=store_uri, storage=storage, verbose=0)
+    assert third.trained == 0 and third.evaluated == 1  # the one new cell: the new task on the old checkpoint
+    after = store.read(study="down")
+    assert len(after) == n_rows + 2  # perplexity and acc of the new task; nothing else rewritten
+    perplexity, greedy = _expected_lastword(model, lastword)
+    new = after[after["task"] == "attnlab_lastword"].set_index("metric")["value"].to_dict()
+    assert new == pytest.approx({"perplexity": perplexity, "acc": greedy}, rel=1e-4)
