@@ -6,16 +6,18 @@ retrieval, attention diagnostics; rows for the results store. No Ray here (a stu
 - ``measure``: model + data + cells -> scores (``score_windows``, ``bits_per_byte``, ``bucket_bounds``);
 - ``rows``: scores -> results-store rows;
 - ``extrapolation``: ``evaluate_checkpoint(checkpoint, config, *, data, context, store, device, skip) -> rows``;
-- ``passkey`` and ``diagnostics``: the two extra measurements.
+- ``passkey`` and ``diagnostics``: the two extra measurements;
+- ``downstream`` (with ``harness_lm``): lm-evaluation-harness tasks (the ``downstream`` extra), one cell per task.
 """
 
 from attnlab.evaluate.extrapolation import LoadedCheckpoint, evaluate_checkpoint
 from attnlab.evaluate.measure import BUCKETS, bits_per_byte, bucket_bounds, score_windows
-from attnlab.evaluate.plan import DEFAULT_EVAL_TOKENS, EvalCell, EvalConfig
+from attnlab.evaluate.plan import DEFAULT_EVAL_TOKENS, DownstreamConfig, EvalCell, EvalConfig
 
 __all__ = [
     "BUCKETS",
     "DEFAULT_EVAL_TOKENS",
+    "DownstreamConfig",
     "EvalCell",
     "EvalConfig",
     "LoadedCheckpoint",

@@ -132,7 +132,7 @@ def _constants(rows: pd.DataFrame, columns: list[str], varying: list[str]) -> di
         if c in varying:
             continue
         value = rows[c].iloc[0]
-        if c in ("layer", "bucket", "preset", "data", "knobs") and is_missing(value):
+        if c in ("layer", "bucket", "preset", "data", "knobs", "task") and is_missing(value):
             continue  # an all-null optional column says nothing
         out[c] = value
     return out

@@ -486,6 +486,9 @@ class StudySpec(_Strict):
                 raise ValueError(f"objective {obj.metric}: that length is not evaluated (eval lengths: {lengths})")
             if parts["metric"].startswith("passkey") and not self.eval.passkey:
                 raise ValueError(f"objective {obj.metric} needs eval.passkey: true")
+        if self.eval.downstream is not None and isinstance(self.train.data, dict):
+            raise ValueError("eval.downstream scores English tasks: it needs train.data of GPT-2 text (demo or a "
+                             "prepared folder), not a synthetic task; drop eval.downstream for probe studies")
         # Every point must make a valid training config (checked on the grid, or axis by axis).
         self._check_points()
         if self.scheduler.type == "asha" and self.scheduler.grace_period >= self.scheduler_max_steps():

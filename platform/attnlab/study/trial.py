@@ -234,6 +234,10 @@ def study_trial(config: dict, context: StudyContext) -> None:
               "config": plan.cfg.model_dump(mode="json"), "steps": plan.cfg.steps}
     state.write_status(plan.train_key, **status, status="running", started=time.time(), reason=None)
     try:
+        if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
+            from attnlab.evaluate.downstream import check_tasks
+
+            check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
         outcome, trained = train_step(plan, state, callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
         evaluated = evaluate_step(plan, context, store, outcome)
         rows = trial_rows(store, spec, plan.train_key)
