@@ -239,6 +239,20 @@ def test_a_missing_folder_or_an_unknown_task_is_one_line(trained, tasks_dir, tmp
         parse(EvalConfig, {"downstream": []}, prefix="eval")
 
 
+def test_tasks_in_a_bucket_are_copied_and_scored(trained, tasks_dir, s3_bucket):
+    """A task folder in a bucket (an S3 server): copied to a local temporary folder, scored as from disk."""
+    from attnlab.location import Location
+
+    Location.parse(s3_bucket).upload(str(tasks_dir[0]), "lm-tasks")
+    config = parse(EvalConfig, {"downstream": {"tasks": ["attnlab_mc"], "data": f"{s3_bucket}/lm-tasks"},
+                                "windows": False}, prefix="eval")
+    rows = evaluate_checkpoint(trained, config, device="cpu")
+    assert _value(rows, "attnlab_mc", "acc")["value"] == pytest.approx(MC_GOLD_ENGLISH / N_MC, abs=1e-12)
+    with pytest.raises(UserError, match="lm-tasks-missing is not a folder"):
+        evaluate_checkpoint(trained, config.model_copy(update={"downstream": config.downstream.model_copy(
+            update={"data": f"{s3_bucket}/lm-tasks-missing"})}), device="cpu")
+
+
 def test_synthetic_vocabulary_models_are_refused(tmp_path):
     from attnlab.evaluate.harness_lm import AttnlabLM
     from attnlab.model import GPT, GPTConfig

@@ -154,7 +154,9 @@ def _working_dir(folder: str | None):
 def run_tasks(model, task_set: TaskSet, tasks: list[str], *, length: int, rope_scaling: str, attention,
               num_fewshot: int, limit: int | None, device, precision: str, batch_size: int,
               say=lambda message: None) -> dict[str, list[tuple[str, float, float | None, int | None]]]:
-    """Score ``tasks`` with the harness; ``{task: [(metric, value, stderr or None, documents), ...]}``."""
+    """Score ``tasks`` with the harness; ``{task: [(metric, value, stderr or None, documents), ...]}``. The
+    process's random generators are left alone (scoring draws nothing; few-shot examples use the harness's own
+    fixed seed)."""
     import lm_eval
 
     from attnlab.evaluate.harness_lm import AttnlabLM
@@ -165,7 +167,8 @@ def run_tasks(model, task_set: TaskSet, tasks: list[str], *, length: int, rope_s
         with _quiet(), _working_dir(task_set.folder):
             results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                               task_manager=task_set.manager, log_samples=False,
-                                              bootstrap_iters=BOOTSTRAP_ITERS)
+                                              bootstrap_iters=BOOTSTRAP_ITERS, random_seed=None,
+                                              numpy_random_seed=None, torch_random_seed=None)
     except UserError:
         raise
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as exc:

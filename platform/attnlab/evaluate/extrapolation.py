@@ -196,6 +196,9 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
 
 def plan_line(config: EvalConfig, todo, lengths, source, step: int, checkpoint) -> str:
     p_evals = ", ".join("none" if p is None else f"{p:g}" for p in config.p_eval)
+    if not config.windows and config.downstream is not None:
+        return (f"plan: evaluate {checkpoint or 'the model'} (step {step}): {len(todo)} downstream cell(s) "
+                f"(tasks {', '.join(config.downstream.tasks)}, p_eval {p_evals}, rope {', '.join(config.rope_scaling)})")
     return (f"plan: evaluate {checkpoint or 'the model'} (step {step}) on {source.describe()}: {len(todo)} cell(s) "
             f"(lengths {lengths}, p_eval {p_evals}, rope {', '.join(config.rope_scaling)}), "
             f"{config.max_tokens:,} target tokens per length")
