@@ -253,6 +253,19 @@ def test_tasks_in_a_bucket_are_copied_and_scored(trained, tasks_dir, s3_bucket):
             update={"data": f"{s3_bucket}/lm-tasks-missing"})}), device="cpu")
 
 
+def test_a_diverged_runs_downstream_cell_is_a_nan_acc_row_of_its_task():
+    from attnlab.evaluate.rows import nan_rows
+    from attnlab.results.schema import validate_row
+
+    cells = parse(EvalConfig, {"downstream": ["hellaswag", "piqa"], "windows": False}, prefix="eval").cells(64)
+    base = dict(study="s", trial="t", attention="softmax", scale="inv_sqrt_d", p_train=None, step=3, tokens=96,
+                train_len=64, seed=0, config_hash="abc", git_sha="unknown")
+    rows = [validate_row(row) for cell in cells for row in nan_rows(base, cell, cell.key("abc", 3, "fp"))]
+    assert [(r["task"], r["metric"], r["window_mode"]) for r in rows] == [("hellaswag", "acc", "downstream"),
+                                                                         ("piqa", "acc", "downstream")]
+    assert all(math.isnan(r["value"]) for r in rows) and rows[0]["eval_key"] != rows[1]["eval_key"]
+
+
 def test_synthetic_vocabulary_models_are_refused(tmp_path):
     from attnlab.evaluate.harness_lm import AttnlabLM
     from attnlab.model import GPT, GPTConfig

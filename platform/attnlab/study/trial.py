@@ -119,7 +119,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bo
         step = int(outcome.final.get("step", 0))
         base = diverged_base_row(plan, step)
         for cell, key in missing:
-            if cell.kind in ("windows", "force"):
+            if cell.kind in ("windows", "force", "downstream"):
                 rows += nan_rows(base, cell, key)
         if rows:
             store.write(rows, key=("eval", plan.train_key, "diverged"))
