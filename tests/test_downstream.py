@@ -319,10 +319,9 @@ def test_study_downstream_cells_run_once_and_a_new_task_trains_nothing(ray_sessi
     new = after[after["task"] == "attnlab_lastword"].set_index("metric")["value"].to_dict()
     assert new == pytest.approx({"perplexity": perplexity, "acc": greedy}, rel=1e-4)
 
-    # an unknown task: the trial fails with one line naming it, before anything is trained
+    # an unknown task: the study refuses it with one line naming it, before any trial starts or anything is written
     bad = {**study, "name": "down-bad", "space": {"attention": ["lssa"]},
            "eval": {**study["eval"], "downstream": {"tasks": ["attnlab_nope"], "data": str(folder)}}}
-    failed = run_study(load_spec(bad), store=store_uri, storage=storage, verbose=0)
-    (trial,) = failed.trials
-    assert trial["status"] == "failed" and failed.trained == 0
-    assert "task 'attnlab_nope' is not in" in trial["reason"] and "\n" not in trial["reason"]
+    with pytest.raises(UserError, match="task 'attnlab_nope' is not in") as refused:
+        run_study(load_spec(bad), store=store_uri, storage=storage, verbose=0)
+    assert "\n" not in str(refused.value) and not (tmp_path / "runs" / "down-bad").exists()

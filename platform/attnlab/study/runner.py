@@ -207,6 +207,10 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     results = ResultsStore(store_loc)
     state = study_state(spec, storage)
     ctx = study_context(spec, state, store_loc)
+    if spec.eval.downstream is not None:  # a missing task folder or task: one line before any trial starts
+        from attnlab.evaluate.downstream import check_tasks
+
+        check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
     state.loc.mkdir()
     print(study_plan(spec), flush=True)
     for warning in dict.fromkeys(w for point in (spec.grid_points() if spec.search.engine == "grid" else [{}])[:50]
