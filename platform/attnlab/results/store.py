@@ -48,7 +48,7 @@ from attnlab.results.schema import (
 DEFAULT_STORE_URI = "results"
 _STUDY_PREFIX = "study="
 _NULLABLE_INT_COLUMNS = ("layer", "n_tokens")
-_SORT_COLUMNS = ("study", "trial", "step", "metric", "eval_len", "p_eval", "layer", "bucket")
+_SORT_COLUMNS = ("study", "trial", "step", "metric", "eval_len", "p_eval", "layer", "bucket", "task")
 
 
 def _key_parts(key) -> list:
@@ -242,7 +242,7 @@ class ResultsStore:
         """Read rows as a pandas DataFrame. ``filters``: ``column=value`` (equality), ``column=[...]``
         (any of; ``None`` in the list matches null) or ``column=None`` (is null).
 
-        Rows come back sorted by study, trial, step, metric, eval_len, p_eval, layer, bucket. A store
+        Rows come back sorted by study, trial, step, metric, eval_len, p_eval, layer, bucket, task. A store
         that does not exist yet reads as empty.
         """
         table = self.read_table(study, columns=columns, **filters)
