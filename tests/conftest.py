@@ -91,6 +91,20 @@ def ray_session():
     ray.shutdown()
 
 
+def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, failure: str) -> None:
+    """Return once something listens on 127.0.0.1:``port``; RuntimeError(``failure``) if ``proc`` exits first or
+    ``timeout_s`` passes."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(failure) from None
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """An S3-compatible server (moto) on 127.0.0.1:S3_PORT for the whole session; yields its endpoint URL.
@@ -103,15 +117,7 @@ def s3_server():
     log = open(os.path.join(tempfile.gettempdir(), f"attnlab-test-moto-{S3_PORT}.log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(S3_PORT)],
                             stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 60
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", S3_PORT), timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"moto server did not start (see {log.name})")
-            time.sleep(0.2)
+    wait_for_port(S3_PORT, proc, 60, f"moto server did not start (see {log.name})")
     yield endpoint
     proc.terminate()
     try:

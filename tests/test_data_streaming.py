@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -107,7 +106,7 @@ class CountingProxy:
     """The proxy process and its request log (``METHOD path status bytes`` per line)."""
 
     def __init__(self, endpoint: str, log_path: str):
-        from conftest import _free_port
+        from conftest import _free_port, wait_for_port
 
         self.log_path = log_path
         open(log_path, "w").close()
@@ -116,15 +115,7 @@ class CountingProxy:
                 f"from test_data_streaming import serve; serve({endpoint!r}, {port}, {log_path!r})")
         self.proc = subprocess.Popen([sys.executable, "-c", code])
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("the counting proxy did not start") from None
-                time.sleep(0.1)
+        wait_for_port(port, self.proc, 30, "the counting proxy did not start")
 
     def _lines(self) -> list[list[str]]:
         with open(self.log_path) as f:
