@@ -321,3 +321,57 @@ def test_split_and_shard_plan_by_hand():
     assert [s["piece_hi"].tolist() for s in shards] == [[5, 1], [3, 4], [8]]
     assert [s["first_doc_continues"] for s in shards] == [False, True, True]
     assert [s["name"] for s in shards] == ["train-00000.arrow", "train-00001.arrow", "train-00002.arrow"]
+
+
+# ------------------------------------------------------------------------------------------------ bytes
+def test_byte_tokens_are_the_documents_utf8_bytes_in_the_recorded_order(tmp_path, small_text_corpus):  # noqa: F811
+    """``--tokenizer bytes``: every document is 256 + its UTF-8 bytes, the same shuffle and split as GPT-2 data,
+    and the manifest (so the data fingerprint) names the tokeniser."""
+    from attnlab.data.reader import TextData
+    from attnlab.data.tokenizer import decode_bytes
+
+    folder, docs = small_text_corpus
+    kw = dict(shard_tokens=20_000, val_tokens=12_000, seed=42, workers=1, progress=False)
+    prepare("text", str(folder), str(tmp_path / "bytes"), tokenizer="bytes", **kw)
+    manifest = json.loads((tmp_path / "bytes" / "manifest.json").read_text())
+    assert (manifest["tokenizer"], manifest["vocab_size"], manifest["eot_id"]) == ("bytes:utf-8", 257, 256)
+    encoded = [[256] + list(d.encode("utf-8")) for d in docs]  # the recipe, by hand
+    order = np.random.Generator(np.random.PCG64(42)).permutation(len(encoded))
+    val, train, in_val = [], [], True
+    for i in order:
+        if in_val and len(val) + len(encoded[i]) <= 12_000:
+            val += encoded[i]
+        else:
+            in_val = False
+            train += encoded[i]
+    ds = TokenShards.open(tmp_path / "bytes")
+    assert np.asarray(ds.tokens("train")).tolist() == train and np.asarray(ds.tokens("val")).tolist() == val
+    # round trip: the separators cut the stream back into the documents, byte for byte (multi-byte UTF-8 too)
+    stream = np.asarray(ds.tokens("val")).tolist() + np.asarray(ds.tokens("train")).tolist()
+    cut = np.flatnonzero(np.asarray(stream) == 256).tolist() + [len(stream)]
+    texts = [decode_bytes(stream[a:b]) for a, b in zip(cut[:-1], cut[1:])]
+    assert sorted(texts) == sorted(docs) and any("東京" in t for t in texts)
+    # the same folder with GPT-2 tokens: another fingerprint, and neither run may reuse the other's folder
+    prepare("text", str(folder), str(tmp_path / "gpt2"), **kw)
+    assert TextData(str(tmp_path / "gpt2")).fingerprint != TextData(str(tmp_path / "bytes")).fingerprint
+    assert TextData(str(tmp_path / "bytes")).vocab_size == 257
+    before = _files(tmp_path / "bytes")
+    with pytest.raises(UserError, match=r'tokenizer="bytes:utf-8" \(this run: tokenizer="tiktoken:gpt2"\)'):
+        prepare("text", str(folder), str(tmp_path / "bytes"), **kw)
+    assert _files(tmp_path / "bytes") == before
+    with pytest.raises(UserError, match=r"^--tokenizer='bpe' is not allowed: use one of gpt2, bytes$"):
+        prepare("text", str(folder), str(tmp_path / "bad"), tokenizer="bpe", **kw)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_prepares_bytes_and_refuses_an_unknown_tokenizer(tmp_path, small_text_corpus, capsys):  # noqa: F811
+    from attnlab.cli import main
+
+    folder, _ = small_text_corpus
+    assert main(["data", "prepare", "--source", "text", "--path", str(folder), "--out", str(tmp_path / "b"),
+                 "--tokenizer", "bytes", "--workers", "1", "--quiet"]) == 0
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["tokenizer"] == "bytes:utf-8"
+    with pytest.raises(SystemExit):
+        main(["data", "prepare", "--source", "text", "--path", str(folder), "--out", str(tmp_path / "c"),
+              "--tokenizer", "bpe"])
+    assert "argument --tokenizer: invalid choice: 'bpe' (choose from 'gpt2', 'bytes')" in capsys.readouterr().err

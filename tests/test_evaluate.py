@@ -15,7 +15,7 @@ import torch
 from attnlab.errors import UserError
 from attnlab.evaluate import EvalConfig, bits_per_byte, bucket_bounds, evaluate_checkpoint, score_windows
 from attnlab.evaluate.diagnostics import attention_diagnostics, row_statistics
-from attnlab.evaluate.measure import gpt2_token_bytes
+from attnlab.data.tokenizer import TOKENIZERS
 from attnlab.validation import parse
 
 
@@ -103,7 +103,7 @@ def test_bits_per_byte_by_hand():
     from attnlab.data import EOT_ID, get_encoding
 
     hello, world = get_encoding().encode_ordinary("Hello world")  # "Hello" (5 bytes), " world" (6 bytes)
-    table = gpt2_token_bytes()
+    table = TOKENIZERS["gpt2"].token_bytes()
     assert (table[hello], table[world], table[EOT_ID]) == (5, 6, 0)  # the EOT separator is not text
     windows = np.array([[EOT_ID, hello, world, EOT_ID, hello]])
     losses = {hello: 1.0, world: 2.0, EOT_ID: 3.0}
@@ -304,3 +304,50 @@ def test_rows_record_the_power_actually_trained_with(demo_data_dir):
     rows = evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=128), device="cpu")
     assert rows and all(r["p_train"] == 15.0 for r in rows)
     assert {r["p_eval"] for r in rows} == {None}
+
+
+@pytest.fixture(scope="module")
+def byte_corpus(tmp_path_factory):
+    """The hand corpus's kind of documents prepared with --tokenizer bytes."""
+    from attnlab.data import prepare
+
+    src = tmp_path_factory.mktemp("byte-docs")
+    for i in range(40):
+        (src / f"d{i:02d}.txt").write_text(f"Document {i} says: café " + " ".join(f"w{i * j}" for j in range(i + 3)))
+    out = tmp_path_factory.mktemp("byte-prepared") / "prep"
+    prepare("text", path=str(src), out=str(out), val_tokens=2400, seed=0, workers=1, progress=False,
+            tokenizer="bytes")
+    return out
+
+
+def test_a_gpt2_checkpoint_on_byte_data_is_one_line(trained_run, byte_corpus, tmp_path):
+    """A GPT-2-vocabulary model would read byte ids as GPT-2 ids without an error: refused, nothing written."""
+    run_dir, _ = trained_run
+    store = tmp_path / "store"
+    with pytest.raises(UserError) as info:
+        evaluate_checkpoint(run_dir, _cfg(lengths=[64], max_tokens=128), device="cpu", data=str(byte_corpus),
+                            store=str(store))
+    message = str(info.value)
+    assert "tokenised with bytes (257 ids) but the model was trained on a 50,257-id vocabulary (gpt2)" in message
+    assert "\n" not in message and not store.exists()
+
+
+def test_a_byte_model_scores_bits_per_byte_and_refuses_gpt2_data(byte_corpus, demo_data_dir):
+    """On byte data every token but the separator is one byte: bpb = nats / ln 2 over the non-separator targets."""
+    from attnlab.model import GPT, preset
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=257)).eval()
+    cfg = {"preset": "tiny", "attention": "softmax", "data": str(byte_corpus), "seq_len": 64}
+    rows = evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=2048), device="cpu")
+    by_metric = {r["metric"]: r["value"] for r in rows if r.get("bucket") is None}
+    from attnlab.data import TokenShards
+
+    windows = np.asarray(TokenShards.open(byte_corpus).eval_windows("val", seq_len=64, max_tokens=2048))
+    targets = windows[:, 1:]
+    n_bytes = int((targets != 256).sum())
+    assert by_metric["bpb"] == pytest.approx(by_metric["val_loss"] * targets.size / math.log(2) / n_bytes, rel=1e-5)
+    refused = r"tokenised with gpt2 \(50,257 ids\) but the model was trained on a 257-id vocabulary \(bytes\)"
+    with pytest.raises(UserError, match=refused):
+        evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=128), device="cpu",
+                            data=str(demo_data_dir))

@@ -9,6 +9,7 @@ import argparse
 import json
 
 from attnlab.data.sources import SOURCE_KINDS
+from attnlab.data.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 
 def _positive_int(text: str) -> int:
@@ -29,8 +30,9 @@ def add_parser(subparsers) -> None:
 
     p = sub.add_parser(
         "prepare",
-        help="tokenise a source (GPT-2 BPE) into shuffled train/val Arrow shards",
-        description="Tokenise documents with tiktoken gpt2 (EOT 50256 before each), shuffle them with --seed, "
+        help="tokenise a source (GPT-2 BPE or UTF-8 bytes) into shuffled train/val Arrow shards",
+        description="Tokenise documents with tiktoken gpt2 (EOT 50256 before each) or, with --tokenizer bytes, as "
+        "UTF-8 bytes (end-of-document 256 before each; 257 ids), shuffle them with --seed, "
         "hold out whole documents for validation, and write train-NNNNN.arrow / val-NNNNN.arrow + manifest.json. "
         "Resumable: re-run the same command after an interruption. Parallel over Ray tasks (set RAY_ADDRESS to "
         "use a running cluster; otherwise a local one is started).",
@@ -49,6 +51,9 @@ def add_parser(subparsers) -> None:
                    help="validation budget in tokens, whole documents (default: 100M capped at 10%% of the "
                    "corpus; 0 = none)")
     p.add_argument("--seed", type=int, default=0, help="document shuffle seed (default 0)")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default=DEFAULT_TOKENIZER,
+                   help="gpt2 (tiktoken's GPT-2 BPE, 50,257 ids) or bytes (UTF-8 bytes + an end-of-document symbol, "
+                   "257 ids: the CPU proxy's small vocabulary); recorded in the manifest (default gpt2)")
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="parallel tasks (1 = no Ray; default: all CPUs)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary line is still printed)")
@@ -67,7 +72,7 @@ def _prepare(args) -> int:
     result = prepare(
         args.source, args.path, args.out, name=args.name, text_column=args.text_column,
         shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, seed=args.seed, workers=args.workers,
-        progress=not args.quiet,
+        progress=not args.quiet, tokenizer=args.tokenizer,
     )
     if args.quiet or result["already_prepared"]:
         print(result["summary"])

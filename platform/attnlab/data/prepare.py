@@ -3,7 +3,8 @@
 Two phases, each a list of independent work items run serially (``workers=1``) or as Ray tasks
 (:mod:`attnlab.data.parallel`, the only Ray code here):
 
-1. **tokenise**: one item per source partition. Each document becomes ``[EOT] + encode_ordinary(text)``;
+1. **tokenise**: one item per source partition. Each document becomes ``[EOT] + tokens`` (GPT-2 BPE by default,
+   or UTF-8 bytes: :mod:`attnlab.data.tokenizer`);
    the partition's documents go, in source order, to ``OUT/_work/part-NNNNN.arrow`` (one row per document).
 2. **assemble**: the driver numbers every document in source order (partition by partition), permutes
    them with ``numpy.random.Generator(PCG64(seed)).permutation``, gives the validation split the longest
@@ -56,7 +57,7 @@ from attnlab.data.shards import (
     shard_name,
 )
 from attnlab.data.sources import Partition, Source, make_source
-from attnlab.data.tokenizer import EOT_ID, GPT2_VOCAB, TOKENIZER_NAME, encode_document
+from attnlab.data.tokenizer import DEFAULT_TOKENIZER, get_tokenizer
 from attnlab.errors import UserError
 from attnlab.location import Location
 
@@ -87,6 +88,7 @@ class TokenizeJob:
     work: Location
     host: str | None = None  # work is on this host's disk (output on object storage) ...
     fallback: Location | None = None  # ... a task on another host writes its part here (OUT/_work)
+    tokenizer: str = DEFAULT_TOKENIZER  # a key of attnlab.data.tokenizer.TOKENIZERS
 
 
 def tokenize_partition(job: TokenizeJob) -> tuple[int, int]:
@@ -94,11 +96,12 @@ def tokenize_partition(job: TokenizeJob) -> tuple[int, int]:
     if job.host is not None and job.fallback is not None and (
         socket.gethostname() != job.host or not os.path.isdir(job.work.path)
     ):
-        job = TokenizeJob(job.source, job.partition, job.fallback)
+        job = TokenizeJob(job.source, job.partition, job.fallback, tokenizer=job.tokenizer)
     schema = pa.schema([pa.field("tokens", pa.large_list(pa.uint16()))])
     final = job.work.join(_part_name(job.partition.index))
     tmp = job.work.join(f".{_part_name(job.partition.index)}.tmp-{os.getpid()}")
     n_docs = n_tokens = 0
+    encode = get_tokenizer(job.tokenizer).encode
     with job.work.fs.open_output_stream(tmp) as sink, ipc.new_file(sink, schema) as writer:
         pieces: list[np.ndarray] = []
         size = 0
@@ -113,7 +116,7 @@ def tokenize_partition(job: TokenizeJob) -> tuple[int, int]:
             pieces, size = [], 0
 
         for text in job.source.documents(job.partition):
-            tokens = encode_document(text)
+            tokens = encode(text)
             pieces.append(tokens)
             size += len(tokens)
             n_docs += 1
@@ -353,13 +356,14 @@ def prepare(
     seed: int = 0,
     workers: int | None = None,
     progress: bool = True,
+    tokenizer: str = DEFAULT_TOKENIZER,
 ) -> dict:
     """Tokenise ``source`` into shards under ``out`` (local folder or pyarrow URI); return a summary.
 
     ``source``: a kind of :data:`attnlab.data.sources.SOURCE_KINDS` (with ``path``, ``name``,
     ``text_column``) or a :class:`Source`. ``val_tokens=None`` means 100M tokens capped at 10% of the
     corpus; 0 means no validation split. ``workers``: parallel tasks (1 = in this process, no Ray;
-    None = every CPU). Returns ``{"manifest", "tokens", "seconds", "tokens_per_s", "skipped_partitions",
+    None = every CPU). ``tokenizer``: ``gpt2`` or ``bytes`` (:data:`attnlab.data.tokenizer.TOKENIZERS`). Returns ``{"manifest", "tokens", "seconds", "tokens_per_s", "skipped_partitions",
     "skipped_shards", "already_prepared", "summary"}`` (``summary``: the one-line report, printed when
     ``progress``).
     """
@@ -368,6 +372,7 @@ def prepare(
         raise UserError(f"--shard-tokens must be >= 1, got {shard_tokens}")
     if val_tokens is not None and int(val_tokens) < 0:
         raise UserError(f"--val-tokens must be >= 0, got {val_tokens}")
+    tok = get_tokenizer(tokenizer)
     src = make_source(source, path, name, text_column) if isinstance(source, str) else source
     loc = Location.parse(out, field="--out")
     remote = not loc.is_local
@@ -375,9 +380,9 @@ def prepare(
     work = local_work_dir(loc) if remote else loc.child(WORK_DIR)
     remote_work = loc.child(WORK_DIR) if remote else None
     wanted = {
-        "tokenizer": TOKENIZER_NAME,
-        "vocab_size": GPT2_VOCAB,
-        "eot_id": EOT_ID,
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
         "source": src.describe(),
         "seed": int(seed),
         "shard_tokens": int(shard_tokens),
@@ -424,7 +429,7 @@ def prepare(
     todo = [p for p in partitions if _part_name(p.index) not in done_parts]
     skipped_parts = len(partitions) - len(todo)
     if progress:
-        print(f"plan: tokenise {len(partitions)} partition(s) of {src.kind} ({len(todo)} left) into {loc.uri}: "
+        print(f"plan: tokenise ({tok.key}) {len(partitions)} partition(s) of {src.kind} ({len(todo)} left) into {loc.uri}: "
               f"shards of {shard_tokens:,} tokens, {'10% of the corpus' if val_tokens is None else f'{val_tokens:,}'} "
               f"validation tokens of whole documents, seed {seed}, "
               f"{'every CPU of the cluster' if workers is None else f'{workers} worker(s)'}", flush=True)
@@ -434,7 +439,7 @@ def prepare(
         if bar is not None:
             bar.update(skipped_parts)
         host = socket.gethostname() if remote else None
-        jobs = [TokenizeJob(src, p, work, host, remote_work) for p in todo]
+        jobs = [TokenizeJob(src, p, work, host, remote_work, tok.key) for p in todo]
         for _, (_docs, toks) in pool.map(tokenize_partition, jobs):
             if bar is not None:
                 bar.update(1)

@@ -42,7 +42,10 @@ class DataSource(Protocol):
     def eval_set(self, seq_len: int, max_tokens: int | None, long_docs: bool = False, seed: int = 0): ...
 
 
-DEMO = "demo"  # the offline demo corpus, prepared once into the attnlab cache
+DEMO = "demo"  # the offline demo corpus, prepared once into the attnlab cache (GPT-2 tokens)
+DEMO_BYTES = "demo-bytes"  # the same corpus as UTF-8 bytes (the real-text CPU proxy's data)
+# what `data: demo` / `data: demo-bytes` prepare: folder name, tokeniser, validation budget (~10% of the corpus)
+_DEMO_DATA = {DEMO: ("demo-v1", "gpt2", 200_000), DEMO_BYTES: ("demo-bytes-v1", "bytes", 800_000)}
 ORBITS = "orbits"  # {synthetic: orbits, ...}: simulated planetary orbits (attnlab.data.orbits)
 
 
@@ -51,27 +54,28 @@ def model_kind(source) -> str:
     return getattr(source, "model_kind", "gpt")
 
 
-def demo_data_location() -> str:
+def demo_data_location(name: str = DEMO) -> str:
     from attnlab.data.demo import cache_dir
 
-    return str(cache_dir() / "prepared" / "demo-v1")
+    return str(cache_dir() / "prepared" / _DEMO_DATA[name][0])
 
 
 def resolve_data(spec: str | dict[str, Any], *, log=print) -> str | dict[str, Any]:
-    """What a user wrote for ``data`` as what every worker can open: ``demo`` -> the prepared demo folder (built on
-    first use); a relative path -> absolute (against the current directory, or inside a Ray job below
+    """What a user wrote for ``data`` as what every worker can open: ``demo`` / ``demo-bytes`` -> the demo corpus
+    prepared with GPT-2 tokens / UTF-8 bytes (built on first use); a relative path -> absolute (against the current directory, or inside a Ray job below
     ``$ATTNLAB_STORAGE``: :func:`attnlab.location.user_input`); a URI as it is; a probe mapping as it is."""
     if isinstance(spec, dict):
         return spec
-    if spec == DEMO:
-        out = demo_data_location()
+    if spec in _DEMO_DATA:
+        out = demo_data_location(spec)
+        _folder, tokenizer, val_tokens = _DEMO_DATA[spec]
         from attnlab.location import Location
 
         if not Location.parse(out).exists("manifest.json"):
             from attnlab.data.prepare import prepare
 
-            log(f"attnlab: building the demo corpus into {out} (once)")
-            prepare("demo", out=out, val_tokens=200_000, seed=0, workers=1, progress=False)
+            log(f"attnlab: building the demo corpus ({tokenizer} tokens) into {out} (once)")
+            prepare("demo", out=out, val_tokens=val_tokens, seed=0, workers=1, progress=False, tokenizer=tokenizer)
         return out
     from attnlab.location import user_input
 
@@ -103,4 +107,4 @@ def open_data(spec: str | dict[str, Any]) -> DataSource:
     return TextData(spec)
 
 
-__all__ = ["DEMO", "ORBITS", "DataSource", "data_label", "model_kind", "open_data", "resolve_data"]
+__all__ = ["DEMO", "DEMO_BYTES", "ORBITS", "DataSource", "data_label", "model_kind", "open_data", "resolve_data"]

@@ -1,4 +1,15 @@
-"""The GPT-2 tokeniser (tiktoken ``gpt2``), usable offline on a fresh machine.
+"""The tokenisers of prepared data: GPT-2's BPE (tiktoken ``gpt2``, usable offline on a fresh machine) and UTF-8 bytes.
+
+``--tokenizer gpt2`` (the default) and ``--tokenizer bytes`` of ``attnlab data prepare`` are the two
+:class:`Tokenizer` values of :data:`TOKENIZERS`; the manifest records the tokeniser's ``name`` (``tiktoken:gpt2`` or
+``bytes:utf-8``), ``vocab_size`` and ``eot_id``, and :func:`tokenizer_of_manifest` reads them back.
+
+**bytes**: a document is ``[256] + list(text.encode("utf-8"))``: 256 byte values plus an end-of-document symbol
+(id 256, before every document as for GPT-2), so the vocabulary has 257 ids and every token but the separator is
+exactly one byte of text. A small vocabulary is the field's CPU proxy (nanoGPT's character-level Shakespeare): the
+LM head shrinks from 50,257 to 257 rows, so the same CPU budget trains on ~100x more positions.
+
+**gpt2**:
 
 tiktoken downloads GPT-2's ``vocab.bpe`` and ``encoder.json`` from OpenAI's blob storage on first use and
 caches them as ``$TIKTOKEN_CACHE_DIR/<sha1(url)>`` (default ``$TMPDIR/data-gym-cache``), re-checking their
@@ -22,6 +33,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -121,9 +134,85 @@ def get_encoding():
 
 
 def encode_document(text: str) -> np.ndarray:
-    """One document as uint16 tokens: ``[EOT_ID] + encode_ordinary(text)``."""
+    """One document as uint16 GPT-2 tokens: ``[EOT_ID] + encode_ordinary(text)``."""
     ids = np.frombuffer(get_encoding()._core_bpe.encode_to_tiktoken_buffer(text, set()), dtype=np.uint32)
     out = np.empty(len(ids) + 1, dtype=np.uint16)  # ^ encode_ordinary's ids, without a Python list
     out[0] = EOT_ID
     out[1:] = ids
     return out
+
+
+BYTES_NAME = "bytes:utf-8"
+BYTES_EOT_ID = 256
+BYTES_VOCAB = 257
+
+
+def encode_bytes_document(text: str) -> np.ndarray:
+    """One document as uint16 byte tokens: ``[BYTES_EOT_ID] + list(text.encode("utf-8"))``."""
+    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    out = np.empty(len(raw) + 1, dtype=np.uint16)
+    out[0] = BYTES_EOT_ID
+    out[1:] = raw
+    return out
+
+
+def decode_bytes(tokens) -> str:
+    """Byte tokens back to text (separators dropped); the inverse of :func:`encode_bytes_document` per document."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    return ids[ids != BYTES_EOT_ID].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _gpt2_token_bytes() -> np.ndarray:
+    enc = get_encoding()
+    lengths = np.array([len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)], dtype=np.int64)
+    lengths[EOT_ID] = 0
+    return lengths
+
+
+def _byte_token_bytes() -> np.ndarray:
+    lengths = np.ones(BYTES_VOCAB, dtype=np.int64)
+    lengths[BYTES_EOT_ID] = 0
+    return lengths
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """How prepared text is tokenised: what ``--tokenizer`` names and the manifest records."""
+
+    key: str  # what a user writes: --tokenizer gpt2 | bytes
+    name: str  # what the manifest records
+    vocab_size: int
+    eot_id: int
+    encode: Callable[[str], np.ndarray]  # one document -> uint16 tokens, separator first
+    _token_bytes: Callable[[], np.ndarray]
+
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 byte length of every token id (the separator counts 0): bits per byte's denominator."""
+        return _token_bytes_of(self.key)
+
+
+TOKENIZERS = {
+    "gpt2": Tokenizer("gpt2", TOKENIZER_NAME, GPT2_VOCAB, EOT_ID, encode_document, _gpt2_token_bytes),
+    "bytes": Tokenizer("bytes", BYTES_NAME, BYTES_VOCAB, BYTES_EOT_ID, encode_bytes_document, _byte_token_bytes),
+}
+DEFAULT_TOKENIZER = "gpt2"
+
+
+@functools.lru_cache(maxsize=None)
+def _token_bytes_of(key: str) -> np.ndarray:
+    return TOKENIZERS[key]._token_bytes()
+
+
+def get_tokenizer(key: str, field: str = "--tokenizer") -> Tokenizer:
+    """The tokeniser a user names; one line naming the allowed ones otherwise."""
+    if key not in TOKENIZERS:
+        raise UserError(f"{field}={key!r} is not allowed: use one of {', '.join(TOKENIZERS)}")
+    return TOKENIZERS[key]
+
+
+def tokenizer_of_manifest(manifest: dict) -> Tokenizer | None:
+    """The tokeniser a prepared folder's manifest records, or None when it is not one of :data:`TOKENIZERS`."""
+    for tok in TOKENIZERS.values():
+        if manifest.get("tokenizer") == tok.name:
+            return tok
+    return None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from attnlab.errors import UserError
-from attnlab.evaluate.measure import _is_gpt2_text, measure
+from attnlab.evaluate.measure import measure, text_tokenizer
 from attnlab.evaluate.plan import EvalCell, EvalConfig
 from attnlab.evaluate.rows import rows_for
 from attnlab.location import Location
@@ -136,9 +136,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
     if not data_spec:
         raise UserError("data: the checkpoint's config names no data; pass --data DIR")
     source = open_data(data_spec)
-    if source.vocab_size > gpt.vocab_size:
-        raise UserError(f"data {source.describe()}: vocabulary {source.vocab_size} exceeds the model's "
-                        f"{gpt.vocab_size}; evaluate on the data the model was trained on")
+    check_tokenizer(source, gpt.vocab_size)
     lengths = config.eval_lengths(int(gpt.train_len))
     if config.windows and config.max_tokens < max(lengths):
         raise UserError(f"max_tokens={config.max_tokens} is not allowed: use at least the largest length "
@@ -153,7 +151,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
     todo = [(cell, key) for cell in config.cells(int(gpt.train_len))
             if (key := cell.key(train_key, step, source.fingerprint)) not in skip]
     keys = {cell: key for cell, key in todo}
-    gpt2_text = _is_gpt2_text(source)
+    scored_text = text_tokenizer(source) is not None  # bits per byte too
     target = None
     if store is not None:
         from attnlab.results.store import ResultsStore
@@ -185,13 +183,29 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
         if pending_cells and pending_cells[0].length != cell.length:
             flush()  # one file per length: what was measured is kept if a longer length fails
         say(progress.done(cell))
-        new = rows_for(base, cell, keys[cell], scores, gpt2_text)
+        new = rows_for(base, cell, keys[cell], scores, scored_text)
         for i, row in enumerate(new):  # refuse to return rows the store would refuse
             validate_row(row, i)
         pending.extend(new)
         pending_cells.append(cell)
     flush()
     return rows
+
+
+def check_tokenizer(source, model_vocab: int) -> None:
+    """Refuse data the model cannot read: a larger vocabulary, or text of another tokeniser (a GPT-2 model on byte
+    data reads every byte as a GPT-2 token id without an error, and its losses would mean nothing)."""
+    tokenizer = text_tokenizer(source)
+    if tokenizer is not None and tokenizer.vocab_size != model_vocab:
+        from attnlab.data.tokenizer import TOKENIZERS
+
+        trained = next((t.key for t in TOKENIZERS.values() if t.vocab_size == model_vocab), None)
+        raise UserError(f"data {source.describe()}: tokenised with {tokenizer.key} ({tokenizer.vocab_size:,} ids) but "
+                        f"the model was trained on a {model_vocab:,}-id vocabulary"
+                        f"{f' ({trained})' if trained else ''}; evaluate on data of the model's tokeniser")
+    if source.vocab_size > model_vocab:
+        raise UserError(f"data {source.describe()}: vocabulary {source.vocab_size} exceeds the model's "
+                        f"{model_vocab}; evaluate on the data the model was trained on")
 
 
 def plan_line(config: EvalConfig, todo, lengths, source, step: int, checkpoint) -> str:

@@ -16,7 +16,6 @@ nothing, so identical forwards (same RoPE base and p) are computed once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -34,15 +33,13 @@ BUCKETS = ("early", "middle", "late")
 DEFAULT_BATCH_AT_TRAIN_LEN = 8
 
 
-@functools.lru_cache(maxsize=1)
-def gpt2_token_bytes() -> np.ndarray:
-    """UTF-8 byte length of every GPT-2 token (int64, 50257 entries); the EOT separator counts 0 bytes."""
-    from attnlab.data.tokenizer import EOT_ID, get_encoding
+def text_tokenizer(source):
+    """The tokeniser of a prepared text source (:class:`attnlab.data.tokenizer.Tokenizer`), or None for a probe task
+    or an unknown tokeniser: text sources get bits per byte, from the tokeniser's bytes per token."""
+    from attnlab.data.tokenizer import tokenizer_of_manifest
 
-    enc = get_encoding()
-    lengths = np.array([len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)], dtype=np.int64)
-    lengths[EOT_ID] = 0
-    return lengths
+    shards = getattr(source, "shards", None)
+    return None if shards is None else tokenizer_of_manifest(shards.manifest)
 
 
 def bucket_bounds(length: int) -> list[tuple[str, int, int]]:
@@ -148,7 +145,8 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
     say = log or (lambda message: None)
     gpt = model.cfg
     train_len = int(gpt.train_len)
-    token_bytes = gpt2_token_bytes() if _is_gpt2_text(source) else None
+    tokenizer = text_tokenizer(source)
+    token_bytes = None if tokenizer is None else tokenizer.token_bytes()
     windows_cache: dict = {}
     forwards: dict = {}  # (mode, length, RoPE base, p) -> WindowScores: NTK == none at L <= train_len
     cells = list(cells)
@@ -231,13 +229,6 @@ class _DownstreamRuns:
         return self.runs[group][cell.extra[0]]
 
 
-def _is_gpt2_text(source) -> bool:
-    from attnlab.data.tokenizer import TOKENIZER_NAME
-
-    shards = getattr(source, "shards", None)
-    return shards is not None and shards.manifest.get("tokenizer") == TOKENIZER_NAME
-
-
 def _force_probe(model, source, cell: EvalCell, *, device, say):
     """The force probe of an orbit model and the law recovered from it (:mod:`attnlab.evaluate.force_probe`)."""
     from attnlab.evaluate.force_probe import finetune_force_probe, linear_force_probe
@@ -276,5 +267,4 @@ def _passkey(model, cell: EvalCell, spec, *, device, precision, batch, say) -> l
                             n_distractors=DEFAULT_DISTRACTORS, seed=0)
 
 
-__all__ = ["BUCKETS", "WindowScores", "attention_spec_for", "bits_per_byte", "bucket_bounds", "gpt2_token_bytes",
-           "measure", "score_windows"]
+__all__ = ["BUCKETS", "WindowScores", "attention_spec_for", "bits_per_byte", "bucket_bounds", "measure", "score_windows", "text_tokenizer"]

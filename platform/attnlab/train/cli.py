@@ -41,7 +41,8 @@ def add_parser(subparsers) -> None:
                    "number >= 1")
     p.add_argument("--scale", help="scale factor: inv_sqrt_d, log_n, logd_logn or '<coef>*log_n'")
     p.add_argument("--data", help="a data folder made by `attnlab data prepare` (a path or an s3://, gs:// URI), or "
-                   "demo (the offline demo corpus, prepared on first use)")
+                   "demo (the offline demo corpus in GPT-2 tokens, prepared on first use) or demo-bytes (the same "
+                   "corpus in UTF-8 bytes)")
     p.add_argument("--out", required=True, help="the run folder (a path or an s3://, gs:// URI)")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--seq-len", type=int, help="training length (default: the preset's)")
