@@ -290,3 +290,90 @@ def test_position_buckets_are_listed_in_window_order():
     table = reports.table(pd.DataFrame(rows), metric="loss_bucket")
     assert list(table["bucket"]) == ["early", "middle", "late"]
     assert list(table["mean@64"]) == [1.0, 2.0, 3.0]
+
+
+# A real study's rows: many configuration columns constant over the selection, stated once under the title.
+LONG_CONSTANTS = dict(scale="logd_logn", p_train=15.0, p_eval=None, rope_scaling="ntk_by_parts", train_len=64,
+                      preset="tiny_cpu_probe", data="demo_corpus_synthetic_copy_v2", knobs="lr=0.003,warmup=50,wd=0.1",
+                      window_mode="copy_distractors_with_long_padding")
+
+
+def test_a_long_subtitle_is_wrapped_whole_inside_the_figure():
+    """The line under the title names every constant column; with a real study's many columns it is wider than
+    the figure, and the PNG used to cut it at both ends. It is now wrapped: every text of the figure lies inside
+    the figure after drawing, and the wrapped lines joined give the whole subtitle back."""
+    import matplotlib.text
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    frame = pd.DataFrame([{**row(attention, None, seed, length, 3.0 + 0.1 * seed + length / 1024, study="copy_probe"),
+                           **LONG_CONSTANTS}
+                          for attention in ("softmax", "lssar") for seed in (0, 1) for length in (64, 256, 1024)])
+    expected = ("fixed: " + ", ".join(f"{k}={reports.format_value(v)}" for k, v in LONG_CONSTANTS.items())
+                + "; error bars: sample std over seeds")
+    assert len(expected) > 200  # wider than a 9-inch figure in one line
+    figure, title, _, _, _ = reports.curve_figure(frame)
+    subtitle = figure.axes[0].get_title()
+    assert "\n" in subtitle and " ".join(subtitle.split("\n")) == expected  # wrapped, never cut short
+    assert figure._suptitle.get_text() == title
+    FigureCanvasAgg(figure)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    box = figure.bbox
+    texts = [t for t in figure.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()]
+    assert any(t.get_text() == subtitle for t in texts)
+    for text in texts:
+        extent = text.get_window_extent(renderer)
+        assert (box.x0 - 0.5 <= extent.x0 and extent.x1 <= box.x1 + 0.5 and box.y0 - 0.5 <= extent.y0
+                and extent.y1 <= box.y1 + 0.5), (text.get_text(), extent.bounds, box.bounds)
+    assert figure.get_size_inches()[0] == 9  # grown in height only
+
+
+def test_a_bounded_metric_never_reads_outside_its_range():
+    """acc lies in [0, 1]: with n = 2 seeds its t interval would read [-4.3, 5.3]; the cell shows both seeds'
+    values instead. With more seeds the interval is clipped to [0, 1]. val_loss is unbounded and unchanged."""
+    import re
+
+    from attnlab.results.stats import t_interval
+
+    big = [1.0, 1.0, 1.0, 0.6, 1.0, 0.9]  # mean 0.9167, t interval [0.7485, 1.0848]
+    acc = [row("softmax", None, 0, 64, 0.879, metric="acc"), row("softmax", None, 1, 64, 0.123, metric="acc"),
+           *(row("lssa", None, seed, 64, v, metric="acc") for seed, v in enumerate(big))]
+    loss = [row("softmax", None, 0, 64, 0.879), row("softmax", None, 1, 64, 0.123)]
+    frame = pd.DataFrame(acc + loss)
+    low, high = t_interval([0.879, 0.123])
+    assert low < 0 and high > 1  # what the table used to print
+
+    result = reports.table(frame, metric="acc")
+    assert result["attention"].tolist() == ["lssa", "softmax"]
+    assert ((result["ci_low@64"] >= 0) & (result["ci_high@64"] <= 1)).all()
+    assert result["ci_high@64"][0] == 1.0 and result["ci_low@64"][0] == pytest.approx(t_interval(big)[0])
+    lines = reports.to_markdown(result, digits=3, with_caption=False).splitlines()
+    assert lines[2] == "| lssa | 0.917 ± 0.160 (n=6) [0.749, 1.000] |"
+    assert lines[3] == "| softmax | 0.501 (n=2: 0.879, 0.123) |"
+    numbers = [float(x) for line in lines[2:] for x in re.findall(r"-?\d+\.\d+", line)]
+    assert numbers and all(0 <= x <= 1 for x in numbers)
+    assert "acc lies in [0, 1]" in reports.caption(result)
+    per_seed = reports.to_markdown(result, digits=3, with_caption=False, per_seed=True).splitlines()
+    assert per_seed[3] == "| softmax | 0.501 (n=2: 0.879, 0.123); 0: 0.879, 1: 0.123 |"
+    import io
+
+    csv = pd.read_csv(io.StringIO(reports.to_csv(result)))
+    assert csv["ci_low@64"].between(0, 1).all() and csv["ci_high@64"].between(0, 1).all()
+
+    # The figure: the n = 2 point shows each seed as a small dot and no error bar; the n = 6 bar stops at 1.
+    figure, _, _, _, body = reports.curve_figure(frame, metric="acc")
+    axes = figure.axes[0]
+    assert body == [["lssa", "0.9167 ± 0.1602 (n=6) [0.7485, 1.0000]"], ["softmax", "0.5010 (n=2: 0.8790, 0.1230)"]]
+    bars = {c.get_label(): c for c in axes.containers}
+    assert not bars["attention=softmax"].has_yerr
+    dots = [line for line in axes.get_lines() if line.get_marker() == "."]
+    assert len(dots) == 1 and sorted(dots[0].get_ydata()) == pytest.approx([0.123, 0.879])
+    segments = bars["attention=lssa"].lines[2][0].get_segments()
+    assert max(y for segment in segments for _, y in segment) == pytest.approx(1.0)
+    assert min(y for segment in segments for _, y in segment) == pytest.approx(0.9167 - 0.1602, abs=1e-4)
+    assert "small dots: each seed's value where n <= 3" in axes.get_title()
+
+    # val_loss is not bounded: the same two values keep their t interval, as before.
+    lines = reports.to_markdown(reports.table(frame, metric="val_loss"), digits=3, with_caption=False).splitlines()
+    assert lines[2] == f"| softmax | 0.501 ± 0.535 (n=2) [{low:.3f}, {high:.3f}] |" == \
+        "| softmax | 0.501 ± 0.535 (n=2) [-4.302, 5.304] |"

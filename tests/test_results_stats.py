@@ -200,3 +200,60 @@ def test_figure_legend_marks_single_runs(store):
     assert labels == ["sigmoid_l1 (1 seed)", "lssar"]
     hollow = [line for line in axes.lines if line.get_markerfacecolor() == "white"]
     assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [64.0, 1024.0]
+
+
+def test_bounded_metrics_keep_their_intervals_in_range():
+    """One rule for tables, figures and compare: acc lies in [0, 1], val_loss has no bound; 2..3 runs show their
+    values, more runs have the interval clipped; a difference of two accuracies stays inside [-1, 1]."""
+    from attnlab.results.schema import metric_bounds
+    from attnlab.results.stats import bounded_interval, clipped_bar, difference_bounds, shows_seed_values
+
+    assert metric_bounds("acc") == (0.0, 1.0) and metric_bounds("passkey_acc") == (0.0, 1.0)
+    assert metric_bounds("exact_match") == (0.0, 1.0)
+    assert metric_bounds("val_loss") is None and metric_bounds("loss") is None and metric_bounds(None) is None
+    low, high = t_interval([0.879, 0.123])
+    assert low < -4 and high > 5  # the raw t interval of two accuracies
+    assert bounded_interval([0.879, 0.123], bounds=(0.0, 1.0)) == (0.0, 1.0)
+    assert bounded_interval([3.0, 3.1, 3.5]) == t_interval([3.0, 3.1, 3.5])  # unbounded: unchanged
+    assert all(math.isnan(x) for x in bounded_interval([0.5], bounds=(0.0, 1.0)))
+    assert [shows_seed_values(n, (0.0, 1.0)) for n in (1, 2, 3, 4)] == [False, True, True, False]
+    assert not shows_seed_values(2, None)
+    assert clipped_bar(0.9, 0.2, (0.0, 1.0)) == pytest.approx((0.2, 0.1)) and clipped_bar(0.9, 0.2, None) == (0.2, 0.2)
+    assert difference_bounds((0.0, 1.0)) == (-1.0, 1.0) and difference_bounds(None) is None
+
+    a, b = [0.0, 1.0], [1.0, 0.0, 1.0]
+    raw = two_sample_test(a, b)
+    assert raw.ci[0] < -1 and raw.ci[1] > 1  # Welch-Satterthwaite with ~2 df: wider than any difference can be
+    bounded = two_sample_test(a, b, bounds=(0.0, 1.0))
+    assert bounded.ci == (-1.0, 1.0) and bounded.p_welch == raw.p_welch and bounded.diff == raw.diff
+
+
+def test_compare_of_a_bounded_metric_with_two_runs_lists_them(store):
+    frame = store.read()
+    few = (frame["attention"] == "lssar") & (frame["seed"] >= 2)
+    result = compare(frame[~few], a="softmax,p_eval=none", b="lssar", at=1024, metric="acc")
+    assert result.n_b == 2 and -1 <= result.ci[0] <= result.ci[1] <= 1
+    text = result.to_text(digits=3)
+    assert "b: attention=lssar, p_train=15: 0.925 (n=2; no interval, see per seed); per seed 0: 0.900, 1: 0.950" in text
+    assert "a: attention=softmax, p_train=none: 0.014 ± 0.004 (n=4) [95% CI 0.007, 0.021]" in text
+
+
+def test_figure_points_of_few_runs_show_each_run():
+    """A bounded metric: a point of 2..3 runs draws its runs as small dots and no bar; other bars stop at the bound."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    axes = Figure().add_subplot(1, 1, 1)
+    xs, ys = np.array([64.0, 1024.0]), np.array([0.9, 0.5])
+    seeds = [tuple(enumerate([0.8, 0.9, 1.0, 0.9, 0.9])), ((0, 0.9), (1, 0.1))]
+    assert reports._plot_line(axes, xs, ys, np.array([0.2, 0.57]), np.array([5, 2]), "lssar", bounds=(0.0, 1.0),
+                              seeds=seeds) is False
+    container = axes.containers[0]
+    at_64, at_1024 = container.lines[2][0].get_segments()
+    assert at_64[:, 0].tolist() == [64.0, 64.0] and at_64[:, 1].tolist() == pytest.approx([0.7, 1.0])  # not 1.1
+    assert at_1024[:, 1].tolist() == [0.5, 0.5]  # no bar where the runs are shown
+    dots = [line for line in axes.lines if line.get_marker() == "."]
+    assert len(dots) == 1 and list(dots[0].get_xdata()) == [1024.0, 1024.0]
+    assert list(dots[0].get_ydata()) == [0.9, 0.1]

@@ -167,6 +167,28 @@ for _name, _higher, _doc in (
     register_metric(_name, _higher, _doc)
 
 
+# Metrics whose every value lies in a known range (fractions of right answers, a correlation, a share of attention
+# weight): the reports keep the intervals of their means and their error bars inside it, and show the seeds' own
+# values instead of a t interval when n is small (attnlab.results.stats.SMALL_N). Metrics not listed (losses,
+# perplexities, ranks, exponents, distances) are unbounded. ``f1`` is not listed: harness tasks report it either
+# as a fraction or in percent (squad_v2), so no one range is right for it. A one-sided range uses infinity.
+METRIC_BOUNDS: dict[str, tuple[float, float]] = {
+    "acc": (0.0, 1.0),
+    "acc_norm": (0.0, 1.0),
+    "exact_match": (0.0, 1.0),
+    "passkey_acc": (0.0, 1.0),
+    "mcc": (-1.0, 1.0),
+    "sink_mass": (0.0, 1.0),
+    "force_is_newton": (0.0, 1.0),
+    "force_probe_r2": (-math.inf, 1.0),
+}
+
+
+def metric_bounds(metric) -> tuple[float, float] | None:
+    """``(low, high)`` that every value of ``metric`` lies in (:data:`METRIC_BOUNDS`), or None when unbounded."""
+    return METRIC_BOUNDS.get(metric) if isinstance(metric, str) else None
+
+
 def describe_schema() -> str:
     """A human-readable listing of the columns (for --help and docs)."""
     lines = [f"results schema v{SCHEMA_VERSION}:"]

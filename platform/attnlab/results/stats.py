@@ -11,6 +11,12 @@ What the reports use, and why (few seeds, typically 2-5 per configuration):
   permutation test of the difference of means over all splits of the pooled runs (SciPy
   ``permutation_test``), which needs no normality but cannot go below ``2 / C(n_a + n_b, n_a)`` (0.1 for
   3 vs 3 runs). Either side with fewer than 2 runs: no test (the result says so).
+- **Bounded metrics** (accuracies in [0, 1], :data:`attnlab.results.schema.METRIC_BOUNDS`): a t interval knows
+  nothing of the range, so with n = 2 an accuracy of 0.5 reads [-4.3, 5.3]. The rule, here and nowhere else:
+  a cell with ``2 <= n <= SMALL_N`` runs shows its runs' own values instead of an interval
+  (:func:`shows_seed_values`); otherwise the interval is clipped to the range (:func:`clip_interval`), and so
+  are std error bars (:func:`clipped_bar`). A difference of two means may be negative: its interval is kept
+  inside ``[-(high - low), high - low]`` (:func:`difference_bounds`). Unbounded metrics (losses) are untouched.
 
 Pure numbers in, numbers out: this module never reads a results store, imports Ray, or plots. SciPy is
 imported lazily so that importing the reports stays cheap.
@@ -42,12 +48,55 @@ def t_interval(values, confidence: float = CONFIDENCE) -> tuple[float, float]:
     return (mean - half, mean + half)
 
 
+# At or below this many runs a bounded metric's cell lists its runs' values instead of a t interval.
+SMALL_N = 3
+
+
+def clip_interval(low: float, high: float, bounds: tuple[float, float] | None) -> tuple[float, float]:
+    """``(low, high)`` clipped to ``bounds`` (``(lo, hi)`` or None = unbounded); NaN stays NaN."""
+    if bounds is None:
+        return (low, high)
+    lo, hi = bounds
+
+    def clip(x: float) -> float:
+        return x if math.isnan(x) else min(max(x, lo), hi)
+
+    return (clip(float(low)), clip(float(high)))
+
+
+def bounded_interval(values, confidence: float = CONFIDENCE,
+                     bounds: tuple[float, float] | None = None) -> tuple[float, float]:
+    """:func:`t_interval` of ``values`` clipped to the metric's ``bounds`` (None: the plain t interval)."""
+    return clip_interval(*t_interval(values, confidence), bounds)
+
+
+def difference_bounds(bounds: tuple[float, float] | None) -> tuple[float, float] | None:
+    """The range of a difference of two means of a metric bounded by ``bounds``: ``[-(hi - lo), hi - lo]``."""
+    if bounds is None:
+        return None
+    width = bounds[1] - bounds[0]
+    return (-width, width)
+
+
+def shows_seed_values(n: int, bounds: tuple[float, float] | None) -> bool:
+    """Whether a cell of ``n`` runs of a metric bounded by ``bounds`` shows its runs' values, not an interval."""
+    return bounds is not None and 2 <= int(n) <= SMALL_N
+
+
+def clipped_bar(mean: float, err: float, bounds: tuple[float, float] | None) -> tuple[float, float]:
+    """``(below, above)`` lengths of a ``mean ± err`` error bar kept inside ``bounds`` (never negative)."""
+    if bounds is None or math.isnan(mean):
+        return (err, err)
+    return (max(0.0, min(err, mean - bounds[0])), max(0.0, min(err, bounds[1] - mean)))
+
+
 @dataclass
 class TestResult:
     """Welch's t and the exact permutation test for the difference of means ``b - a``."""
 
     diff: float                       # mean(b) - mean(a)
-    ci: tuple[float, float]           # Welch-Satterthwaite interval of diff (NaN, NaN when undefined)
+    ci: tuple[float, float]           # Welch-Satterthwaite interval of diff (NaN, NaN when undefined; clipped to
+                                      # difference_bounds(bounds) for a bounded metric)
     t: float                          # Welch t statistic (NaN when undefined)
     df: float                         # Welch-Satterthwaite degrees of freedom
     p_welch: float                    # two-sided p of Welch's t (NaN when undefined)
@@ -58,8 +107,11 @@ class TestResult:
     notes: list[str] = field(default_factory=list)
 
 
-def two_sample_test(a, b, confidence: float = CONFIDENCE) -> TestResult:
+def two_sample_test(a, b, confidence: float = CONFIDENCE, bounds: tuple[float, float] | None = None) -> TestResult:
     """Welch's t test, its interval and the permutation test of ``mean(b) - mean(a)``.
+
+    ``bounds``: the metric's range (None = unbounded); the interval of the difference is then kept inside
+    :func:`difference_bounds` (it may still be negative).
 
     Both samples need at least 2 finite values (the caller checks and says so). When neither sample has any
     spread the t statistic is undefined: ``t``, ``p_welch`` and ``ci`` are NaN and a note says why; the
@@ -83,7 +135,7 @@ def two_sample_test(a, b, confidence: float = CONFIDENCE) -> TestResult:
         t, p_welch = float(result.statistic), float(result.pvalue)
         df = float(result.df)
         low, high = result.confidence_interval(confidence)
-        ci = (float(low), float(high))
+        ci = clip_interval(float(low), float(high), difference_bounds(bounds))
 
     splits = math.comb(len(a) + len(b), len(a))
     exact = splits <= MAX_EXACT_SPLITS
