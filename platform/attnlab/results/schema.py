@@ -33,10 +33,12 @@ import pyarrow as pa
 from attnlab.errors import UserError
 from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 
-SCHEMA_VERSION = 4  # 2: eval_key; 3: expression; 4: task, stderr (rows of older versions read them as null)
+# 2: eval_key; 3: expression; 4: task, stderr; 5: stopped, stop_rule (rows of older versions read them as null)
+SCHEMA_VERSION = 5
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
+STOPPED_VALUES = ("reached", "cap")  # the stopped column: how a run with a stopping rule ended
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("expression", "str", False, "a recovered formula, e.g. the force law of the orbit study's probe; null = none"),
     Column("task", "str", False, "downstream task (lm-evaluation-harness name, e.g. hellaswag); null = none"),
     Column("stderr", "float", False, "standard error of value as the task's harness reports it; null = none"),
+    Column("stopped", "str", False, "how training ended under a stopping rule (train.stop_when): reached (the rule was "
+                                    "met at step) or cap (the step cap came first); null = no rule"),
+    Column("stop_rule", "str", False, "the training run's stopping rule, e.g. 'val_acc >= 0.99'; null = none"),
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
@@ -297,6 +302,9 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
         raise UserError(
             f"results {where}: column 'rope_scaling' is {out['rope_scaling']!r}; allowed: {', '.join(ROPE_SCALINGS)}"
         )
+    if out["stopped"] is not None and out["stopped"] not in STOPPED_VALUES:
+        raise UserError(f"results {where}: column 'stopped' is {out['stopped']!r}; allowed: "
+                        f"{', '.join(STOPPED_VALUES)} or null (no stopping rule)")
     if not STUDY_NAME.match(out["study"]):
         raise UserError(f"results {where}: column 'study' is {out['study']!r}; use {STUDY_NAME_RULE}")
     for name in ("step", "tokens", "seed", "n_tokens", "layer"):

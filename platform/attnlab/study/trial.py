@@ -3,9 +3,11 @@
 1. **plan**: the point's ``TrainConfig``, its training key (what changes the weights, the data by content), its
    run location ``<storage>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key;
 2. **train**: skipped when the run already finished (or diverged); otherwise Ray Train, which resumes from the
-   run's latest checkpoint when there is one;
+   run's latest checkpoint when there is one; with a stopping rule (``train.stop_when``) a run is finished when
+   its latest checkpoint met the rule, or reached ``steps`` (the cap) without meeting it;
 3. **evaluate**: only the cells whose key has no rows in the results store, in a Ray task with the resources of
-   one training worker (a GPU when the workers have GPUs), writing the rows to the store;
+   one training worker (a GPU when the workers have GPUs), writing the rows to the store (with a stopping rule
+   every row carries ``stopped``: reached or cap, and ``stop_rule``);
 4. **report**: the objectives, read back from the store's rows of exactly the objective's cell.
 
 Each step is a plain function testable without Tune; :func:`study_trial` is the Tune function trainable that
@@ -128,7 +130,8 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bo
         raise UserError(f"trial {plan.train_key}: the run at {plan.run.uri} has not finished ({outcome.status}); "
                         "nothing to evaluate")
     spec = ctx.study()
-    args = (plan.run.uri, spec.eval.model_dump(mode="json"), ctx.data, plan.row_context, store.uri,
+    args = (plan.run.uri, spec.eval.model_dump(mode="json"), ctx.data, {**plan.row_context, **stop_columns(plan, outcome)},
+            store.uri,
             sorted(stored), plan.cfg.threads_per_worker, ctx.env)
     if inline:
         _evaluate_task(*args)
@@ -147,6 +150,14 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bo
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))
     ray.get(task.remote(*args))
     return len(missing)
+
+
+def stop_columns(plan: TrialPlan, outcome) -> dict:
+    """The rows' ``stopped`` (reached / cap) and ``stop_rule`` of a finished run with a stopping rule; none without."""
+    rule = plan.cfg.stop_when
+    if rule is None:
+        return {}
+    return {"stop_rule": rule.describe(), **({"stopped": outcome.stopped} if outcome.stopped else {})}
 
 
 def diverged_base_row(plan: TrialPlan, step: int) -> dict:
@@ -196,13 +207,14 @@ def failure_reason(exc: BaseException) -> str:
 
 
 def report_callback(final_step: int, train_key: str):
-    """A ``TuneReportCallback`` that tags reports with the train key and holds back the last one (the trial
-    reports its objective after the evaluation instead, so ASHA never stops a trial at its final step)."""
+    """A ``TuneReportCallback`` that tags reports with the train key and holds back the last one (the final step,
+    or the one that met the stopping rule; the trial reports its objective after the evaluation instead, so
+    ASHA never stops a trial at its final step)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class StudyReportCallback(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
-            if metrics and int(metrics[0].get("step", 0)) >= final_step:
+            if metrics and (int(metrics[0].get("step", 0)) >= final_step or metrics[0].get("stop_reached")):
                 return
             # timesteps_total: TensorBoard's and MLflow's x axis is then the training step, not Tune's report count
             metrics = [{**metrics[0], "config_hash": train_key, "timesteps_total": int(metrics[0].get("step", 0))},
@@ -243,17 +255,21 @@ def study_trial(config: dict, context: StudyContext) -> None:
         rows = trial_rows(store, spec, plan.train_key)
         objectives = objective_values(spec, rows, plan.cfg.seq_length)
         final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
+        # Tune's time is the cap (the trial is over); steps trained: the cap, or where the stopping rule was met
+        steps = outcome.steps_trained if outcome.stopped == "reached" and outcome.steps_trained else plan.cfg.steps
         base = {"config_hash": plan.train_key, "run_dir": plan.run.uri, "step": plan.cfg.steps,
-                "timesteps_total": plan.cfg.steps, "cached": int(not trained and not evaluated)}
+                "timesteps_total": plan.cfg.steps, "steps_trained": steps, "cached": int(not trained and not evaluated)}
         if outcome.status == "diverged":
             state.write_status(plan.train_key, status="diverged", reason=outcome.failure,
                                step=int(outcome.final.get("step", 0)), objectives=objectives)
             tune.report({**base, **{k: float("nan") for k in objectives}, "diverged": 1})
             return
         done = "cached" if not trained and not evaluated else "complete"
+        stop = {"stopped": outcome.stopped} if plan.cfg.stop_when is not None else {}
         state.write_status(plan.train_key, status=done, objectives=objectives, trained=trained,
-                           evaluated_cells=evaluated, step=plan.cfg.steps, finished=time.time())
-        tune.report({**base, **objectives, "diverged": 0, "val_loss": final})
+                           evaluated_cells=evaluated, step=steps, finished=time.time(), **stop)
+        tune.report({**base, **objectives, "diverged": 0, "val_loss": final,
+                     **({"stop_reached": int(outcome.stopped == "reached")} if stop else {})})
     except Exception as exc:
         state.write_status(plan.train_key, status="failed", reason=failure_reason(exc))
         raise
@@ -283,4 +299,4 @@ def evaluate_missing(spec: StudySpec, ctx: StudyContext, state: StudyState, stor
 
 
 __all__ = ["StudyContext", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason", "knob_label",
-           "objective_values", "plan_trial", "study_trial", "train_step"]
+           "objective_values", "plan_trial", "stop_columns", "study_trial", "train_step"]

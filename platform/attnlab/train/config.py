@@ -43,6 +43,61 @@ RUN_SETTINGS = frozenset({
 })
 
 
+# A stopping rule's metrics (train.stop_when.metric): what the training loop measures at each validation point,
+# all-reduced over the workers.
+STOP_METRICS = ("val_acc", "val_loss")
+STOP_BOUNDS = ("at_least", "at_most")
+
+
+class StopWhen(BaseModel):
+    """``stop_when: {metric: val_acc, at_least: 0.99}``: stop training at the first validation point whose
+    ``metric`` is at least (or at most) the threshold; ``steps`` is then the cap. Checked every ``val_every``
+    steps (docs/protocol.md#stopping-rule)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    metric: Literal["val_acc", "val_loss"]
+    at_least: float | None = None
+    at_most: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_bound(cls, data):
+        """Every problem as one ValueError naming the field and what is allowed (one line via validation.parse)."""
+        if isinstance(data, StopWhen):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError("must be a mapping like {metric: val_acc, at_least: 0.99}")
+        unknown = sorted(set(data) - {"metric", *STOP_BOUNDS})
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a known field; allowed: metric, at_least, at_most")
+        metric = data.get("metric")
+        if metric not in STOP_METRICS:
+            raise ValueError(f"metric={metric!r} is not allowed; use one of {', '.join(STOP_METRICS)}")
+        bounds = [b for b in STOP_BOUNDS if data.get(b) is not None]
+        if len(bounds) != 1:
+            raise ValueError(f"give exactly one of at_least or at_most (got {' and '.join(bounds) or 'neither'})")
+        value = data[bounds[0]]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{bounds[0]}={value!r} must be a finite number (the threshold)")
+        return {"metric": metric, bounds[0]: float(value)}
+
+    @property
+    def threshold(self) -> float:
+        return self.at_least if self.at_least is not None else self.at_most
+
+    def met(self, metrics: dict) -> bool:
+        """Whether the validation ``metrics`` (a report of the loop) meet the rule; False when not measured."""
+        value = metrics.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return False
+        return value >= self.at_least if self.at_least is not None else value <= self.at_most
+
+    def describe(self) -> str:
+        """``val_acc >= 0.99``."""
+        return f"{self.metric} {'>=' if self.at_least is not None else '<='} {self.threshold:g}"
+
+
 # What ``micro_batch: auto`` resolves to without a GPU (capped to a divisor of the sequences per worker).
 CPU_AUTO_MICRO_BATCH = 16
 AUTO = "auto"
@@ -76,7 +131,9 @@ class TrainConfig(BaseModel):
     data: str | dict[str, Any] = ""  # a prepared folder, or {synthetic: <task>, ...} for a probe
     seq_len: int | None = Field(default=None, gt=0)  # default: the preset's train_len
     # budget and batch
-    steps: int = Field(default=18_865, gt=0)
+    steps: int = Field(default=18_865, gt=0)  # with stop_when: the cap
+    # a stopping rule checked at each validation point, e.g. {metric: val_acc, at_least: 0.99}; None: train `steps`
+    stop_when: StopWhen | None = None
     tokens_per_step: int = Field(default=524_288, gt=0)
     # sequences per worker per micro-step, or auto: the largest that fits the GPU (module docstring)
     micro_batch: int | Literal["auto"] = 64
@@ -127,6 +184,16 @@ class TrainConfig(BaseModel):
                                                               cls.model_fields["tokens_per_step"].default))
             data["steps"] = max(1, math.ceil(tokens / per_step)) if isinstance(per_step, int) and per_step > 0 else 1
         return data
+
+    @field_validator("stop_when", mode="before")
+    @classmethod
+    def _stop_when(cls, value):
+        if value is None or isinstance(value, StopWhen):
+            return value
+        try:
+            return StopWhen.model_validate(value)
+        except pydantic.ValidationError as exc:  # the rule's own one-line message, not pydantic's wrapping
+            raise ValueError(exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")) from None
 
     @field_validator("micro_batch", mode="before")
     @classmethod
@@ -316,7 +383,9 @@ class TrainConfig(BaseModel):
         batch = f"auto (here {batch})" if self.micro_batch == AUTO else batch
         return (f"plan: {self.preset}{size} {attention}, {self.steps:,} steps x {self.tokens_per_step:,} tokens "
                 f"({global_batch} x {self.seq_length}) = {self.steps * self.tokens_per_step:,} tokens; {workers} "
-                f"worker(s) of {device}, micro-batch {batch}, grad accumulation {accum}; data {data}")
+                f"worker(s) of {device}, micro-batch {batch}, grad accumulation {accum}; data {data}"
+                + (f"; stop when {self.stop_when.describe()} (checked every {self.val_every} steps; "
+                   f"{self.steps:,} is the cap)" if self.stop_when is not None else ""))
 
     def identity(self, data_fingerprint: str, vocab_size: int | None = None) -> dict:
         """What determines the trained weights: the resolved model (attention spec included), the data by its
@@ -329,7 +398,13 @@ class TrainConfig(BaseModel):
         model["attention"] = {"variant": get_variant(spec.name).name, "scale": spec.scale_label, "p": spec.p}
         recipe = {k: v for k, v in self.model_dump(mode="json").items()
                   if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
-                                                         "seq_len")}
+                                                         "seq_len", "stop_when")}
+        if self.stop_when is not None:
+            # The rule decides the trained weights (the step they stop at), and so does where it is checked:
+            # val_every and val_tokens are run settings without a rule, part of the identity with one. steps (the cap) stays in
+            # the recipe: it sets the learning-rate schedule. A config without a rule keeps its old key.
+            recipe["stop_when"] = {**self.stop_when.model_dump(mode="json", exclude_none=True),
+                                   "every": self.val_every, "val_tokens": self.val_tokens}
         return {"model": model, "data": str(data_fingerprint), "recipe": recipe}
 
     def train_key(self, data_fingerprint: str, vocab_size: int | None = None) -> str:

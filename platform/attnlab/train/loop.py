@@ -7,6 +7,11 @@ process and a Ray Train worker: rank and world size, device, DDP wrapping, the l
 to the run location, local or object storage: rank 0 writes ``metrics.jsonl`` and ``provenance.json``, a
 diverged run writes ``failure.json`` with the step and stops cleanly, every rank records its final weights'
 checksum. Validation scores windows with :mod:`attnlab.model.scoring`, the function evaluation uses too.
+
+With a stopping rule (``cfg.stop_when``), each validation point checks it on the all-reduced metric (so every
+rank decides alike); the first point that meets it ends the run there with a checkpoint whose metrics say
+``stopped: reached``, and a resumed run whose latest checkpoint says so trains no further. A run that reaches
+``steps`` without meeting it ends with ``stopped: cap``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import tempfile
@@ -26,7 +32,7 @@ import torch
 from attnlab.data.source import model_kind, open_data
 from attnlab.location import Location
 from attnlab.model import GPT, build_model, compile_model, is_compiled
-from attnlab.model.checkpoint import find_latest_checkpoint, local_checkpoint, resume, save_checkpoint
+from attnlab.model.checkpoint import META_FILE, find_latest_checkpoint, local_checkpoint, resume, save_checkpoint
 from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
 from attnlab.train.config import TrainConfig
@@ -81,6 +87,17 @@ class LocalSession:
 
     def all_reduce_sum(self, values):
         return list(values)
+
+
+STOP_REACHED, STOP_CAP = "reached", "cap"  # how a run with a stopping rule ended (metrics' "stopped")
+
+
+def _checkpoint_metrics(directory: str) -> dict:
+    """The metrics a checkpoint recorded (``meta.json``); empty when it has none."""
+    try:
+        return dict(json.loads((Path(directory) / META_FILE).read_text()).get("metrics") or {})
+    except (OSError, ValueError):
+        return {}
 
 
 def _maybe_inject_failure(step: int, rank: int) -> None:
@@ -144,10 +161,13 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
     model = build_model(gpt_cfg).to(device)
     compile_model(model, cfg.compile)  # in place, before DDP wraps it (default: on for CUDA, off on CPU)
     optimizer = build_optimizer(model, cfg, device)
-    start = 0
+    start, resumed_meta = 0, {}
     with session.latest_checkpoint() as ckpt:
         if ckpt is not None:
             start = resume(ckpt, model, optimizer)
+            resumed_meta = _checkpoint_metrics(ckpt)
+    # The latest checkpoint met the stopping rule (the run was killed after it): the run is finished.
+    finished = cfg.stop_when is not None and resumed_meta.get("stopped") == STOP_REACHED
     log = None
     if rank == 0:
         log = MetricsLog(run, keep_through_step=start)  # a resumed run drops what the lost segment wrote
@@ -158,9 +178,9 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
     cfg_json = cfg.model_dump(mode="json")
     gpt_json = dataclasses.asdict(gpt_cfg)
 
-    last: dict = {"step": start}
+    last: dict = {"step": start, **({"stopped": STOP_REACHED} if finished else {})}
     t_last, tokens_since = time.perf_counter(), 0
-    for step in range(start, cfg.steps):
+    for step in range(start, start if finished else cfg.steps):
         _maybe_inject_failure(step, rank)
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
@@ -203,6 +223,13 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
             metrics["val_loss"] = total / max(count, 1.0)
             metrics["val_acc"] = correct / max(count, 1.0)
             metrics["val_tokens"] = int(count)
+            if cfg.stop_when is not None:
+                # decided from the all-reduced metric: every rank stops at the same step
+                if cfg.stop_when.met(metrics):
+                    metrics["stopped"], metrics["stop_reached"] = STOP_REACHED, 1
+                    ckpt_now = True  # evaluation uses the weights that met the rule
+                elif done == cfg.steps:
+                    metrics["stopped"], metrics["stop_reached"] = STOP_CAP, 0
         if diverged:
             metrics["diverged"] = True
             reason = f"loss is {train_loss} at step {done} (attention={gpt_cfg.attention}, p_train={gpt_cfg.p_train})"
@@ -213,13 +240,16 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location)
         checkpoint_dir = None
         with tempfile.TemporaryDirectory(prefix="attnlab-ckpt-") as tmp:
             if ckpt_now and not diverged and rank == 0:
+                saved = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+                if "stopped" in metrics:
+                    saved["stopped"] = metrics["stopped"]
                 save_checkpoint(tmp, model=model, optimizer=optimizer, step=done, cfg=cfg_json, gpt_config=gpt_json,
-                                metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+                                metrics=saved)
                 checkpoint_dir = tmp
             session.report({k: v for k, v in metrics.items() if not isinstance(v, str)}, checkpoint_dir)
         last = metrics
         t_last, tokens_since = time.perf_counter(), 0
-        if diverged:
+        if diverged or metrics.get("stopped") == STOP_REACHED:
             break
     if log is not None:
         log.flush()

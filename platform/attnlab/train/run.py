@@ -5,7 +5,8 @@ own disk, so the process that reads the outcome may sit on another node than the
 Layout of a run folder (``RUN``)::
 
     RUN/metrics.jsonl          one JSON object per report (step, train_loss, lr, grad_norm, tokens_per_s, mfu,
-                               val_loss when measured), rewritten whole (object storage has no append)
+                               val_loss when measured; with a stopping rule the last one says stopped:
+                               reached or cap), rewritten whole (object storage has no append)
     RUN/provenance.json        config, train_key, git, versions, hardware, data fingerprint, FLOPs
     RUN/failure.json           only when the run diverged: {"reason", "step", "kind"}
     RUN/replicas/rankN.sha256  each DDP rank's final weights (replicas must end byte-identical)
@@ -90,11 +91,16 @@ class TrainOutcome:
     checkpoint: str | None  # the latest checkpoint's location
     failure: str | None = None
     train_key: str | None = None
+    # with a stopping rule (TrainConfig.stop_when): "reached" (met at steps_trained) or "cap" (steps ran out
+    # first); None without a rule, or while the run is incomplete
+    stopped: str | None = None
+    steps_trained: int | None = None  # the latest checkpoint's step
 
 
 def outcome(run: str | Location, steps: int | None = None) -> TrainOutcome:
     """Read a run folder's result: last metrics, latest checkpoint, failure reason. ``steps``: the run's target;
-    a run whose latest checkpoint is short of it (and that did not diverge) is ``incomplete``."""
+    a run whose latest checkpoint is short of it (and that did not diverge) is ``incomplete``, unless that
+    checkpoint met the run's stopping rule (``stopped: reached`` in its metrics): then it is ``finished``."""
     from attnlab.model.checkpoint import find_latest_checkpoint
 
     run = Location.parse(run, field="run")
@@ -104,17 +110,19 @@ def outcome(run: str | Location, steps: int | None = None) -> TrainOutcome:
     provenance = run.read_json(PROVENANCE_FILE, default={}) or {}
     try:
         checkpoint = find_latest_checkpoint(run)
-        step = json.loads(checkpoint.read_bytes("meta.json")).get("step")
+        meta = json.loads(checkpoint.read_bytes("meta.json"))
+        step, stopped = meta.get("step"), (meta.get("metrics") or {}).get("stopped")
     except UserError:
-        checkpoint, step = None, None
+        checkpoint, step, stopped = None, None, None
     if failure:
         status = "diverged"
-    elif checkpoint is None or (steps is not None and (step or 0) < steps):
+    elif checkpoint is None or (steps is not None and (step or 0) < steps and stopped != "reached"):
         status = "incomplete"
     else:
         status = "finished"
     return TrainOutcome(run.uri, status, final, checkpoint.uri if checkpoint else None,
-                        failure["reason"] if failure else None, provenance.get("train_key"))
+                        failure["reason"] if failure else None, provenance.get("train_key"),
+                        stopped if status == "finished" else None, None if step is None else int(step))
 
 
 # ------------------------------------------------------------------------------------------ progress
@@ -161,7 +169,9 @@ class Progress:
         if self.val_loss is not None:
             parts.append(f"val {self.val_loss:.4f}")
         eta = self.eta_seconds()
-        if step >= self.steps:
+        if self.last.get("stopped") == "reached":
+            parts.append("stopping rule met: done")
+        elif step >= self.steps:
             parts.append("done")
         elif eta is not None:
             parts.append(f"ETA {format_duration(eta)}")
