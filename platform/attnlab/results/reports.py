@@ -15,6 +15,10 @@ no store access, no network (the HTML page embeds its PNG). The rules shared by 
   the mean** (``mean ± t(0.975, n-1) · std / sqrt(n)``, :func:`attnlab.results.stats.t_interval`; none
   when n < 2). NaN values (diverged runs) are kept, so a diverged seed makes the mean NaN rather than
   silently vanishing. A cell with n = 1 is a single run and every table and figure marks it ("1 seed").
+- A **bounded metric** (accuracies in [0, 1]: :func:`attnlab.results.schema.metric_bounds`) never reads outside
+  its range: a cell of 2..3 runs (:data:`attnlab.results.stats.SMALL_N`) shows the runs' values instead of a
+  t interval ("0.501 (n=2: 0.879, 0.122)"; figures draw each run as a small dot), larger cells have their
+  interval and std error bars clipped to the range (:mod:`attnlab.results.stats`).
 - :func:`laws` lists, per trial (variant and seed), the force law recovered by the orbit study's force probe:
   the expression, its exponents in r, m1, m2, its distance from Newton's and the errors of the probe and fit.
 - :func:`compare` tests the difference of two configurations at one length (Welch's t and an exact
@@ -31,6 +35,7 @@ import base64
 import html
 import io
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +44,7 @@ import pandas as pd
 from attnlab.errors import UserError
 from attnlab.names import is_missing, parse_at  # noqa: F401 - parse_at is part of this module's API
 import attnlab.results.stats as _stats_mod
-from attnlab.results.schema import COMPLETE_METRIC, CONFIG_COLUMNS, METRICS
+from attnlab.results.schema import COMPLETE_METRIC, CONFIG_COLUMNS, METRICS, metric_bounds
 
 MISSING_CELL = "–"
 SINGLE_RUN = "1 seed"  # how tables and figures mark a cell measured on a single run
@@ -153,14 +158,22 @@ def _sort_key(value):
     return (3, 0.0, str(value))
 
 
-def _stats(values: np.ndarray) -> tuple[float, float, int, float, float]:
-    """(mean, sample std, n, CI low, CI high) of one cell; std and the interval are NaN when n = 1."""
+def _stats(values: np.ndarray, bounds: tuple[float, float] | None = None) -> tuple[float, float, int, float, float]:
+    """(mean, sample std, n, CI low, CI high) of one cell; std and the interval are NaN when n = 1; the
+    interval is clipped to ``bounds`` (the metric's range, None = unbounded)."""
     values = np.asarray(values, dtype=float)
     n = len(values)
     mean = float(np.mean(values))
     std = float(np.std(values, ddof=1)) if n > 1 else float("nan")
-    low, high = _stats_mod.t_interval(values, CONFIDENCE)
+    low, high = _stats_mod.bounded_interval(values, CONFIDENCE, bounds)
     return mean, std, n, low, high
+
+
+def _rows_bounds(rows: pd.DataFrame) -> tuple[float, float] | None:
+    """The range of the one metric of ``rows`` (None: unbounded, or rows of several metrics)."""
+    if "metric" not in rows.columns or rows["metric"].nunique() != 1:
+        return None
+    return metric_bounds(rows["metric"].iloc[0])
 
 
 def _seed_values(group: pd.DataFrame) -> tuple:
@@ -172,12 +185,13 @@ def _seed_values(group: pd.DataFrame) -> tuple:
 
 def aggregate(rows: pd.DataFrame, group_columns: list[str], keep_values: bool = False) -> pd.DataFrame:
     """Long statistics: one row per (group, eval_len) with mean, std (ddof=1), n, ci_low, ci_high (the 95%
-    Student t interval of the mean; NaN when n < 2), sorted. ``keep_values`` adds ``values``: the cell's
-    ((seed, value), ...) pairs."""
+    Student t interval of the mean; NaN when n < 2; clipped to the range of a bounded metric), sorted.
+    ``keep_values`` adds ``values``: the cell's ((seed, value), ...) pairs."""
     records = []
+    bounds = _rows_bounds(rows)
     for keys, group in rows.groupby([*group_columns, "eval_len"], dropna=False, sort=False):
         keys = keys if isinstance(keys, tuple) else (keys,)
-        mean, std, n, low, high = _stats(group["value"].to_numpy())
+        mean, std, n, low, high = _stats(group["value"].to_numpy(), bounds)
         record = dict(zip([*group_columns, "eval_len"], keys))
         record.update(mean=mean, std=std, n=n, ci_low=low, ci_high=high)
         if keep_values:
@@ -285,14 +299,18 @@ def _number(value: float, digits: int) -> str:
 
 
 def _format_cell(mean: float, std: float, n: int, digits: int, low: float = math.nan, high: float = math.nan,
-                 values: tuple | None = None) -> str:
+                 values: tuple | None = None, bounds: tuple[float, float] | None = None,
+                 seeds: tuple | None = None) -> str:
     """``mean ± std (n=k) [low, high]``; ``mean (1 seed)`` for a single run; "–" for none; with ``values``,
-    the per-seed values after a semicolon."""
+    the per-seed values after a semicolon. A bounded metric (``bounds``) with 2..SMALL_N runs and its
+    ``seeds`` ((seed, value), ...) reads ``mean (n=k: v1, v2)``: the runs, not a t interval wider than its range."""
     if n == 0:
         return MISSING_CELL
     text = _number(mean, digits)
     if n == 1:
         text += f" ({SINGLE_RUN})"
+    elif seeds and _stats_mod.shows_seed_values(n, bounds):
+        text += f" (n={n}: " + ", ".join(_number(v, digits) for _, v in seeds) + ")"
     else:
         text += f" ± {_number(std, digits)} (n={n})"
         if not (math.isnan(low) or math.isnan(high)):
@@ -316,6 +334,10 @@ def caption(result: pd.DataFrame) -> str:
     percent = f"{100 * attrs.get('confidence', CONFIDENCE):g}%"
     parts = [f"{attrs.get('metric', 'value')} ({step_text}; mean ± sample std over n seeds, [{percent} Student t "
              f"interval of the mean] when n > 1; '{SINGLE_RUN}' = a single run, no spread or interval)"]
+    bounds = metric_bounds(attrs.get("metric"))
+    if bounds is not None:
+        parts.append(f"{attrs.get('metric')} lies in [{bounds[0]:g}, {bounds[1]:g}]: 'mean (n=k: values)' lists the "
+                     f"runs when n <= {_stats_mod.SMALL_N}, larger n has its interval clipped to that range")
     constants = attrs.get("constants") or {}
     if constants:
         parts.append("constant: " + ", ".join(f"{k}={format_value(v)}" for k, v in constants.items()))
@@ -327,6 +349,7 @@ def formatted_cells(result: pd.DataFrame, digits: int = 4, per_seed: bool = Fals
     label_columns = result.attrs["label_columns"]
     lengths = result.attrs["lengths"]
     seed_values = result.attrs.get("seed_values") or {}
+    bounds = metric_bounds(result.attrs.get("metric"))
     header = [*label_columns, *_length_headers(lengths, result.attrs.get("train_len"))]
     body = []
     for i in range(len(result)):
@@ -336,7 +359,8 @@ def formatted_cells(result: pd.DataFrame, digits: int = 4, per_seed: bool = Fals
             low = row[f"ci_low@{L}"] if f"ci_low@{L}" in result.columns else math.nan
             high = row[f"ci_high@{L}"] if f"ci_high@{L}" in result.columns else math.nan
             cells.append(_format_cell(row[f"mean@{L}"], row[f"std@{L}"], int(row[f"n@{L}"]), digits, low, high,
-                                      seed_values.get((i, L)) if per_seed else None))
+                                      seed_values.get((i, L)) if per_seed else None, bounds=bounds,
+                                      seeds=seed_values.get((i, L))))
         for j, L in enumerate(lengths):
             if (i, L) in (result.attrs.get("capped") or {}):
                 cells[len(label_columns) + j] += CAP_MARK
@@ -644,7 +668,8 @@ def compare(df: pd.DataFrame, a: str, b: str, at, metric: str = "val_loss", step
         verdict = (f"no test: {' and '.join(few)}; a test needs at least 2 runs (seeds) on each side, so this "
                    f"difference cannot be told from run-to-run noise")
     else:
-        test = _stats_mod.two_sample_test([v for _, v in values["a"]], [v for _, v in values["b"]], confidence)
+        test = _stats_mod.two_sample_test([v for _, v in values["a"]], [v for _, v in values["b"]], confidence,
+                                          bounds=metric_bounds(metric))
         notes.extend(test.notes)
         if math.isnan(test.p_welch):
             if test.diff == 0:
@@ -693,6 +718,7 @@ def format_comparison(result: Comparison, digits: int = 4) -> str:
     if result.constants:
         lines.append("constant: " + ", ".join(f"{k}={format_value(v)}" for k, v in result.constants.items()))
     percent = f"{100 * result.confidence:g}%"
+    bounds = metric_bounds(result.metric)
     for name, spec, config, pairs in (("a", result.a, result.a_config, result.a_values),
                                       ("b", result.b, result.b_config, result.b_values)):
         label = ", ".join(f"{k}={format_value(v)}" for k, v in config.items()) or spec
@@ -701,8 +727,10 @@ def format_comparison(result: Comparison, digits: int = 4) -> str:
             summary = "no finite values"
         elif len(vals) == 1:
             summary = f"{_number(float(vals[0]), digits)} ({SINGLE_RUN})"
+        elif _stats_mod.shows_seed_values(len(vals), bounds):  # too few runs for an interval inside the range
+            summary = f"{_number(float(vals.mean()), digits)} (n={len(vals)}; no interval, see per seed)"
         else:
-            low, high = _stats_mod.t_interval(vals, result.confidence)
+            low, high = _stats_mod.bounded_interval(vals, result.confidence, bounds)
             summary = (f"{_number(float(vals.mean()), digits)} ± {_number(float(vals.std(ddof=1)), digits)} "
                        f"(n={len(vals)}) [{percent} CI {_number(low, digits)}, {_number(high, digits)}]")
         seeds = ", ".join(f"{'?' if s is None else s}: {_number(v, digits)}" for s, v in pairs)
@@ -829,20 +857,58 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
 def _plot_line(axes, xs: np.ndarray, ys: np.ndarray, errs: np.ndarray, ns: np.ndarray, label: str,
-               index: int = 0) -> bool:
+               index: int = 0, bounds: tuple[float, float] | None = None, seeds: list | None = None) -> bool:
     """One line with std error bars; points with n = 1 hollow, "(1 seed)" in the label when all are.
-    Returns whether any single-run point was drawn."""
-    single = np.asarray(ns) == 1
+    A bounded metric (``bounds``, the metric's range) keeps its error bars inside the range, and a point of
+    2..SMALL_N runs with its ``seeds`` (per point: ((seed, value), ...)) shows each run as a small dot instead of
+    an error bar. Returns whether any single-run point was drawn."""
+    ns = np.asarray(ns)
+    single = ns == 1
     if len(single) and single.all():
         label = f"{label} ({SINGLE_RUN})"
     marker = _MARKERS[index % len(_MARKERS)]
-    line = axes.errorbar(xs, ys, yerr=errs if errs.any() else None, marker=marker, capsize=3, label=label,
-                         linestyle=_LINE_STYLES[index % len(_LINE_STYLES)], color=f"C{index % 10}", alpha=0.9)
+    color = f"C{index % 10}"
+    errs = np.nan_to_num(np.asarray(errs, dtype=float))
+    few = np.array([bool(seeds) and bool(seeds[k]) and _stats_mod.shows_seed_values(n, bounds)
+                    for k, n in enumerate(ns)], dtype=bool)
+    errs = np.where(few, 0.0, errs)
+    yerr = None
+    if errs.any():
+        yerr = errs if bounds is None else \
+            np.array([_stats_mod.clipped_bar(float(y), float(e), bounds) for y, e in zip(ys, errs)]).T
+    line = axes.errorbar(xs, ys, yerr=yerr, marker=marker, capsize=3, label=label,
+                         linestyle=_LINE_STYLES[index % len(_LINE_STYLES)], color=color, alpha=0.9)
+    if few.any():
+        points = [(x, v) for x, cell, shown in zip(xs, seeds, few) if shown for _, v in cell]
+        axes.plot([x for x, _ in points], [v for _, v in points], linestyle="none", marker=".", markersize=5,
+                  color=color, alpha=0.8, zorder=3)
     if single.any():
         color = line.lines[0].get_color()
         axes.plot(xs[single], ys[single], linestyle="none", marker=marker, markersize=7, markerfacecolor="white",
                   markeredgecolor=color, markeredgewidth=1.5, zorder=3)
     return bool(single.any())
+
+
+def _wrap_inside(figure, text_artist, text: str, lay_out) -> None:
+    """Set ``text_artist`` to ``text`` wrapped at spaces (never inside a word) so that, after ``lay_out()``, it
+    lies inside the figure's width; the text itself stays whole (joining the lines gives it back)."""
+    renderer = figure.canvas.get_renderer()
+    text_artist.set_text(text)
+    lay_out()
+    extent = text_artist.get_window_extent(renderer)
+    width = len(text)
+    for _ in range(8):  # each round narrows to what the last drawing says fits; two rounds are the rule
+        inside = extent.x0 >= figure.bbox.x0 and extent.x1 <= figure.bbox.x1
+        if inside or width <= 20:
+            return
+        # the text is centred at its anchor: each half of the widest line must fit on its own side
+        anchor = (extent.x0 + extent.x1) / 2
+        room = 2 * min(anchor - figure.bbox.x0, figure.bbox.x1 - anchor) - 12  # a few pixels of margin
+        longest = max(len(line) for line in text_artist.get_text().split("\n"))
+        width = max(20, min(width - 1, int(longest * room / extent.width)))
+        text_artist.set_text(textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False))
+        lay_out()
+        extent = text_artist.get_window_extent(renderer)
 
 
 def metric_axis_label(metric: str) -> str:
@@ -877,19 +943,24 @@ def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length",
     The title names the metric and the study; the line under it the settings every line shares. Every line has
     its own colour, line style and marker (lines that coincide stay visible). Length figures mark the training
     length and label each tick with its multiple (1x..16x); the y axis says the unit (nats per token for
-    losses). In ``by="p"`` figures ``p_eval`` none reads "as trained" (the model's own p_train)."""
+    losses). In ``by="p"`` figures ``p_eval`` none reads "as trained" (the model's own p_train). Both titles are
+    wrapped at spaces to the figure's width (the figure grows in height), so no text reaches past its edges."""
     if by not in ("length", "p"):
         raise UserError(f"--by {by!r}: allowed: length, p")
     import matplotlib
 
     matplotlib.use("Agg", force=False)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows = select(df, metric, step)
     result = table(df, metric=metric, step=step)
     label_columns = result.attrs["label_columns"]
     train_len = result.attrs.get("train_len")
+    bounds = metric_bounds(metric)
+    seed_values = result.attrs.get("seed_values") or {}
     figure = Figure(figsize=(9, 5.5), dpi=100)
+    FigureCanvasAgg(figure)  # a renderer to measure the titles with (they are wrapped to the figure's width)
     axes = figure.add_subplot(1, 1, 1)
     single_runs = False
     p_column = None
@@ -902,7 +973,9 @@ def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length",
             xs = np.array(lengths, dtype=float)[n > 0]
             ys = np.array([row[f"mean@{L}"] for L in lengths])[n > 0]
             errs = np.nan_to_num(np.array([row[f"std@{L}"] for L in lengths])[n > 0])
-            single_runs |= _plot_line(axes, xs, ys, errs, n[n > 0], _config_label(row, label_columns), index=i)
+            seeds = [seed_values.get((i, L)) for L, k in zip(lengths, n) if k > 0]
+            single_runs |= _plot_line(axes, xs, ys, errs, n[n > 0], _config_label(row, label_columns), index=i,
+                                      bounds=bounds, seeds=seeds)
         axes.set_xscale("log", base=2)
         axes.set_xticks(lengths)
         axes.set_xticklabels([_length_tick(L, train_len) for L in lengths])
@@ -917,7 +990,7 @@ def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length",
     else:
         p_column = _p_column(rows)
         group_columns = [c for c in label_columns if c != p_column]
-        stats = aggregate(rows, [*group_columns, p_column])
+        stats = aggregate(rows, [*group_columns, p_column], keep_values=True)
         p_values = sorted(stats[p_column].drop_duplicates().tolist(), key=_sort_key)
         positions = {format_value(p): i for i, p in enumerate(p_values)}
         line_columns = [*group_columns, "eval_len"]
@@ -930,7 +1003,8 @@ def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length",
             xs = [positions[format_value(p)] for p in line[p_column]]
             errs = np.nan_to_num(line["std"].to_numpy(float))
             single_runs |= _plot_line(axes, np.array(xs, dtype=float), line["mean"].to_numpy(float), errs,
-                                      line["n"].to_numpy(int), label, index=index)
+                                      line["n"].to_numpy(int), label, index=index, bounds=bounds,
+                                      seeds=line["values"].tolist())
         axes.set_xticks(range(len(p_values)))
         if p_column == "p_eval":  # p_eval none: the model evaluated as it was trained (its own p_train)
             axes.set_xticklabels(["as trained" if is_missing(p) else format_value(p) for p in p_values])
@@ -940,16 +1014,21 @@ def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length",
             axes.set_xlabel("p_train (sharpening power in training; none = no sharpening)")
         header = [*group_columns, p_column, "eval_len", metric]
         body = [[*(format_value(r[c]) for c in group_columns), format_value(r[p_column]), str(int(r["eval_len"])),
-                 _format_cell(r["mean"], r["std"], int(r["n"]), digits, r["ci_low"], r["ci_high"])]
+                 _format_cell(r["mean"], r["std"], int(r["n"]), digits, r["ci_low"], r["ci_high"], bounds=bounds,
+                              seeds=r["values"])]
                 for _, r in stats.iterrows()]
 
     axes.set_ylabel(metric_axis_label(metric))
     title = _figure_title(df, metric, by, p_column)
     constants = {k: v for k, v in (result.attrs.get("constants") or {}).items() if k not in ("study",)}
     subtitle = ", ".join(f"{k}={format_value(v)}" for k, v in constants.items())
-    subtitle = (f"fixed: {subtitle}; " if subtitle else "") + "error bars: sample std over seeds"
-    figure.suptitle(title, fontsize="medium")
-    axes.set_title(subtitle, fontsize="small", color="0.3")
+    bars = "error bars: sample std over seeds"
+    if bounds is not None:
+        bars += (f", kept inside [{bounds[0]:g}, {bounds[1]:g}]; small dots: each seed's value where n <= "
+                 f"{_stats_mod.SMALL_N}")
+    subtitle = (f"fixed: {subtitle}; " if subtitle else "") + bars
+    suptitle = figure.suptitle(title, fontsize="medium")
+    subtitle_text = axes.set_title(subtitle, fontsize="small", color="0.3")
     axes.grid(True, alpha=0.3)
     handles, labels = axes.get_legend_handles_labels()
     if single_runs:
@@ -962,7 +1041,16 @@ def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length",
     figure.set_size_inches(9, 5.5 + 0.2 * len(labels))
     axes.legend(handles, labels, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1,
                 frameon=False)
-    figure.tight_layout()
+
+    def lay_out():
+        # The figure also grows with the title lines (the plot keeps its height), then the layout makes room.
+        extra = suptitle.get_text().count("\n") * 0.2 + subtitle_text.get_text().count("\n") * 0.16
+        figure.set_size_inches(9, 5.5 + 0.2 * len(labels) + extra)
+        figure.tight_layout()
+
+    # A title wider than the figure would be cut at both edges of the PNG: wrap both to the figure's width.
+    _wrap_inside(figure, suptitle, title, lay_out)
+    _wrap_inside(figure, subtitle_text, subtitle, lay_out)
     return figure, title, caption(result), header, body
 
 
@@ -970,8 +1058,9 @@ def curves(df: pd.DataFrame, out_dir: str, metric: str = "val_loss", by: str = "
            digits: int = 4) -> dict[str, str]:
     """Plot ``metric`` against eval length (log2 x axis, one line per configuration; the paper's
     Figure 1) or, with ``by="p"``, against the sharpening power p (one line per eval length and
-    configuration; its Figure 2); see :func:`curve_figure`. Error bars show the sample std when n > 1; a point
-    measured on a single run is drawn hollow, a line made only of single runs says "(1 seed)" in its legend
+    configuration; its Figure 2); see :func:`curve_figure`. Error bars show the sample std when n > 1 (kept
+    inside the range of a bounded metric such as acc, whose points of 2..3 runs show each run as a small dot
+    instead); a point measured on a single run is drawn hollow, a line made only of single runs says "(1 seed)" in its legend
     label, and the legend explains the hollow marker whenever one is drawn.
 
     Writes ``<metric>_vs_<by>.png`` and a self-contained ``<metric>_vs_<by>.html`` (the PNG inlined as
