@@ -51,10 +51,12 @@ def spec_json(name: str, engine: str = "grid") -> dict:
             "eval": {"multiples": [1, 2, 4], "p_eval": ["none", 15], "rope_scaling": ["none", "ntk"]}}
 
 
-def write_study(store_uri: str, storage_uri: str, name: str = "probe", engine: str = "grid") -> StudyState:
-    """A study with every trial status, metrics for each run and acc + val_loss rows for the finished ones."""
+def write_study(store_uri: str, storage_uri: str, name: str = "probe", engine: str = "grid",
+                ray: dict | None = None) -> StudyState:
+    """A study with every trial status, metrics for each run and acc + val_loss rows for the finished ones;
+    ``ray``: the cluster record ``attnlab study run`` writes (``Dashboard.record()``), none by default."""
     state = StudyState(storage_uri, name)
-    state.write_spec(spec_json(name, engine), "fingerprint0")
+    state.write_spec(spec_json(name, engine), "fingerprint0", ray=ray)
     store = ResultsStore(store_uri)
     now = time.time()
     for i, (key, status, point, steps, reached, reason) in enumerate(TRIALS):

@@ -22,6 +22,7 @@ from attnlab.results import ResultsStore, reports
 from attnlab.serve import data
 from attnlab.serve.app import ResultsCache, create_app, plotly_js
 from attnlab.serve.data import NotFound, open_sources
+from attnlab.study.state import StudyState
 from serve_util import TRIALS, get, get_json, serving, write_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,12 +128,69 @@ def test_links_name_the_study_own_tensorboard_and_optuna(tmp_path):
     grid = data.study_info(sources, "grid-study")
     assert grid["links"] == {"ray_dashboard": "http://127.0.0.1:9999", "optuna_dashboard": None,
                              "tensorboard": f"tensorboard --logdir {tmp_path / 'runs' / 'grid-study' / 'tune'}"}
+    assert grid["ray"]["source"] == "flag"
     tpe = data.study_info(sources, "tpe-study")
     assert tpe["links"]["optuna_dashboard"] == f"optuna-dashboard {state.optuna_url(None)}"
     assert tpe["links"]["optuna_dashboard"].endswith("/tpe-study/optuna.db")
     overview = data.overview(sources)
     assert [s["name"] for s in overview["studies"]] == ["grid-study", "tpe-study"]
     assert overview["studies"][0]["counts"]["complete"] == 3 and overview["studies"][0]["trials"] == len(TRIALS)
+
+
+def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(tmp_path, capsys):
+    from attnlab.raycluster import Dashboard
+
+    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    live = Dashboard("http://127.0.0.1:41234").record()
+    write_study(store, storage, name="live", ray=live)
+    write_study(store, storage, name="older", ray={**Dashboard("http://127.0.0.1:41000").record(), "recorded": 1.0})
+    write_study(store, storage, name="bare", ray=Dashboard(None, "the cluster runs without one").record())
+    write_study(store, storage, name="legacy")  # a study.json from before the dashboard was recorded
+    write_study(store, storage, name="forged", ray={"dashboard": "javascript:alert(1)"})
+    assert StudyState(storage, "live").ray_cluster()["dashboard"] == "http://127.0.0.1:41234"
+    assert StudyState(storage, "legacy").ray_cluster() is None
+
+    sources = open_sources(store, storage)  # no --ray-dashboard
+    assert sources.ray_dashboard is None
+    info = {name: data.study_info(sources, name) for name in ("live", "older", "bare", "legacy", "forged")}
+    assert info["live"]["links"]["ray_dashboard"] == "http://127.0.0.1:41234"
+    assert info["live"]["ray"]["source"] == "study"
+    assert info["bare"]["links"]["ray_dashboard"] is None
+    assert info["bare"]["ray"]["note"] == "the cluster runs without one"
+    for name in ("legacy", "forged"):  # nothing (usable) recorded: Ray's default port
+        assert info[name]["links"]["ray_dashboard"] == data.DEFAULT_RAY_DASHBOARD, name
+        assert info[name]["ray"]["source"] == "default"
+    # the header outside a study page: the most recently started study's dashboard
+    assert data.header_dashboard(sources, data.overview(sources)["studies"]) == "http://127.0.0.1:41234"
+    assert data.header_dashboard(sources) == data.DEFAULT_RAY_DASHBOARD
+
+    # an explicit --ray-dashboard (an SSH tunnel) wins everywhere
+    tunnel = open_sources(store, storage, ray_dashboard="http://127.0.0.1:8265")
+    for name in ("live", "bare", "legacy"):
+        assert data.study_info(tunnel, name)["links"]["ray_dashboard"] == "http://127.0.0.1:8265"
+    assert data.header_dashboard(tunnel, data.overview(tunnel)["studies"]) == "http://127.0.0.1:8265"
+
+    with serving(create_app(sources)) as base:
+        _, _, page = get(base + "/study/live")
+        assert page.count('href="http://127.0.0.1:41234"') == 2  # the header and the study's own link
+        assert 'id="ray-dashboard"' in page and 'data-source="study"' in page
+        _, _, page = get(base + "/study/bare")
+        assert 'id="ray-dashboard-none"' in page and "the cluster runs without one" in page
+        assert 'class="ray"' not in page and "8265" not in page
+        _, _, page = get(base + "/study/forged")
+        assert "javascript:" not in page and 'href="http://127.0.0.1:8265"' in page
+        _, _, index = get(base + "/")
+        assert 'class="ray" href="http://127.0.0.1:41234"' in index
+    with serving(create_app(tunnel)) as base:
+        _, _, page = get(base + "/study/live")
+        assert "41234" not in page and page.count('href="http://127.0.0.1:8265"') == 2
+    # the flag's help says where the default comes from
+    from attnlab.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Default: each study's own, the dashboard of the cluster it runs on" in help_text
 
 
 def test_bad_input_is_one_sentence(tmp_path, local):

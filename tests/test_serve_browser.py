@@ -3,10 +3,11 @@
 A small probe study (tiny preset, a copy task with a 64-token vocabulary, 2 variants x 2 seeds, one trial at a time)
 runs as an ``attnlab study run`` subprocess on the session's Ray cluster; ``attnlab serve`` runs as another
 subprocess on a free loopback port. The browser opens the study page while a trial trains and sees it running (its
-status, its progress bar moving, its live training curve), then, without reloading, sees every trial complete and
-the extrapolation curves, the Table-4 layout and the best configuration appear. Every request the page makes goes
-to the server itself. Screenshots land in the test's folder (``ATTNLAB_SERVE_SCREENSHOT=FILE`` also writes the
-final one there).
+status, its progress bar moving, its live training curve), follows the page's "Ray dashboard" link to the dashboard
+of the cluster the study runs on (the address the study's plan line printed) and finds it answering, then, without
+reloading, sees every trial complete and the extrapolation curves, the Table-4 layout and the best configuration
+appear. Every request the study page makes goes to the server itself. Screenshots land in the test's folder
+(``ATTNLAB_SERVE_SCREENSHOT=FILE`` also writes the final one there).
 
 Chromium comes from Debian (``apt-get install -y chromium``; ``.ci/run`` installs it); Playwright's own browser
 download (``playwright install``) is never used.
@@ -133,6 +134,23 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
                 assert running_steps.endswith("/ 160"), running_steps
                 page.screenshot(path=str(tmp_path / "running.png"), full_page=True)
 
+                # the page's Ray dashboard is that of the cluster the study runs on (the session's, whose port is
+                # not 8265), the address the study's plan line printed, and it answers while the trial runs
+                dashboard = page.get_attribute("#ray-dashboard", "href")
+                assert dashboard == os.environ["RAY_API_SERVER_ADDRESS"], dashboard
+                assert page.get_attribute("header .ray", "href") == dashboard
+                plan = next(line for line in study_log.read_text().splitlines() if line.startswith("plan: study"))
+                assert plan.endswith(f"; Ray dashboard: {dashboard}"), plan
+                board = browser.new_page()  # not `page`: its requests must all stay on the serve origin
+                try:
+                    response = board.goto(dashboard, wait_until="domcontentloaded", timeout=60_000)
+                    assert response is not None and response.ok and "Ray" in board.title(), board.title()
+                    version = board.request.get(dashboard.rstrip("/") + "/api/version", timeout=30_000)
+                    assert version.ok and "ray_version" in version.json(), version.text()[:300]
+                    assert page.locator('#trials tr[data-status="running"]').count() >= 1  # still running
+                finally:
+                    board.close()
+
                 # after the study: every trial complete, and the results appear without a reload
                 assert study.wait(timeout=900) == 0, study_log.read_text()[-3000:]
                 page.wait_for_function(
@@ -144,7 +162,7 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
                 header = page.inner_text("#table4 thead")
                 assert "64 (1x)" in header and "256 (4x)" in header and "attention" in header
                 assert page.locator("#table4 tbody tr").count() == 2 * 2 * 2  # attention x p_eval x rope_scaling
-                assert "(n=2)" in page.inner_text("#table4 tbody")  # mean ± std over the two seeds
+                assert "(n=2" in page.inner_text("#table4 tbody")  # mean ± std over the two seeds
                 assert page.locator("#best tbody tr").count() >= 2
                 assert page.inner_text("#best thead").split()[-1] == "acc"  # the probe's objective metric
 

@@ -55,6 +55,70 @@ def test_the_live_view_prints_a_line_per_change(tmp_path):
     assert trial_label({"point": {"attention": "lssa", "p_train": False}}) == "lssa p_train=off"
 
 
+def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path, monkeypatch):
+    """No Ray: a stand-in ``ray`` module says which cluster this process joined; the GCS is not asked twice."""
+    import types
+
+    from attnlab import raycluster
+    from attnlab.raycluster import Dashboard
+    from attnlab.study.console import say
+    from attnlab.study.runner import study_plan
+    from attnlab.study.spec import StudySpec
+
+    connected = {"gcs": None}
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: connected["gcs"] is not None,
+        get_runtime_context=lambda: types.SimpleNamespace(gcs_address=connected["gcs"]))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(raycluster, "_dashboards", {"10.0.0.1:6379": Dashboard("http://127.0.0.1:40001")})
+    asked = []
+    answers = {"10.0.0.2:6379": (None, True), "10.0.0.3:6379": (None, False),
+               "10.0.0.4:6379": ("http://10.0.0.4:8265", True)}
+    monkeypatch.setattr(raycluster, "_ask_dashboard", lambda gcs: asked.append(gcs) or answers[gcs])
+
+    assert raycluster.dashboard().line() == "Ray dashboard: none (not connected to a Ray cluster)"
+    connected["gcs"] = "10.0.0.1:6379"  # an embedded cluster: the port ensure_ray chose, nothing asked
+    assert raycluster.dashboard() == Dashboard("http://127.0.0.1:40001") and asked == []
+    connected["gcs"] = "10.0.0.4:6379"  # RAY_ADDRESS or a Ray job: what the cluster's GCS records, asked once
+    assert raycluster.dashboard().url == raycluster.dashboard().url == "http://10.0.0.4:8265"
+    assert asked == ["10.0.0.4:6379"]
+    connected["gcs"] = "10.0.0.2:6379"
+    assert raycluster.dashboard().line() == "Ray dashboard: none (the cluster runs without one)"
+    connected["gcs"] = "10.0.0.3:6379"
+    assert raycluster.dashboard().line() == "Ray dashboard: none (unknown: the cluster's GCS at 10.0.0.3:6379 did " \
+                                            "not answer)"
+
+    spec = StudySpec.model_validate({"name": "planned", "train": {"preset": "tiny", "data": "demo", "steps": 6},
+                                     "space": {"attention": ["softmax"]}, "objective": "val_loss@2x"})
+    board = Dashboard("http://127.0.0.1:40001")
+    line = study_plan(spec, board)
+    assert line.startswith("plan: study planned: 1 trial(s)")
+    assert line.endswith("; Ray dashboard: http://127.0.0.1:40001")
+    assert "Ray dashboard" not in study_plan(spec)
+
+    # the printing: the terminal, and the log file when there is one
+    log = tmp_path / "ray.log"
+    log.write_text("earlier Ray output\n")
+    printed = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
+    say(line, str(log))
+    say("no log file here")
+    assert printed == [line, "no log file here"]
+    lines = log.read_text().splitlines()
+    assert lines[0] == "earlier Ray output" and lines[1].endswith(f" attnlab: {line}") and len(lines) == 2
+
+    # the record attnlab serve reads, next to the spec
+    state = StudyState(str(tmp_path / "runs"), "planned")
+    state.write_spec({"name": "planned"}, "fp")
+    assert state.ray_cluster() is None and "ray" not in state.saved_spec()
+    state.write_spec({"name": "planned"}, "fp", ray=board.record())
+    recorded = state.ray_cluster()
+    assert recorded["dashboard"] == "http://127.0.0.1:40001" and recorded["note"] == ""
+    assert state.saved_spec()["fingerprint"] == "fp"
+    state.write_spec({"name": "planned"}, "fp", ray=Dashboard(None, "the cluster runs without one").record())
+    assert state.ray_cluster()["dashboard"] is None
+
+
 def test_train_prints_its_plan_warnings_and_progress(tmp_path, demo_data_dir):
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "attnlab.cli", "train", "--preset", "tiny", "--data",
@@ -96,12 +160,16 @@ def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     out = res.stdout
     assert out.startswith("plan: study watched: 2 trial(s) (optuna), each 6 steps x 256 tokens")
+    # the plan line ends with the dashboard of the cluster the study ran on (the session's), read from its GCS
+    plan = out.splitlines()[0]
+    assert plan.endswith(f"; Ray dashboard: {os.environ['RAY_API_SERVER_ADDRESS']}"), plan
     for noise in ("TrainController", "TrainingReport(", "+----", "Trial status", "(pid=", "Configuration for experiment",
                   "View detailed results here"):
         assert noise not in out, f"{noise!r} reached the terminal:\n{out}"
     log = next(line.split(": ", 1)[1].split(" (")[0] for line in out.splitlines()
                if line.startswith("Ray's and Tune's own output: "))
     assert Path(log).is_file() and Path(log).stat().st_size > 0
+    assert f"attnlab: {plan}" in Path(log).read_text()  # the log file names the dashboard too
     assert sum(" complete " in line for line in out.splitlines()) >= 1, out  # once failed in a full run: show why
     assert "study watched: 2 trial(s)" in out
     state = StudyState(str(tmp_path / "runs"), "watched")

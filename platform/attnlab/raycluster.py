@@ -20,6 +20,10 @@ by ASHA, a killed driver) is never removed. So every process of the cluster attn
   dashboard address is read from its GCS and put in this driver's job ``runtime_env`` ``env_vars``, which every
   task and actor of the job, detached ones included, inherits. The processes of ``ray start`` were started
   before attnlab ran, so this is the only way to reach them.
+
+``dashboard()`` says where the dashboard of the cluster this process joined is (the port chosen here for an
+embedded one, the GCS's record for any other, or that there is none): a study prints it on its plan line and
+records it for ``attnlab serve`` (``attnlab.study.runner``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import socket
 import time
 import warnings
+from dataclasses import dataclass
 
 LOCAL_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -47,9 +52,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cluster_api_server(address: str) -> str | None:
-    """The dashboard (State API) URL of the running cluster whose GCS is ``address`` (``host:port``), as the GCS
-    records it; None when the cluster has no dashboard or cannot be asked."""
+def _ask_dashboard(address: str) -> tuple[str | None, bool]:
+    """``(url, answered)``: the dashboard URL the GCS at ``address`` records (None: the cluster has none), and
+    whether the GCS could be asked at all."""
     from ray._private import ray_constants
     from ray._private.services import canonicalize_bootstrap_address_or_die
     from ray._raylet import GcsClient
@@ -59,8 +64,56 @@ def cluster_api_server(address: str) -> str | None:
         value = gcs.internal_kv_get(ray_constants.DASHBOARD_ADDRESS.encode(),
                                     namespace=ray_constants.KV_NAMESPACE_DASHBOARD, timeout=30)
     except Exception:  # noqa: BLE001 - private Ray API, best effort: Ray works without it, only less tidily
-        return None
-    return f"http://{value.decode()}" if value else None
+        return None, False
+    if not value:
+        return None, True
+    value = value.decode()
+    return (value if value.startswith(("http://", "https://")) else f"http://{value}"), True
+
+
+def cluster_api_server(address: str) -> str | None:
+    """The dashboard (State API) URL of the running cluster whose GCS is ``address`` (``host:port``), as the GCS
+    records it; None when the cluster has no dashboard or cannot be asked."""
+    return _ask_dashboard(address)[0]
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    """The Ray dashboard of the cluster this process runs on: ``url`` (None when there is none, or it is not
+    known) and ``note``, why not (empty when ``url`` is set)."""
+
+    url: str | None
+    note: str = ""
+
+    def line(self) -> str:
+        """``Ray dashboard: http://...`` or ``Ray dashboard: none (why)``, as the plan line ends."""
+        return f"Ray dashboard: {self.url}" if self.url else f"Ray dashboard: none ({self.note})"
+
+    def record(self) -> dict:
+        """What a study writes to its state for ``attnlab serve`` (``StudyState.write_spec``)."""
+        return {"dashboard": self.url, "note": self.note, "recorded": time.time()}
+
+
+_dashboards: dict[str, Dashboard] = {}  # by GCS address: an embedded cluster's own, or what its GCS answered
+
+
+def dashboard() -> Dashboard:
+    """The dashboard of the Ray cluster this process is connected to (call after :func:`ensure_ray`): the port
+    ``ensure_ray`` chose for an embedded cluster, else the address the cluster's GCS records (a cluster named by
+    ``RAY_ADDRESS``, a Ray job's driver, a cluster joined before), asked once per cluster."""
+    import ray
+
+    if not ray.is_initialized():
+        return Dashboard(None, "not connected to a Ray cluster")
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - e.g. a Ray Client (ray://) connection, which has no GCS address here
+        return Dashboard(None, "unknown: this connection does not tell the cluster's GCS address")
+    if gcs not in _dashboards:
+        url, answered = _ask_dashboard(gcs)
+        _dashboards[gcs] = Dashboard(url, "" if url else ("the cluster runs without one" if answered
+                                                          else f"unknown: the cluster's GCS at {gcs} did not answer"))
+    return _dashboards[gcs]
 
 
 def _api_server_runtime_env() -> dict | None:
@@ -96,6 +149,9 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
              object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
              **kwargs)
+    _dashboards[ray.get_runtime_context().gcs_address] = (
+        Dashboard(f"http://127.0.0.1:{kwargs['dashboard_port']}") if dashboard
+        else Dashboard(None, "this embedded cluster was started without one"))
     return True
 
 

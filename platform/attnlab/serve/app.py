@@ -89,13 +89,15 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     """The application reading ``sources``; the study page polls every ``refresh_s`` seconds."""
     env = _environment()
     cache = ResultsCache(sources)
-    common = {"store": sources.store.uri, "storage": sources.storage.uri, "ray_dashboard": sources.ray_dashboard}
+    # the header's Ray dashboard: a study page's own (data.study_info), the index's the latest study's
+    common = {"store": sources.store.uri, "storage": sources.storage.uri,
+              "ray_dashboard": data.header_dashboard(sources)}
 
     def render(template: str, status_code: int = 200, **context) -> HTMLResponse:
-        return HTMLResponse(env.get_template(template).render(**common, **context), status_code=status_code)
+        return HTMLResponse(env.get_template(template).render({**common, **context}), status_code=status_code)
 
     def fragment(template: str, **context) -> str:
-        return env.get_template(template).render(**common, **context)
+        return env.get_template(template).render({**common, **context})
 
     def one(request: Request, name: str) -> str | None:
         value = request.query_params.get(name)
@@ -103,7 +105,9 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
 
     # ------------------------------------------------------------------------------------------- pages
     def index(request: Request) -> Response:
-        return render("index.html", data=data.overview(sources), index_refresh=INDEX_REFRESH_S)
+        overview = data.overview(sources)
+        return render("index.html", data=overview, index_refresh=INDEX_REFRESH_S,
+                      ray_dashboard=data.header_dashboard(sources, overview["studies"]))
 
     def study(request: Request) -> Response:
         name = request.path_params["name"]
@@ -114,7 +118,7 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
                        "results": res, "api": {"trials": f"/api/study/{name}/trials",
                                                "results": f"/api/study/{name}/results"}}
         return render("study.html", info=info, data=trials, res=res, refresh=f"{refresh_s:g}",
-                      page_config=page_config)
+                      page_config=page_config, ray_dashboard=info["links"]["ray_dashboard"])
 
     # ------------------------------------------------------------------------------------------- JSON
     def api_studies(request: Request) -> Response:

@@ -37,8 +37,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--host", default=DEFAULT_HOST,
                    help=f"address to bind (default {DEFAULT_HOST}: this machine only; the page has no login)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    p.add_argument("--ray-dashboard", default=DEFAULT_RAY_DASHBOARD, metavar="URL",
-                   help=f"the Ray dashboard the page links to (default {DEFAULT_RAY_DASHBOARD})")
+    p.add_argument("--ray-dashboard", default=None, metavar="URL",
+                   help="the Ray dashboard the page links to, for every study: give it when you reach the dashboard "
+                        "your own way, e.g. through an SSH tunnel (cluster/README.md). Default: each study's own, "
+                        "the dashboard of the cluster it runs on as `attnlab study run` recorded it in "
+                        f"<storage>/<study>/study.json (and printed on its plan line), else {DEFAULT_RAY_DASHBOARD}")
     p.add_argument("--refresh", type=float, default=3.0, metavar="SECONDS",
                    help="how often the study page refreshes trials and live curves (default 3)")
     p.set_defaults(func=_serve)

@@ -30,6 +30,7 @@ from attnlab.study.state import SPEC_FILE, STATUSES, StudyState
 from attnlab.train.run import METRICS_FILE, read_metrics
 
 DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
+_HTTP_URL = re.compile(r"https?://[^\s\"'<>]+")
 # The evaluation settings the extrapolation figure lets a reader pick (the other varying columns name the lines).
 SELECTABLE = ("p_eval", "rope_scaling")
 
@@ -40,22 +41,22 @@ class NotFound(UserError):
 
 @dataclass(frozen=True)
 class Sources:
-    """Where the page reads: the results store and the studies' storage (each a path or a URI)."""
+    """Where the page reads: the results store and the studies' storage (each a path or a URI), and the Ray
+    dashboard the user named (``--ray-dashboard``; None: each study's recorded one, see :func:`ray_dashboard`)."""
 
     store: ResultsStore
     storage: Location
-    ray_dashboard: str = DEFAULT_RAY_DASHBOARD
+    ray_dashboard: str | None = None
 
 
-def open_sources(store: str | Location, storage: str | Location,
-                 ray_dashboard: str = DEFAULT_RAY_DASHBOARD) -> Sources:
+def open_sources(store: str | Location, storage: str | Location, ray_dashboard: str | None = None) -> Sources:
     """The sources named by ``--store`` and ``--storage``; UserError (one line naming the flag) when a value is
     not a location, or when neither it nor the folder (or bucket) it would be created in exists: a typo, since
     a study creates both where it is told. A location that does not exist *yet* is fine: a study just started
     writes it, and the page says so until it does."""
     store_loc = Location.parse(store, field="--store")
     storage_loc = Location.parse(storage, field="--storage")
-    if not re.fullmatch(r"https?://[^\s\"'<>]+", ray_dashboard or ""):
+    if ray_dashboard is not None and not _HTTP_URL.fullmatch(ray_dashboard):
         raise UserError(f"--ray-dashboard {ray_dashboard!r}: give an http:// or https:// URL, e.g. "
                         f"{DEFAULT_RAY_DASHBOARD}")
     for flag, loc in (("--store", store_loc), ("--storage", storage_loc)):
@@ -135,6 +136,35 @@ def study_names(sources: Sources) -> dict[str, dict]:
     return dict(sorted(found.items()))
 
 
+def ray_dashboard(sources: Sources, recorded: dict | None) -> dict:
+    """The Ray dashboard a study's page links to, ``{"url": URL or None, "source": ..., "note": ...}``: the one
+    ``--ray-dashboard`` named (``source`` "flag": the user reaches it their own way, e.g. an SSH tunnel, so it
+    always wins); else the dashboard of the cluster the study runs on, as its ``study.json`` records it
+    (``recorded``, :meth:`StudyState.ray_cluster`; "study", or ``url`` None when that cluster has none); else
+    :data:`DEFAULT_RAY_DASHBOARD` ("default": nothing recorded, e.g. a study written by an older attnlab)."""
+    if sources.ray_dashboard:
+        return {"url": sources.ray_dashboard, "source": "flag", "note": "--ray-dashboard"}
+    if recorded is not None:
+        url = recorded.get("dashboard")
+        if isinstance(url, str) and _HTTP_URL.fullmatch(url):
+            return {"url": url, "source": "study", "note": "the cluster the study runs on"}
+        if url is None:
+            return {"url": None, "source": "study", "note": str(recorded.get("note") or "the cluster has none")}
+    return {"url": DEFAULT_RAY_DASHBOARD, "source": "default", "note": "nothing recorded: Ray's default port"}
+
+
+def header_dashboard(sources: Sources, studies: list[dict] | None = None) -> str | None:
+    """The header's "Ray dashboard" link outside a study page: ``--ray-dashboard`` when given, else the
+    dashboard the most recently started of ``studies`` (:func:`study_info` dicts) recorded, else the default."""
+    if sources.ray_dashboard:
+        return sources.ray_dashboard
+    recorded = [s["ray"] for s in studies or []
+                if (s.get("ray") or {}).get("source") == "study" and s["ray"].get("url")]
+    if recorded:
+        return max(recorded, key=lambda r: r.get("recorded") or 0)["url"]
+    return DEFAULT_RAY_DASHBOARD
+
+
 def _objective(spec: dict) -> dict | None:
     """The study's first objective, parsed (``metric``, ``multiple`` or ``length``, ``p_eval``, ``rope``, ``key``)."""
     from attnlab.study.spec import parse_objective
@@ -167,7 +197,9 @@ def study_info(sources: Sources, name: str) -> dict:
     spec = (saved or {}).get("spec") or {}
     engine = (spec.get("search") or {}).get("engine", "grid") if saved else None
     objective = _objective(spec) if saved else None
-    links = {"ray_dashboard": sources.ray_dashboard,
+    recorded = state.ray_cluster(saved) if saved else None
+    board = ray_dashboard(sources, recorded)
+    links = {"ray_dashboard": board["url"],
              "tensorboard": f"tensorboard --logdir {state.tune.uri}" if saved else None,
              "optuna_dashboard": None}
     if engine == "optuna":
@@ -175,7 +207,8 @@ def study_info(sources: Sources, name: str) -> dict:
     return clean({"name": name, "has_state": saved is not None, "has_results": has_results,
                   "state": state.loc.uri, "store": sources.store.uri, "engine": engine,
                   "description": spec.get("description"), "objective": objective,
-                  "objectives": _objective_keys(spec), "links": links})
+                  "objectives": _objective_keys(spec), "links": links,
+                  "ray": {**board, "recorded": (recorded or {}).get("recorded")}})
 
 
 def _has_results(store: ResultsStore, name: str) -> bool:
@@ -420,5 +453,5 @@ def _curves(result, metric: str, info: dict) -> dict:
             "length_labels": [reports.length_label(L) for L in lengths], "series": series}
 
 
-__all__ = ["DEFAULT_RAY_DASHBOARD", "NotFound", "Sources", "clean", "open_sources", "overview", "point_label",
-           "results", "results_signature", "study_info", "study_names", "trials"]
+__all__ = ["DEFAULT_RAY_DASHBOARD", "NotFound", "Sources", "clean", "header_dashboard", "open_sources", "overview",
+           "point_label", "ray_dashboard", "results", "results_signature", "study_info", "study_names", "trials"]

@@ -3,7 +3,8 @@ loss, time), read from the study's state (``attnlab.study.state``) and each runn
 Ray's and Tune's own output, which goes to a log file (``attnlab.raycluster.quiet_ray``).
 
 Lines, not a redrawn screen: they read the same in a terminal, a ``ray job logs`` stream and a CI log. A trial
-that fails or diverges prints its reason on its line. No Ray here: only files are read.
+that fails or diverges prints its reason on its line. No Ray here: only files are read (and :func:`say`
+appends a line the terminal shows to the log file).
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ import time
 from attnlab.names import format_duration
 from attnlab.study.state import StudyState
 from attnlab.train.run import Progress, read_metrics
+
+
+def say(line: str, log: str | None = None) -> None:
+    """Print ``line`` on the terminal and, when the study's output goes to a log file (``--verbose`` off), append
+    it there too, so the log names what the terminal showed (the plan, the Ray dashboard)."""
+    print(line, flush=True)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} attnlab: {line}\n")
 
 
 def trial_label(record: dict) -> str:

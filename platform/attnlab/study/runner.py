@@ -174,14 +174,16 @@ def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> boo
     return exists
 
 
-def study_plan(spec: StudySpec) -> str:
-    """The study in one line: trials, each trial's training, the evaluation cells, how many at once."""
+def study_plan(spec: StudySpec, dashboard=None) -> str:
+    """The study in one line: trials, each trial's training, the evaluation cells, how many at once, and (given
+    ``dashboard``, an :class:`attnlab.raycluster.Dashboard`) the Ray dashboard of the cluster it runs on."""
     cfg = spec.train
     cells = len(spec.eval.cells(cfg.seq_length))
     return (f"plan: study {spec.name}: {spec.num_trials()} trial(s) ({spec.search.engine}), each {cfg.steps:,} steps x "
             f"{cfg.tokens_per_step:,} tokens on {cfg.workers} worker(s), then {cells} evaluation cell(s) "
             f"(lengths {spec.eval.eval_lengths(cfg.seq_length)}, {spec.eval.max_tokens:,} tokens each); at most "
-            f"{spec.resources.max_concurrent_trials} trial(s) at once")
+            f"{spec.resources.max_concurrent_trials} trial(s) at once"
+            + (f"; {dashboard.line()}" if dashboard is not None else ""))
 
 
 def run_study(spec: StudySpec, store: str | None = None, storage: str | None = None, resume: bool | None = None,
@@ -193,15 +195,17 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     False = start a fresh search (the old state is moved aside). ``curves_dir``: a local folder for the figures
     (default ``<storage>/<study>/curves``). ``quiet``: Ray's and Tune's own output goes to a log file (its path is
     printed) and the terminal shows a line per trial change (:class:`attnlab.study.console.LiveView`);
-    ``verbose``: Tune's own status tables (0 = none).
+    ``verbose``: Tune's own status tables (0 = none). The plan line, printed once Ray is up, ends with the
+    address of the cluster's Ray dashboard (also written to the log file, and recorded in ``study.json`` for
+    ``attnlab serve``).
     """
     import contextlib
 
     from ray import tune
 
-    from attnlab.raycluster import ensure_ray, log_file, quiet_ray
+    from attnlab.raycluster import dashboard, ensure_ray, log_file, quiet_ray
     from attnlab.results import ResultsStore
-    from attnlab.study.console import LiveView
+    from attnlab.study.console import LiveView, say
 
     store_loc = user_location(store or spec.store, flag="--store", default=DEFAULT_STORE)
     results = ResultsStore(store_loc)
@@ -212,22 +216,25 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
 
         check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
     state.loc.mkdir()
-    print(study_plan(spec), flush=True)
-    for warning in dict.fromkeys(w for point in (spec.grid_points() if spec.search.engine == "grid" else [{}])[:50]
-                                 for w in spec.train_config(point).warnings()):
-        print(f"attnlab: warning: {warning}", flush=True)
+    log = None
     if quiet:
         from attnlab.data.demo import cache_dir
 
-        path = log_file(state.loc.child("logs").path if state.loc.is_local else str(cache_dir() / "logs"), "ray")
-        quiet_ray(path)
+        log = log_file(state.loc.child("logs").path if state.loc.is_local else str(cache_dir() / "logs"), "ray")
+        quiet_ray(log)
         # Tune's newer console output prints its experiment box and result paths even at verbose=0; the classic
         # one is silent there (the live view and the final table are the console).
         os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-        print(f"Ray's and Tune's own output: {path} (--verbose shows it here)", flush=True)
     ensure_ray(log_to_driver=not quiet)
+    board = dashboard()  # the cluster this study runs on: embedded, RAY_ADDRESS's or the Ray job's
+    say(study_plan(spec, board), log)  # the terminal and the log file both name the dashboard
+    for warning in dict.fromkeys(w for point in (spec.grid_points() if spec.search.engine == "grid" else [{}])[:50]
+                                 for w in spec.train_config(point).warnings()):
+        print(f"attnlab: warning: {warning}", flush=True)
+    if log:
+        print(f"Ray's and Tune's own output: {log} (--verbose shows it here)", flush=True)
     restore = _check_state(spec, state, resume)
-    state.write_spec(spec.to_json(), spec.search_fingerprint())
+    state.write_spec(spec.to_json(), spec.search_fingerprint(), ray=board.record())  # `attnlab serve` links it
     trained_before = state.trainings_started()
 
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective

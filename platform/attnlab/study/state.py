@@ -1,7 +1,8 @@
 """Where a study keeps its state, under ``<storage>/<study>/`` (a local folder or object storage), and how the
 study's files are read and written. The one place that knows this layout (``attnlab serve`` reads it too)::
 
-    <storage>/<study>/study.json             the spec and its search fingerprint (a resumed search must match)
+    <storage>/<study>/study.json             the spec and its search fingerprint (a resumed search must match),
+                                             and the Ray dashboard of the cluster its latest run runs on
     <storage>/<study>/tune/                  the Tune experiment (trial logs, TensorBoard files, searcher state)
     <storage>/<study>/runs/<train_key>/      each training run (metrics.jsonl, provenance.json, checkpoints)
     <storage>/<study>/trials/<train_key>.json  each trial's status: running, complete, cached, diverged, pruned,
@@ -53,8 +54,20 @@ class StudyState:
     def saved_spec(self) -> dict | None:
         return self.loc.read_json(SPEC_FILE)
 
-    def write_spec(self, spec_json: dict, search_fingerprint: str) -> None:
-        self.loc.write_json(SPEC_FILE, {"fingerprint": search_fingerprint, "spec": spec_json})
+    def write_spec(self, spec_json: dict, search_fingerprint: str, ray: dict | None = None) -> None:
+        """``ray``: the cluster the study runs on, ``{"dashboard": URL or None, "note": why none, "recorded":
+        time}`` (:meth:`attnlab.raycluster.Dashboard.record`); ``attnlab serve`` links to that dashboard."""
+        record = {"fingerprint": search_fingerprint, "spec": spec_json}
+        if ray is not None:
+            record["ray"] = ray
+        self.loc.write_json(SPEC_FILE, record)
+
+    def ray_cluster(self, saved: dict | None = None) -> dict | None:
+        """The ``ray`` record of the study's latest run (see :meth:`write_spec`), None when none was recorded (a
+        study written before it was, or not started yet). ``saved``: the already read ``study.json``."""
+        saved = self.saved_spec() if saved is None else saved
+        ray = (saved or {}).get("ray")
+        return ray if isinstance(ray, dict) else None
 
     # ------------------------------------------------------------------------------------- trials
     def status(self, train_key: str) -> dict | None:
