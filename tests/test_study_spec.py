@@ -29,7 +29,7 @@ def _expected(path: Path) -> str:
 def test_corpora_are_there():
     assert len(BAD) >= 20
     assert {p.name for p in SHIPPED} >= {"smoke.yaml", "paper_table4.yaml", "p_sweep.yaml", "scale_factor.yaml",
-                                         "proxy_table4.yaml"}
+                                         "proxy_table4.yaml", "proxy_text.yaml", "demo_text.yaml"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

@@ -1,9 +1,9 @@
 """``attnlab demo``: the README's main command, end to end on one machine.
 
 Builds the offline demo corpus (once, into the attnlab cache), then runs on an embedded local Ray, with a local
-results store and Tune state under ``--out``: ``studies/smoke.yaml`` (the real-text pipeline: softmax vs LSSA vs
-LSSAR, val loss at 1x..16x with a p_eval sweep) and ``studies/demo_probe.yaml`` (the copy-with-distractors
-probe, where the variants really differ on a CPU). Each study prints its table and the path of its curves.
+results store and Tune state under ``--out``: ``studies/demo_text.yaml`` (real text: a cut of the byte-level CPU
+proxy ``studies/proxy_text.yaml``, softmax vs LSSA vs LSSAR, val loss at 1x..16x) and ``studies/demo_probe.yaml``
+(the copy-with-distractors probe). Each study prints its table and the path of its curves.
 It only wires existing pieces (``attnlab.study``); no logic of its own.
 """
 
@@ -18,11 +18,11 @@ from attnlab.errors import UserError
 DEFAULT_OUT = "demo-out"
 
 
-DEFAULT_STUDIES = ("smoke.yaml", "demo_probe.yaml")
+DEFAULT_STUDIES = ("demo_text.yaml", "demo_probe.yaml")
 
 
 def _default_studies() -> list[str]:
-    """``studies/smoke.yaml`` and ``studies/demo_probe.yaml`` of the current folder, else of the source tree."""
+    """``studies/demo_text.yaml`` and ``studies/demo_probe.yaml`` of the current folder, else of the source tree."""
     here = Path("studies")
     folder = here if (here / DEFAULT_STUDIES[0]).exists() else Path(__file__).resolve().parents[2] / "studies"
     return [str(folder / name) for name in DEFAULT_STUDIES]
@@ -30,14 +30,15 @@ def _default_studies() -> list[str]:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", help="build the demo corpus, run the smoke study and the copy probe locally, print tables and curves",
-        description="The main command: prepare the offline demo corpus, then run on an embedded local Ray the smoke "
-                    "study (real text: softmax vs LSSA vs LSSAR, tiny GPT, val loss at 1x..16x) and the demo probe "
+        "demo", help="build the demo corpus, run the real-text study and the copy probe locally, print tables and curves",
+        description="The main command: prepare the offline demo corpus, then run on an embedded local Ray the real-text "
+                    "study (UTF-8 bytes: softmax vs LSSA vs LSSAR, tiny GPT trained at 128 bytes, val loss at 1x..16x) "
+                    "and the demo probe "
                     "(copy with distractors: softmax vs LSSAR, accuracy at 1x..16x), printing each study's table "
                     "and the path of its curves. Everything is written under --out.")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     p.add_argument("--study", action="append", default=None,
-                   help="a study to run, repeatable (default: studies/smoke.yaml, then studies/demo_probe.yaml)")
+                   help="a study to run, repeatable (default: studies/demo_text.yaml, then studies/demo_probe.yaml)")
     p.add_argument("--fresh", action="store_true", help="start the search over (finished trials are still reused)")
     p.add_argument("--verbose", action="store_true", help="show Ray's and Tune's own output (default: a log file)")
     p.set_defaults(func=run)
