@@ -117,7 +117,7 @@ def test_results_are_cached_until_new_rows_land(local):
     second = cache.get("probe", None, None)
     assert second is not first and second["signature"] != first["signature"]
     assert second["table"]["body"][0][:4] == ["lssar", "15", "none", "none"]  # then 64 (1x): one more seed
-    assert "(n=3)" in second["table"]["body"][0][4] and "(n=2)" in first["table"]["body"][0][4]
+    assert "(n=3: " in second["table"]["body"][0][4] and "(n=2: " in first["table"]["body"][0][4]  # acc: the seeds
 
 
 def test_links_name_the_study_own_tensorboard_and_optuna(tmp_path):
@@ -239,7 +239,7 @@ def test_pages_and_json_over_a_real_server(local):
         assert 'src="/static/plotly.min.js"' in page and 'src="/static/study.js"' in page
         assert 'data-status="running"' in page and "24 / 40" in page
         assert "loss became nan at step 12" in page and "stopped by asha at step 20" in page
-        assert 'id="table4"' in page and "0.9900 ± 0.0141 (n=2)" in page  # softmax, 1x, acc over seeds 0 and 1
+        assert 'id="table4"' in page and "0.9900 (n=2: " in page  # softmax, 1x, acc: the values of seeds 0 and 1
         assert "tensorboard --logdir" in page and 'href="http://127.0.0.1:8265"' in page
         assert 'id="best-top"' in page
 
