@@ -253,7 +253,7 @@ def test_eval_config_parses_the_protocol_words():
 @pytest.mark.parametrize("fields, fragment", [
     (dict(lengths=["64", "abc"]), "eval.lengths"),
     (dict(lengths=[0]), "eval.lengths"),
-    (dict(rope_scaling=["yarn"]), "eval.rope_scaling.0='yarn'"),
+    (dict(rope_scaling=["linear"]), "'linear' is not allowed: use one of ntk, none, pi, yarn"),
     (dict(p_eval=[0.5]), "p_eval=0.5 is not allowed"),
     (dict(multiples=[1], lengths=[64]), "give multiples or lengths, not both"),
 ])
@@ -282,8 +282,9 @@ def test_cli_errors_and_table(trained_run, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("attnlab: error: checkpoint path") and "\n" not in err
     run_dir, _ = trained_run
-    assert main(["eval", str(run_dir), "--rope", "yarn"]) == 2
-    assert capsys.readouterr().err.strip() == "attnlab: error: --rope 'yarn' is not allowed; use ntk, none or both"
+    assert main(["eval", str(run_dir), "--rope", "linear"]) == 2
+    assert capsys.readouterr().err.strip() == ("attnlab: error: --rope 'linear' is not allowed; "
+                                               "use ntk, none, pi, yarn or both (ntk,none)")
     assert main(["eval", str(run_dir), "--p-eval", "none,0.5"]) == 2
     assert "--p-eval='0.5' is not allowed" in capsys.readouterr().err
     assert main(["eval", str(run_dir), "--multiples", "1,2", "--max-tokens", "256", "--p-eval", "none,3",
@@ -351,3 +352,38 @@ def test_a_byte_model_scores_bits_per_byte_and_refuses_gpt2_data(byte_corpus, de
     with pytest.raises(UserError, match=refused):
         evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=128), device="cpu",
                             data=str(demo_data_dir))
+
+
+# ------------------------------------------------------------------------------------ PI and YaRN scalings
+def test_eval_config_takes_the_four_rope_scalings_and_refuses_others_in_one_line():
+    config = _cfg(multiples=[1, 2], rope_scaling=["none", "ntk", "pi", "yarn"])
+    cells = config.cells(64)
+    assert {c.rope for c in cells} == {"none", "ntk", "pi", "yarn"} and len(cells) == 8
+    assert len({c.key("train", 10, "data") for c in cells}) == 8
+    with pytest.raises(UserError) as info:
+        _cfg(rope_scaling=["none", "x"])
+    assert "'x' is not allowed: use one of ntk, none, pi, yarn" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_eval_cli_rope_flag_takes_pi_and_yarn():
+    import argparse
+
+    from attnlab.evaluate.cli import add_parser, eval_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["eval", "run", "--rope", "none,pi,yarn,both"])
+    assert eval_config_from_args(args).rope_scaling == ["none", "pi", "yarn", "ntk"]
+    with pytest.raises(UserError) as info:
+        eval_config_from_args(parser.parse_args(["eval", "run", "--rope", "linear"]))
+    assert "use ntk, none, pi, yarn or both" in str(info.value)
+
+
+def test_pi_and_yarn_cells_are_measured_without_retraining(trained_run):
+    """Every scaling is a cell of the same checkpoint; at 1x they all equal none (one forward), beyond they differ."""
+    run_dir, _ = trained_run
+    rows = evaluate_checkpoint(run_dir, _cfg(multiples=[1, 2], rope_scaling=["none", "ntk", "pi", "yarn"],
+                                             max_tokens=256), device="cpu")
+    loss = {(r["rope_scaling"], r["eval_len"]): r["value"] for r in rows if r["metric"] == "val_loss"}
+    assert {loss[(rope, 64)] for rope in ("none", "ntk", "pi", "yarn")} == {loss[("none", 64)]}
+    assert len({loss[(rope, 128)] for rope in ("none", "ntk", "pi", "yarn")}) == 4

@@ -2,7 +2,9 @@
 
 - ``GPT2_VOCAB``: the size of GPT-2's BPE vocabulary (the model's default, what the tokeniser produces);
 - ``ROPE_SCALINGS``: the RoPE settings at evaluation (``ntk``: NTK-aware base beyond the training length,
-  ``none``: the trained base) — see docs/protocol.md#rope-and-ntk-aware-scaling;
+  ``none``: the trained base, ``pi``: linear position interpolation, ``yarn``: YaRN's NTK-by-parts with its
+  attention temperature) — see docs/protocol.md#rope-scalings; ``both`` (a list's shorthand)
+  stays ``ntk`` and ``none``;
 - ``DEFAULT_MULTIPLES``: evaluation lengths as multiples of the training length (1x..16x);
 - ``STUDY_NAME``: the rule a study name follows (it names folders in the run storage and the results store);
 - ``parse_optional_number``: ``none``/``null``/``~`` -> None, else a number (p_eval, p_train, ...);
@@ -26,7 +28,8 @@ from collections.abc import Iterable
 from attnlab.errors import UserError
 
 GPT2_VOCAB = 50257
-ROPE_SCALINGS = ("ntk", "none")
+ROPE_SCALINGS = ("ntk", "none", "pi", "yarn")
+ROPE_BOTH = ("ntk", "none")  # what ``rope_scaling: both`` / ``--rope both`` means
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 STUDY_NAME_RULE = "letters, digits and . _ + - (it names folders), starting with a letter or digit, at most 200"

@@ -33,8 +33,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--p-eval", default="none",
                    help="sharpening powers at evaluation, e.g. none,3,15 (none = the attention as trained, "
                    "including its p_train; a number replaces it at evaluation; default none)")
-    p.add_argument("--rope", default="ntk", help="RoPE scaling beyond the training length: ntk, none or both "
-                   "(default ntk)")
+    p.add_argument("--rope", default="ntk", help="RoPE scalings beyond the training length, comma-separated: ntk, none, "
+                   "pi (position interpolation), yarn, or both (= ntk,none); default ntk "
+                   "(docs/protocol.md#rope-at-evaluation)")
     p.add_argument("--max-tokens", help="target tokens scored at every length, whatever the device (default "
                    "262144): max-tokens // L windows of length L")
     p.add_argument("--long-docs", action="store_true",
@@ -90,7 +91,7 @@ def eval_config_from_args(args):
     """The flags as an :class:`attnlab.evaluate.plan.EvalConfig` (each list parsed here; bad values: one line)."""
     from attnlab.errors import UserError
     from attnlab.evaluate.plan import EvalConfig
-    from attnlab.names import parse_lengths, parse_optional_number
+    from attnlab.names import ROPE_BOTH, ROPE_SCALINGS, parse_lengths, parse_optional_number
     from attnlab.validation import parse
 
     fields: dict = {}
@@ -113,10 +114,10 @@ def eval_config_from_args(args):
     fields["p_eval"] = p_evals
     ropes = []
     for item in _list(args.rope):
-        names = ["ntk", "none"] if item == "both" else [item]
+        names = list(ROPE_BOTH) if item == "both" else [item]
         for name in names:
-            if name not in ("ntk", "none"):
-                raise UserError(f"--rope {item!r} is not allowed; use ntk, none or both")
+            if name not in ROPE_SCALINGS:
+                raise UserError(f"--rope {item!r} is not allowed; use {', '.join(ROPE_SCALINGS)} or both (ntk,none)")
             if name not in ropes:
                 ropes.append(name)
     fields["rope_scaling"] = ropes

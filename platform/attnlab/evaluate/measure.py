@@ -9,8 +9,9 @@ of an orbit model its force probe and recovered law (:mod:`attnlab.evaluate.forc
 lm-evaluation-harness task scores (:mod:`attnlab.evaluate.downstream`; one harness run per length, RoPE scaling
 and p_eval scores all of its tasks). Coordinate tokens
 (orbits) also sum the distance between the predicted and the target bins. p_eval is the
-attention spec passed to the forward; the weights are never touched. At L <= train_len NTK scaling changes
-nothing, so identical forwards (same RoPE base and p) are computed once.
+attention spec passed to the forward; the weights are never touched. At L <= train_len no RoPE scaling changes
+anything, and a model without RoPE (position nope/alibi) ignores the scaling, so identical forwards (same
+:func:`attnlab.model.rope.forward_key` and p) are computed once; each cell still records its own rope_scaling.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalCell
-from attnlab.model.rope import rope_base
+from attnlab.model.rope import forward_key
 from attnlab.model.scoring import window_token_stats
 
 BUCKETS = ("early", "middle", "late")
@@ -148,7 +149,7 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
     tokenizer = text_tokenizer(source)
     token_bytes = None if tokenizer is None else tokenizer.token_bytes()
     windows_cache: dict = {}
-    forwards: dict = {}  # (mode, length, RoPE base, p) -> WindowScores: NTK == none at L <= train_len
+    forwards: dict = {}  # (mode, length, RoPE forward key, p) -> WindowScores: any scaling == none at L <= train_len
     cells = list(cells)
     tasks = _DownstreamRuns(model, cells, downstream, device=device, precision=precision, say=say)
 
@@ -188,8 +189,7 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
             yield cell, attention_diagnostics(model, windows[: cell.extra[0]], spec=spec, rope_scaling=cell.rope,
                                               device=device, precision=precision)
             continue
-        base = rope_base(cell.rope, gpt.rope_base, gpt.head_dim, cell.length, train_len)
-        key = (cell.window_mode, cell.length, base, cell.p_eval)
+        key = (cell.window_mode, cell.length, _rope_key(gpt, cell), cell.p_eval)
         if key not in forwards:
             forwards[key] = score_windows(model, windows, mask, token_bytes=token_bytes, batch_size=batch,
                                           device=device, precision=precision, rope_scaling=cell.rope, attention=spec)
@@ -197,9 +197,16 @@ def measure(model, source, cells: Iterable[EvalCell], *, device: torch.device, p
         yield cell, forwards[key]
 
 
+def _rope_key(gpt, cell: EvalCell) -> tuple:
+    """What the cell's forward depends on through positions (:func:`attnlab.model.rope.forward_key`): every
+    scaling equals none up to the training length, and a model without RoPE ignores the scaling."""
+    return forward_key(cell.rope, gpt.rope_base, gpt.head_dim, cell.length, int(gpt.train_len),
+                       getattr(gpt, "position", "rope"))
+
+
 class _DownstreamRuns:
-    """Harness runs shared by downstream cells: one per (length, RoPE base, p_eval, few-shot, limit) scores
-    every task of the cells with those settings (NTK equals none at lengths up to the training length)."""
+    """Harness runs shared by downstream cells: one per (length, RoPE forward key, p_eval, few-shot, limit) scores
+    every task of the cells with those settings (every scaling equals none at lengths up to the training length)."""
 
     def __init__(self, model, cells: list[EvalCell], config, *, device, precision, say):
         self.model, self.config, self.device, self.precision, self.say = model, config, device, precision, say
@@ -208,9 +215,7 @@ class _DownstreamRuns:
         self.task_set = None
 
     def _group(self, cell: EvalCell):
-        gpt = self.model.cfg
-        base = rope_base(cell.rope, gpt.rope_base, gpt.head_dim, cell.length, int(gpt.train_len))
-        return (cell.length, base, cell.p_eval, cell.extra[1], cell.extra[2])
+        return (cell.length, _rope_key(self.model.cfg, cell), cell.p_eval, cell.extra[1], cell.extra[2])
 
     def scores(self, cell: EvalCell, spec, batch: int) -> list:
         from attnlab.evaluate.downstream import open_tasks, run_tasks

@@ -30,7 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from attnlab.names import DEFAULT_MULTIPLES, ROPE_SCALINGS, is_none_word, parse_length, parse_optional_number
+from attnlab.names import DEFAULT_MULTIPLES, ROPE_BOTH, ROPE_SCALINGS, is_none_word, parse_length, parse_optional_number
 
 DEFAULT_EVAL_TOKENS = 2**18  # target tokens scored at every length unless a study or --max-tokens says otherwise
 WINDOW_MODES = ("nonoverlap", "long_docs")
@@ -139,7 +139,9 @@ class EvalConfig(BaseModel):
     # p_eval: none = the attention exactly as trained (an LSSAR model keeps its p); a number = that sharpening
     # power at evaluation, replacing p_train (the weights are never touched)
     p_eval: list[float | None] = Field(default_factory=lambda: [None])
-    rope_scaling: list[Literal["ntk", "none"]] = Field(default_factory=lambda: ["ntk"])
+    # RoPE scalings (names.ROPE_SCALINGS: ntk, none, pi, yarn; both = ntk and none), each a cell without
+    # retraining; a model without RoPE (position nope/alibi) ignores it and records it as given
+    rope_scaling: list[str] = Field(default_factory=lambda: ["ntk"])
     max_tokens: int = Field(default=DEFAULT_EVAL_TOKENS, gt=0)
     long_docs: bool = False  # also windows inside documents of at least L + 1 tokens (window_mode long_docs)
     passkey: bool = False
@@ -193,7 +195,12 @@ class EvalConfig(BaseModel):
         items = value if isinstance(value, list) else [value]
         out = []
         for item in items:
-            out += list(ROPE_SCALINGS) if item == "both" else [item]
+            if item == "both":
+                out += list(ROPE_BOTH)
+            elif item in ROPE_SCALINGS:
+                out.append(item)
+            else:
+                raise ValueError(f"{item!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)} (or both: ntk and none)")
         return out
 
     @model_validator(mode="after")

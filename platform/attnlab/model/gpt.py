@@ -2,7 +2,7 @@
 
 Blocks as in llm.c's GPT-2: pre-LayerNorm with biases, tanh-GELU MLP (4x), tied input/output embeddings,
 init N(0, 0.02) with residual projections at 0.02/sqrt(2 * n_layer). The learned position table is replaced
-by RoPE. Per forward call one can choose the RoPE scaling (``none``/``ntk``) and, for evaluation, another
+by RoPE. Per forward call one can choose the RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another
 attention spec (e.g. a different sharpening power ``p_eval``) without touching the weights.
 No Ray imports here.
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from attnlab.attention import attend
 from attnlab.attention.spec import AttentionSpec
 from attnlab.model.config import GPTConfig
-from attnlab.model.rope import apply_rope, rope_base, rope_tables
+from attnlab.model.rope import apply_rope, scaled_rope_tables
 
 # Called as on_attention(layer_index, q, k) with q, k after RoPE, (B, H, T, D): for attention diagnostics.
 AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -113,15 +113,15 @@ class GPT(nn.Module):
                       impl: str | None = None, on_attention: AttentionObserver | None = None) -> torch.Tensor:
         """The final-LayerNorm output ``(B, T, C)``.
 
-        ``rope_scaling``: ``none`` or ``ntk`` (NTK-aware base for T > train_len); ``attention``: a spec to use
+        ``rope_scaling``: ``none``, ``ntk``, ``pi`` or ``yarn`` beyond train_len (:mod:`attnlab.model.rope`;
+        yarn's logit multiplier is folded into the cos/sin tables, so into q and k); ``attention``: a spec to use
         instead of the trained one (evaluation-time sharpening); ``on_attention``: diagnostics observer. With an
         observer the blocks run eagerly even in a compiled model (:func:`attnlab.model.compile_model`).
         """
         x = self.embed(idx)
         T = x.shape[1]
         c = self.cfg
-        base = rope_base(rope_scaling, c.rope_base, c.head_dim, T, c.train_len)
-        cos, sin = rope_tables(T, c.head_dim, base, device=idx.device)
+        cos, sin = scaled_rope_tables(rope_scaling, T, c.head_dim, c.train_len, c.rope_base, device=idx.device)
         spec = attention or self.spec
         impl = impl or c.attn_impl
         if on_attention is not None:
