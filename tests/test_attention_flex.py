@@ -32,7 +32,9 @@ SHARPENABLE = ("softmax exp scenario_iv relu relu2 relu6 sigmoid softplus sigmoi
 TABLE4_ROW_SUMS = ("sigmoid_ramapuram", "sigmoid_ramapuram_b", "relu_wortsman", "relu_shen")
 SIGN_SPLIT_AND_POST = ("gelu", "mish", "scenario_i", "scenario_ii", "scenario_iii", "softmax_inverse",
                        "softmax_recentred", "softmax_recentred_l1")
-FUSABLE = SHARPENABLE + list(TABLE4_ROW_SUMS) + list(SIGN_SPLIT_AND_POST)
+# The modern softmax baselines (tests/test_attention_baselines.py checks them against the dense reference).
+BASELINES = ("softmax_qknorm", "softmax_logn", "softmax_qknorm_logn")
+FUSABLE = SHARPENABLE + list(TABLE4_ROW_SUMS) + list(SIGN_SPLIT_AND_POST) + list(BASELINES)
 # Overrides with a fused form that no registered variant has: post-processing on other rows.
 FUSED_OVERRIDES = [("relu_l1", dict(post="recentre_l1")), ("lssa", dict(post="recentre_l1")),
                    ("relu_wortsman", dict(post="negate")), ("mish", dict(post="recentre")),
@@ -73,6 +75,7 @@ def test_every_registered_variant_is_fusable():
     assert is_fusable(get_variant("softmax", p=3)) and is_fusable(get_variant("sigmoid_l1", scale="log_n"))
     assert is_fusable(get_variant("lssa", phi="mish"))  # the sign split
     assert all(is_fusable(get_variant(n, **o)) for n, o in FUSED_OVERRIDES)
+    assert all(is_fusable(get_variant(n, position_bias="alibi")) for n in FUSABLE)  # ALiBi is one more score term
     assert not any(is_fusable(get_variant(n, **o)) for n, o in UNFUSABLE)
 
 

@@ -64,7 +64,7 @@ def test_backend_names_and_parsing():
 
 def test_sdpa_exact_variants_are_the_plain_softmaxes():
     exact = sorted(n for n in variant_names() if is_sdpa_exact(get_variant(n)))
-    assert exact == ["exp", "scenario_iv", "softmax"]
+    assert exact == ["exp", "scenario_iv", "softmax", "softmax_logn", "softmax_qknorm", "softmax_qknorm_logn"]
     for overrides in (*SCALES, dict(qk_norm=True), dict(bias="neg_log_n"), dict(bias="neg_log_t")):
         assert is_sdpa_exact(get_variant("softmax", **overrides)), overrides
     assert is_sdpa_exact(get_variant("lssa", phi="exp"))  # QK-norm + ln(d) ln(N_i) + exp: a softmax
@@ -77,6 +77,8 @@ def test_sdpa_exact_variants_are_the_plain_softmaxes():
     ("softmax_inverse", {}, "post='negate'"),
     ("scenario_ii", {}, "norm='none'"),
     ("softmax", dict(out_norm="layernorm"), "out_norm='layernorm'"),
+    ("softmax", dict(position_bias="alibi"), "position_bias='alibi'"),
+    ("softmax_logn", dict(position_bias="alibi"), "position_bias='alibi'"),
 ])
 def test_sdpa_refuses_what_it_cannot_compute_exactly(name, overrides, why):
     spec = get_variant(name, **overrides)

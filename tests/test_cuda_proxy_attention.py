@@ -174,6 +174,14 @@ LOWERED = [("lssa", None, 16, torch.float32), ("lssar", 15, 64, torch.float32), 
            ("relu_shen", None, 16, torch.float32), ("gelu", None, 16, torch.float32),
            ("scenario_ii", None, 16, torch.float32), ("softmax_recentred", None, 16, torch.float32),
            ("softmax_recentred_l1", None, 16, torch.float32)]
+# The modern softmax baselines (their learned QK-norm gains are inputs of the graph, with gradients) and ALiBi
+# (position_bias='alibi': one more term of every score_mod, sharpening's second pass included).
+LOWERED_BASELINES = [("softmax_qknorm", {}, 16, torch.float32), ("softmax_logn", {}, 16, torch.float32),
+                     ("softmax_qknorm_logn", {}, 16, torch.bfloat16),
+                     ("softmax", dict(position_bias="alibi"), 16, torch.float32),
+                     ("lssa", dict(position_bias="alibi"), 16, torch.float32),
+                     ("lssar", dict(position_bias="alibi"), 16, torch.bfloat16),
+                     ("softmax_qknorm_logn", dict(position_bias="alibi"), 16, torch.float32)]
 
 
 # On a GPU node lowering does not stop where these tests expect it to (Triton is there): the compiled path itself
@@ -185,18 +193,30 @@ _CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
 @_CPU_ONLY
 @pytest.mark.parametrize("name, p, D, dtype", LOWERED, ids=lambda x: str(x).replace("torch.", ""))
 def test_compiled_training_graph_lowers_up_to_the_gpu(name, p, D, dtype, fresh_dynamo):
-    spec = get_variant(name, p=p)
+    _check_lowering(get_variant(name, p=p), D, dtype)
+
+
+@_CPU_ONLY
+@pytest.mark.parametrize("name, overrides, D, dtype", LOWERED_BASELINES, ids=lambda x: str(x).replace("torch.", ""))
+def test_baseline_and_alibi_training_graphs_lower_up_to_the_gpu(name, overrides, D, dtype, fresh_dynamo):
+    _check_lowering(get_variant(name, **overrides), D, dtype)
+
+
+def _check_lowering(spec, D, dtype):
     assert flex.is_fusable(spec)
     two = spec.p is not None or spec.post == "recentre_l1" or flex.parts_of(spec) != ("whole",)
     calls = 2 if two else 1  # FlexAttention calls
-    T = 128
+    T, H = 128, 2
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, T, D, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(2, H, T, D, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    # The model's learned QK-norm gains (float32 parameters, as under autocast), per head for q, shared for k.
+    gains = (1 + 0.1 * torch.randn(H, D, generator=gen), 1 + 0.1 * torch.randn(D, generator=gen))
+    gains = tuple(g.requires_grad_() for g in gains) if spec.learned_qk_gain else None
     lowered, stops = [], []
-    fn = torch.compile(lambda q, k, v: attend(q, k, v, spec, impl="flex"), backend=_lowering_backend(lowered),
-                       fullgraph=True, dynamic=False)
+    fn = torch.compile(lambda q, k, v, gains: attend(q, k, v, spec, impl="flex", qk_gain=gains),
+                       backend=_lowering_backend(lowered), fullgraph=True, dynamic=False)
     with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops):
-        out = fn(q, k, v)
+        out = fn(q, k, v, gains)
         assert out.shape == (2, 2, T, D) and out.dtype == dtype
         with pytest.raises(_LoweredUpToCodegen):
             out.float().sum().backward()

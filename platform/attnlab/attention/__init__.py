@@ -3,9 +3,13 @@
 Public API (a contract: tests and docs rely on it):
 
 - :func:`variant_names`, :func:`get_variant` -> :class:`AttentionSpec` (the registry is ``variants.py``).
-- :func:`attention_weights` ``(q, k, spec) -> (B, H, T, T)`` dense causal weights (float32 or better).
-- :func:`attend` ``(q, k, v, spec, impl="auto") -> (B, H, T, D)``; ``impl`` is a :class:`Backend` or its
-  value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by :func:`resolve_backend`.
+- :func:`attention_weights` ``(q, k, spec, qk_gain=None) -> (B, H, T, T)`` dense causal weights (float32 or
+  better).
+- :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None) -> (B, H, T, D)``; ``impl`` is a
+  :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by
+  :func:`resolve_backend`. ``qk_gain``: for a spec with ``qk_norm_gain='learned'`` (``softmax_qknorm``,
+  ``softmax_qknorm_logn``) the model's learned QK-norm gains ``(gain_q, gain_k)``, each ``(D,)`` or ``(H, D)``
+  (docs/attention.md#modern-softmax-baselines); None for every other spec.
 
 ``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
 reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``);
@@ -51,28 +55,29 @@ def _check_spec(spec) -> None:
         raise ValueError(f"spec must be an AttentionSpec from get_variant(name), got {type(spec).__name__}")
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+def attention_weights(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, qk_gain=None) -> torch.Tensor:
     """Dense causal attention weights ``(B, H, T, T)``, in float32 (float64 for float64 inputs)."""
     check_qkv(q, k)
     _check_spec(spec)
-    return weights_for_rows(q, k, spec)
+    return weights_for_rows(q, k, spec, qk_gain=qk_gain)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-           impl: Backend | str = Backend.AUTO) -> torch.Tensor:
+           impl: Backend | str = Backend.AUTO, qk_gain=None) -> torch.Tensor:
     """Causal attention output ``(B, H, T, D)`` in v's dtype.
 
     ``impl`` (a :class:`Backend` or its value): ``dense`` (the reference, chunked over query rows for long
     sequences), ``flex`` (FlexAttention in O(T) memory on CUDA; variants without a fused form use the dense
     reference after a one-time warning), ``sdpa`` (``scaled_dot_product_attention``, softmax variants only:
     ValueError for the others) or ``auto``: on CUDA the fastest exact one of these for ``spec``, elsewhere
-    ``dense`` (see :mod:`attnlab.attention.backends`).
+    ``dense`` (see :mod:`attnlab.attention.backends`). ``qk_gain``: the model's ``(gain_q, gain_k)`` for a
+    spec with ``qk_norm_gain='learned'``, else None (ValueError, one line, when it does not fit the spec).
     """
     check_qkv(q, k, v)
     _check_spec(spec)
     backend = resolve_backend(spec, q.device, impl)
     if backend is Backend.SDPA:
-        return attend_sdpa(q, k, v, spec)
+        return attend_sdpa(q, k, v, spec, qk_gain=qk_gain)
     if backend is Backend.FLEX:
-        return attend_flex(q, k, v, spec)
-    return attend_dense(q, k, v, spec)
+        return attend_flex(q, k, v, spec, qk_gain=qk_gain)
+    return attend_dense(q, k, v, spec, qk_gain=qk_gain)

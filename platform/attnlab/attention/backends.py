@@ -5,9 +5,12 @@ validate against :class:`Backend`, so a new backend is added here once. :func:`r
 requested backend, a spec and a device into the concrete one (``dense``, ``flex`` or ``sdpa``), once per call:
 
 - ``auto`` on CUDA: the fastest exact path. SDPA (FlashAttention) for softmax with any scale override,
-  QK-norm or row bias; the compiled FlexAttention calls for every other registered variant (LSSA, LSSAR, the
-  l1 variants, sharpened softmax, the unnormalised Table 4 rows, the sign-changing ``f`` of Tables 1-3,
-  negate, recentre and recentre_l1: see :func:`attnlab.attention.flex.unfusable_reason`); the dense
+  QK-norm (with or without a learned gain) or row bias, i.e. also ``softmax_logn``, ``softmax_qknorm`` and
+  ``softmax_qknorm_logn``; the compiled FlexAttention calls for every other registered variant (LSSA, LSSAR,
+  the l1 variants, sharpened softmax, the unnormalised Table 4 rows, the sign-changing ``f`` of Tables 1-3,
+  negate, recentre and recentre_l1: see :func:`attnlab.attention.flex.unfusable_reason`) and for every spec
+  with ALiBi (``position_bias='alibi'``, softmax included: SDPA would need a materialised ``(H, T, T)`` float
+  mask, FlexAttention adds the bias in its score_mod); the dense
   reference, after one warning per variant, for what has no fused form (only overrides: sharpening of rows
   that are not normalised and non-negative, recentre_l1 of them).
 - ``auto`` anywhere else (CPU): the dense reference, so CPU results never depend on this choice.

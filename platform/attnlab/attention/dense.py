@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attnlab.attention.masks import causal_rows, visible_keys
+from attnlab.attention.masks import alibi_bias, causal_rows, visible_keys
 from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
 
 # A peaked unnormalised exp (Table 2, scenario II) would overflow fp32 past e^88; it is clamped here.
@@ -36,6 +36,43 @@ def length_scale(spec: AttentionSpec, n: torch.Tensor, d: int) -> torch.Tensor |
     if spec.scale == "logd_logn":  # LSSA: ln(d) * ln(N_i)
         return math.log(d) * torch.log(n)
     return spec.coef * torch.log(n)  # coef*log_n
+
+
+def check_qk_gain(spec: AttentionSpec, qk_gain, q: torch.Tensor) -> None:
+    """Raise ValueError (one line) unless ``qk_gain`` fits ``spec`` and ``q`` ``(..., H, T, d)``.
+
+    ``qk_norm_gain='learned'`` needs ``qk_gain=(gain_q, gain_k)``, each of shape ``(d,)`` (shared by the heads)
+    or ``(H, d)`` (per head); other specs take ``qk_gain=None``.
+    """
+    if not spec.learned_qk_gain:
+        if qk_gain is not None:
+            raise ValueError(f"qk_gain is given but attention {spec.name!r} has qk_norm_gain="
+                             f"{spec.qk_norm_gain!r}: pass qk_gain=None")
+        return
+    d, heads = q.shape[-1], (q.shape[-3] if q.dim() >= 3 else None)
+    allowed = f"a pair (gain_q, gain_k) of tensors of shape ({d},) or ({heads}, {d})"
+    if not isinstance(qk_gain, (tuple, list)) or len(qk_gain) != 2:
+        raise ValueError(f"attention {spec.name!r} has qk_norm_gain='learned': pass qk_gain={allowed} "
+                         f"(got {type(qk_gain).__name__})")
+    for which, g in zip(("gain_q", "gain_k"), qk_gain):
+        if not isinstance(g, torch.Tensor) or tuple(g.shape) not in ((d,), (heads, d)):
+            shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+            raise ValueError(f"qk_gain {which} has shape {shape}: use {allowed}")
+
+
+def gain_factor(gain: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """``sqrt(d) * gain`` shaped to multiply ``(..., H, T, d)`` (a ``(H, d)`` gain gets a T axis)."""
+    g = gain.to(dtype) * math.sqrt(d)
+    return g.unsqueeze(-2) if g.dim() == 2 else g
+
+
+def normalise_qk(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, qk_gain=None):
+    """QK-norm: ``q / |q|`` (L2), or with a learned gain the RMSNorm ``sqrt(d) * gain * q / |q|``; k alike."""
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    if spec.learned_qk_gain:
+        d = q.shape[-1]
+        q, k = q * gain_factor(qk_gain[0], d, q.dtype), k * gain_factor(qk_gain[1], d, k.dtype)
+    return q, k
 
 
 def phi(spec: AttentionSpec, s: torch.Tensor) -> torch.Tensor:
@@ -83,17 +120,22 @@ def sharpen(a: torch.Tensor, n: torch.Tensor, rows: torch.Tensor, p: float) -> t
 
 
 def weights_for_rows(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, row_start: int = 0,
-                     seq_len: int | None = None) -> torch.Tensor:
+                     seq_len: int | None = None, qk_gain=None) -> torch.Tensor:
     """Causal weights of query rows ``row_start .. row_start + Tq - 1`` over keys ``0 .. Tk - 1``.
 
     ``q``: ``(..., Tq, d)``, ``k``: ``(..., Tk, d)``; ``seq_len`` is the full sequence length T (for the
-    ``-ln T`` bias), by default ``Tk``. Returns ``(..., Tq, Tk)`` in the compute dtype.
+    ``-ln T`` bias), by default ``Tk``. Returns ``(..., Tq, Tk)`` in the compute dtype. ``qk_gain``: the
+    model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'`` (see :func:`check_qk_gain`). ALiBi needs the
+    head axis: ``q`` is then ``(..., H, Tq, d)``.
     """
+    check_qk_gain(spec, qk_gain, q)
+    if spec.position_bias == "alibi" and q.dim() < 3:
+        raise ValueError(f"position_bias='alibi' needs q of shape (..., H, T, d), got {tuple(q.shape)}")
     with torch.autocast(device_type=q.device.type, enabled=False):  # float32 (or float64) under autocast too
-        return _weights_for_rows(q, k, spec, row_start, seq_len)
+        return _weights_for_rows(q, k, spec, row_start, seq_len, qk_gain)
 
 
-def _weights_for_rows(q, k, spec: AttentionSpec, row_start: int, seq_len: int | None) -> torch.Tensor:
+def _weights_for_rows(q, k, spec: AttentionSpec, row_start: int, seq_len: int | None, qk_gain=None) -> torch.Tensor:
     dtype = compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
     d = q.shape[-1]
@@ -102,12 +144,17 @@ def _weights_for_rows(q, k, spec: AttentionSpec, row_start: int, seq_len: int | 
     n = visible_keys(rows, dtype)  # N_i: the keys row i sees
 
     if spec.qk_norm:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = normalise_qk(spec, q, k, qk_gain)
     s = length_scale(spec, n, d) * (q @ k.transpose(-1, -2))
     if spec.bias == "neg_log_t":
         s = s - math.log(seq_len)
     elif spec.bias == "neg_log_n":
         s = s - torch.log(n)
+    if spec.position_bias == "alibi":  # - m_h * (i - j), head h on axis -3 (docs/attention.md#alibi)
+        n_head = q.shape[-3]
+        heads = torch.arange(n_head, device=q.device).view(n_head, 1, 1)
+        cols = torch.arange(k.shape[-2], device=q.device).unsqueeze(0)
+        s = s + alibi_bias(heads, rows, cols, n_head, dtype)
 
     if spec.phi == "exp" and spec.norm == "l1":  # softmax: exp with the row max subtracted, then l1norm
         a = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
@@ -132,7 +179,7 @@ def _weights_for_rows(q, k, spec: AttentionSpec, row_start: int, seq_len: int | 
 
 
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, qk_gain=None) -> torch.Tensor:
     """``A @ v`` (plus the variant's output LayerNorm) with query rows processed in memory-bounded chunks.
 
     Computed in float32 (float64 for float64 inputs) whatever autocast is active: autocast is switched off
@@ -143,13 +190,16 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attent
     chunk's weights for the backward anyway and chunking bounds nothing there; without gradients (long
     evaluation windows, where chunking is what bounds memory) a sequence that needs several chunks runs as one
     ``torch.compiler.disable``d region, eagerly and chunked, between two graphs.
+
+    ``qk_gain``: the model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'`` (see :func:`check_qk_gain`).
     """
+    check_qk_gain(spec, qk_gain, q)
     if torch.compiler.is_compiling():
         if torch.is_grad_enabled():
             chunk_bytes = max(chunk_bytes, _weights_bytes(q) * q.shape[-2])
         elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
-            return _attend_dense_eager(q, k, v, spec, chunk_bytes)
-    return _attend_dense(q, k, v, spec, chunk_bytes)
+            return _attend_dense_eager(q, k, v, spec, chunk_bytes, qk_gain)
+    return _attend_dense(q, k, v, spec, chunk_bytes, qk_gain)
 
 
 def _weights_bytes(q: torch.Tensor) -> int:
@@ -162,7 +212,7 @@ def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
     return max(1, min(q.shape[-2], chunk_bytes // _weights_bytes(q)))
 
 
-def _attend_dense(q, k, v, spec: AttentionSpec, chunk_bytes: int) -> torch.Tensor:
+def _attend_dense(q, k, v, spec: AttentionSpec, chunk_bytes: int, qk_gain=None) -> torch.Tensor:
     T = q.shape[-2]
     dtype = compute_dtype(q.dtype)
     chunk = _chunk_rows(q, chunk_bytes)
@@ -171,7 +221,7 @@ def _attend_dense(q, k, v, spec: AttentionSpec, chunk_bytes: int) -> torch.Tenso
         outs = []
         for r0 in range(0, T, chunk):
             r1 = min(T, r0 + chunk)
-            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T)
+            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, qk_gain=qk_gain)
             outs.append(a @ vv[..., :r1, :])
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
         if spec.out_norm == "layernorm":

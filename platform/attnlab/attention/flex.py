@@ -19,7 +19,14 @@ rounding them back to bf16 would add logit noise of about ``scale * 2^-9`` (LSSA
 sharpening raises the weights to the power p): measured on CPU, bf16 LSSAR's error went from 14x to 1.8x that of
 the dense path in bf16. The norm buffers carry no gradient; :class:`RadialGradientRemoved` restores the
 gradient through the normalisation exactly (FlexAttention's ``g/|x|`` minus its component along ``x``), so no
-scattered buffer gradient is needed for them.
+scattered buffer gradient is needed for them. A learned QK-norm gain (``qk_norm_gain='learned'``, the RMSNorm
+``sqrt(d) * gain * x/|x|``) multiplies q and k after that identity, outside FlexAttention: the score_mod's
+``1/|q_i|``, ``1/|k_j|`` still come from the raw q and k, the gains get their gradient through q and k, and the
+radial removal, being linear, stays exact. In bf16 the product ``gain * q`` is rounded once (as in SDPA).
+
+ALiBi (``position_bias='alibi'``) is one more term of the score, ``- m_h (i - j)``, added in the same score_mod
+before ``log f`` (:func:`attnlab.attention.masks.alibi_bias`, the slope computed from the head index): every
+pass that rebuilds the score (sharpening, recentre_l1, the sign split) sees it.
 
 Rows that are not normalised come from FlexAttention's row sums (docs/attention.md#unnormalised-rows): its
 output is ``sum_j f_ij v_j / Z_i`` and its LSE ``log Z_i``, so norm ``none`` is ``out * exp(lse)`` and ``count``
@@ -52,8 +59,8 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from attnlab.attention.dense import EXP_CLAMP, attend_dense, compute_dtype, length_scale
-from attnlab.attention.masks import causal_block_mask, visible_keys
+from attnlab.attention.dense import EXP_CLAMP, attend_dense, check_qk_gain, compute_dtype, gain_factor, length_scale
+from attnlab.attention.masks import alibi_bias, causal_block_mask, visible_keys
 from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
 
 # f >= 0 everywhere, so l1norm(f) is the softmax of log f ("exp" with l1 is softmax itself).
@@ -156,10 +163,12 @@ def parts_of(spec: AttentionSpec) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Sizes:
-    """The sizes a ``score_mod`` needs: the head dimension d (for the scale) and T (for the ``-ln T`` bias)."""
+    """The sizes a ``score_mod`` needs: the head dimension d (for the scale), T (for the ``-ln T`` bias) and the
+    number of heads H (for the ALiBi slopes)."""
 
     head_dim: int
     seq_len: int
+    n_head: int = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,6 +205,8 @@ def first_stage_log_score(spec: AttentionSpec, sizes: Sizes, score: torch.Tensor
         s = s - math.log(sizes.seq_len)
     elif spec.bias == "neg_log_n":
         s = s - torch.log(n)
+    if spec.position_bias == "alibi":
+        s = s + alibi_bias(h, q_idx, kv_idx, sizes.n_head, s.dtype)
     return log_phi(spec.phi, s, part, clamp_exp=spec.norm != "l1")
 
 
@@ -385,27 +396,32 @@ def _flex_unfused(q, k, v, score_mod: ScoreMod, block_mask: BlockMask, with_stat
 
 # --- the public entry point --------------------------------------------------------------------------------
 
-def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+                qk_gain=None) -> torch.Tensor:
     """Causal attention ``(B, H, T, Dv)`` in v's dtype, computed with FlexAttention in O(T) memory.
 
     One call for a non-negative ``f`` (two when sharpened), two for an ``f`` that changes sign
     (docs/attention.md#the-fused-path). Equal to :func:`attnlab.attention.dense.attend_dense` up to rounding; a
     variant without a fused form (see :func:`unfusable_reason`) is computed by ``attend_dense`` after a
-    one-time warning.
+    one-time warning. ``qk_gain``: the model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'``.
     """
+    check_qk_gain(spec, qk_gain, q)
     reason = unfusable_reason(spec)
     if reason is not None:
         warn_fallback(spec, reason)
-        return attend_dense(q, k, v, spec)
+        return attend_dense(q, k, v, spec, qk_gain=qk_gain)
 
     out_dtype = v.dtype
     work = q.dtype if q.dtype == k.dtype == v.dtype else compute_dtype(q.dtype)
     q, k, v = q.to(work), k.to(work), v.to(work)
-    sizes = Sizes(head_dim=q.shape[-1], seq_len=q.shape[-2])
+    sizes = Sizes(head_dim=q.shape[-1], seq_len=q.shape[-2], n_head=q.shape[-3])
     norms: tuple[torch.Tensor, ...] = ()
     if spec.qk_norm:  # inside the score_mod, in float32 (see the module docstring)
         norms = (inverse_norm(q), inverse_norm(k))
         q, k = RadialGradientRemoved.apply(q), RadialGradientRemoved.apply(k)
+        if spec.learned_qk_gain:  # RMSNorm's sqrt(d) * gain, on the raw q and k (their norms are taken above)
+            d = sizes.head_dim
+            q, k = q * gain_factor(qk_gain[0], d, work), k * gain_factor(qk_gain[1], d, work)
     block_mask = causal_block_mask(sizes.seq_len, q.device)
 
     if spec.p is not None:

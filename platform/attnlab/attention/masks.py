@@ -6,12 +6,17 @@ call, so training and evaluation cannot disagree (a validation pass that forgot 
 elsewhere). A new mask (documents, sliding windows) changes ``causal_mask_mod``, and ``visible_keys`` must then
 count the keys the mask leaves visible, not ``q_idx + 1``.
 
+The ALiBi position bias (Press et al. 2022) lives here too, as positions do: :func:`alibi_slopes` is the one
+definition of the slopes, and :func:`alibi_bias` the bias ``-m_h * (i - j)`` that the dense reference and the
+FlexAttention ``score_mod`` both add.
+
 No Ray, no model code, no attention math here.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -53,3 +58,32 @@ def _causal_block_mask(seq_len: int, device: torch.device) -> BlockMask:
     # On GPU the builder is compiled so that no (T, T) boolean mask is materialised at 16K tokens.
     return create_block_mask(causal_mask_mod, None, None, seq_len, seq_len, device=device,
                              _compile=device.type == "cuda")
+
+
+# --- ALiBi (docs/attention.md#alibi) --------------------------------------------------------------------------
+
+def alibi_slope(head: torch.Tensor, n_head: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ALiBi slope ``m_h`` of the 0-based head index ``head`` (a tensor, any shape) among ``n_head`` heads.
+
+    Press et al. 2022: for ``H`` a power of two, ``m_h = 2^(-8 h / H)`` for ``h = 1..H`` (H = 8: 1/2, 1/4, ...,
+    1/256). Otherwise, with ``c`` the largest power of two below ``H``: the ``c`` slopes of ``c`` heads, then
+    every other slope of ``2c`` heads (``2^(-8 (2j + 1) / (2c))``, j = 0..H-c-1), as the paper's code does.
+    Written with tensor ops so that a FlexAttention ``score_mod`` computes it from its head index.
+    """
+    if isinstance(n_head, bool) or not isinstance(n_head, int) or n_head < 1:
+        raise ValueError(f"n_head={n_head!r} is not allowed: ALiBi needs a positive number of heads")
+    c = 2 ** int(math.floor(math.log2(n_head)))
+    h = head.to(dtype)
+    exponent = torch.where(h < c, -8.0 * (h + 1.0) / c, -4.0 * (2.0 * (h - c) + 1.0) / c)
+    return torch.exp2(exponent)
+
+
+def alibi_slopes(n_head: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """The ``(n_head,)`` ALiBi slopes ``m_1 .. m_H`` (see :func:`alibi_slope`)."""
+    return alibi_slope(torch.arange(n_head, device=device), n_head, dtype)
+
+
+def alibi_bias(head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor, n_head: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """``-m_h * (i - j)``: the ALiBi bias of query ``i = q_idx`` and key ``j = kv_idx`` in head ``h`` (broadcast)."""
+    return -alibi_slope(head, n_head, dtype) * (q_idx - kv_idx).to(dtype)

@@ -8,9 +8,15 @@ before the kernel:
   ``coef * ln N_i``): ``(c_i q_i) . k_j == c_i (q_i . k_j)``, so it is folded into q (in float32, or float64
   for float64 inputs) and the kernel runs with ``scale=1``; the plain ``1/sqrt(d)`` without QK-norm is passed
   to the kernel as its own scale, so the standard case is the standard kernel call;
-- QK-norm L2-normalises q and k first (as ``F.normalize``, the dense reference's choice);
+- QK-norm L2-normalises q and k first (as ``F.normalize``, the dense reference's choice), and with a learned
+  gain (``qk_norm_gain='learned'``) multiplies them by ``sqrt(d) * gain`` (the RMSNorm of
+  ``softmax_qknorm``; the gains come from the model through ``qk_gain``);
 - a per-row constant bias (``neg_log_n``, ``neg_log_t``) adds the same number to every score of a row, which
   a softmax row does not see: it is dropped.
+
+ALiBi (``position_bias='alibi'``) is not served here: it would be an additive ``(H, T, T)`` float mask, which
+SDPA materialises (8 GB at 16K tokens and 8 heads) and which takes FlashAttention off; FlexAttention adds it in
+its ``score_mod`` in O(T) memory, so ``auto`` routes ALiBi specs to ``flex`` on CUDA.
 
 In bf16 the scaled, normalised q is rounded back to bf16 before the kernel: one more rounding of the logits
 (relative 2^-9, i.e. about 0.08 at LSSA-sized logits of 40) than the dense path has; the equivalence tests
@@ -27,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attnlab.attention.dense import compute_dtype, length_scale
+from attnlab.attention.dense import check_qk_gain, compute_dtype, length_scale, normalise_qk
 from attnlab.attention.masks import visible_keys
 from attnlab.attention.spec import AttentionSpec
 
@@ -44,6 +50,9 @@ def sdpa_unsupported_reason(spec: AttentionSpec) -> str | None:
         return f"p={spec.p:g} sharpens the rows (a second pass): use impl='flex'"
     if spec.out_norm != "none":
         return f"out_norm={spec.out_norm!r} normalises each head's output after A @ v"
+    if spec.position_bias != "none":
+        return (f"position_bias={spec.position_bias!r} would be a materialised (H, T, T) float mask: "
+                "FlexAttention adds it in O(T) memory")
     return None
 
 
@@ -52,11 +61,14 @@ def is_sdpa_exact(spec: AttentionSpec) -> bool:
     return sdpa_unsupported_reason(spec) is None
 
 
-def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+                qk_gain=None) -> torch.Tensor:
     """Causal softmax attention ``(B, H, T, Dv)`` in v's dtype with ``scaled_dot_product_attention``.
 
     Raises ValueError (one line, naming the variant and why) for a spec it cannot compute exactly.
+    ``qk_gain``: the model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'``.
     """
+    check_qk_gain(spec, qk_gain, q)
     reason = sdpa_unsupported_reason(spec)
     if reason is not None:
         raise ValueError(f"impl='sdpa' cannot compute attention {spec.name!r} exactly: {reason}; "
@@ -72,7 +84,7 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     dtype = compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
     if spec.qk_norm:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = normalise_qk(spec, q, k, qk_gain)
     n = visible_keys(torch.arange(q.shape[-2], device=q.device), dtype).unsqueeze(-1)  # N_i, (T, 1)
     q = q * length_scale(spec, n, d)
     out = F.scaled_dot_product_attention(q.to(work), k.to(work), v.to(work), is_causal=True, scale=1.0)

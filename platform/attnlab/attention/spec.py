@@ -20,6 +20,11 @@ SCALES = ("inv_sqrt_d", "log_n", "logd_logn", "coef*log_n")
 BIASES = ("none", "neg_log_t", "neg_log_n")
 POSTS = ("none", "negate", "recentre", "recentre_l1")
 OUT_NORMS = ("none", "layernorm")
+# none: QK-norm L2-normalises q and k (unit vectors, LSSA's form); learned: RMSNorm with a learned per-channel
+# gain held by the model (docs/attention.md#modern-softmax-baselines), passed to ``attend(..., qk_gain=...)``.
+QK_NORM_GAINS = ("none", "learned")
+# An additive position bias on the scores: ALiBi (docs/attention.md#alibi).
+POSITION_BIASES = ("none", "alibi")
 
 # Sharpening leaves the first SHARPEN_EXEMPT_ROWS rows without the offset O_i = 1 (docs/attention.md#sharpening).
 SHARPEN_EXEMPT_ROWS = 3
@@ -40,13 +45,18 @@ class AttentionSpec:
         scale: ``inv_sqrt_d`` = 1/sqrt(d); ``log_n`` = ln(N_i)/sqrt(d) (Chiang & Cholak);
             ``logd_logn`` = ln(d)*ln(N_i) (LSSA); ``coef*log_n`` = coef*ln(N_i).
         coef: the coefficient of ``coef*log_n`` (None otherwise).
-        qk_norm: L2-normalise q and k per token before the scores (no learnable gain).
+        qk_norm: L2-normalise q and k per token before the scores (no learnable gain unless ``qk_norm_gain``).
+        qk_norm_gain: ``none`` (QK-norm is the L2 normalisation) or ``learned``: QK-norm is an RMSNorm with a
+            learned per-channel gain, ``sqrt(d) * gain * x / |x|`` for q and k (needs ``qk_norm``); the model
+            holds the gains and passes them as ``attend(..., qk_gain=(gain_q, gain_k))``.
         bias: additive score bias: ``neg_log_t`` = -ln(T) (T = sequence length), ``neg_log_n`` = -ln(N_i).
         post: ``negate`` (-A, Table 1 inverse), ``recentre`` (subtract 1/N_i from visible entries of rows >= 3),
             ``recentre_l1`` (that, then l1norm).
         p: sharpening power (docs/attention.md#sharpening); None = no sharpening.
         out_norm: ``layernorm``: parameter-free LayerNorm over the head dimension of each head's output
             ``A @ v`` (relu_shen), applied inside :func:`attnlab.attention.attend` before heads are merged.
+        position_bias: ``none`` or ``alibi``: ``- m_h * (i - j)`` added to the scores of head ``h`` before
+            ``phi`` (Press et al. 2022; slopes: :func:`attnlab.attention.masks.alibi_slopes`).
         source: where the variant comes from in the paper (documentation only).
     """
 
@@ -61,6 +71,8 @@ class AttentionSpec:
     p: float | None = None
     out_norm: str = "none"
     source: str = ""
+    qk_norm_gain: str = "none"
+    position_bias: str = "none"
 
     def __post_init__(self) -> None:
         _check_choice("phi", self.phi, PHIS)
@@ -69,8 +81,13 @@ class AttentionSpec:
         _check_choice("bias", self.bias, BIASES)
         _check_choice("post", self.post, POSTS)
         _check_choice("out_norm", self.out_norm, OUT_NORMS)
+        _check_choice("qk_norm_gain", self.qk_norm_gain, QK_NORM_GAINS)
+        _check_choice("position_bias", self.position_bias, POSITION_BIASES)
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"qk_norm={self.qk_norm!r} is not allowed: use true or false")
+        if self.qk_norm_gain != "none" and not self.qk_norm:
+            raise ValueError(f"qk_norm_gain={self.qk_norm_gain!r} needs qk_norm=true: use qk_norm_gain='none' "
+                             "without QK-norm")
         if self.scale == "coef*log_n":
             if self.coef is None:
                 raise ValueError("scale='coef*log_n' needs coef: a positive float, e.g. coef=4.16")
@@ -88,6 +105,11 @@ class AttentionSpec:
     def scale_label(self) -> str:
         """The scale as one string, as the results store records it (``coef*log_n:4.16`` for a coefficient)."""
         return f"coef*log_n:{self.coef:g}" if self.scale == "coef*log_n" else self.scale
+
+    @property
+    def learned_qk_gain(self) -> bool:
+        """True when attention needs the model's QK-norm gains (``attend(..., qk_gain=(gain_q, gain_k))``)."""
+        return self.qk_norm_gain == "learned"
 
     def replace(self, **changes) -> "AttentionSpec":
         return dataclasses.replace(self, **changes)

@@ -54,7 +54,24 @@ _register(AttentionSpec("lssa", phi="softplus", norm="l1", scale="logd_logn", qk
 _register(AttentionSpec("lssar", phi="softplus", norm="l1", scale="logd_logn", qk_norm=True, p=15.0,
                         source="Eq. 5, Table 4: LSSA + sharpening, p = 15 by default"))
 
-_OVERRIDABLE = ("p", "scale", "coef", "qk_norm", "phi", "norm", "bias", "post", "out_norm")
+# --- modern softmax baselines (docs/attention.md#modern-softmax-baselines) -----------------------------------
+_register(AttentionSpec("softmax_qknorm", phi="exp", norm="l1", qk_norm=True, qk_norm_gain="learned",
+                        source="Baseline: softmax with QK-norm as OLMo 2 (Team OLMo 2024) and Qwen3/Gemma 3 do it: "
+                               "RMSNorm of q and k over the head dimension with a learned per-channel gain (init "
+                               "1, held by the model), then q.k/sqrt(d) (Dehghani et al. 2023 use LayerNorm)"))
+_register(AttentionSpec("softmax_logn", phi="exp", norm="l1", scale="log_n",
+                        source="Baseline: Scalable-Softmax (Nakanishi 2025) / Chiang & Cholak 2022: softmax of "
+                               "s*ln(N_i)*q.k/sqrt(d) with s fixed at 1 (SSMax learns s per head, init ~0.43)"))
+_register(AttentionSpec("softmax_qknorm_logn", phi="exp", norm="l1", scale="log_n", qk_norm=True,
+                        qk_norm_gain="learned",
+                        source="Baseline: softmax_qknorm and softmax_logn together: RMSNorm(q), RMSNorm(k) with "
+                               "learned gains, scale ln(N_i)/sqrt(d)"))
+
+# --- position bias: ALiBi (Press et al. 2022) on any variant with position_bias='alibi' ------------------------
+# No registered name: the model sets it with dataclasses.replace(spec, position_bias="alibi") (model.position).
+
+_OVERRIDABLE = ("p", "scale", "coef", "qk_norm", "phi", "norm", "bias", "post", "out_norm", "qk_norm_gain",
+                "position_bias")
 
 
 def variant_names() -> list[str]:
