@@ -9,7 +9,7 @@ Layers, bottom to top (a package may import its own layer's modules only inside 
     1  names, validation, location, provenance, raycluster   (the shared base)
     2  attention
     3  model
-    4  data, results
+    4  data, results, runfolder (a training run's folder: its files' format, read by train, study and serve)
     5  train, evaluate, cluster
     6  study
     7  the commands: attnlab/cli.py, attnlab/demo.py, every */cli.py, serve
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1] / "platform"
 PACKAGE = ROOT / "attnlab"
 LAYERS = {
     "errors": 0, "names": 1, "validation": 1, "location": 1, "provenance": 1, "raycluster": 1,
-    "attention": 2, "model": 3, "data": 4, "results": 4,
+    "attention": 2, "model": 3, "data": 4, "results": 4, "runfolder": 4,
     "train": 5, "evaluate": 5, "cluster": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
 }
 # Modules that may import Ray (the thin layer); everything else must import and test without it.

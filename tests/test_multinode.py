@@ -380,7 +380,7 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
 def test_one_training_run_with_a_ddp_rank_on_each_node_ends_with_identical_replicas_in_the_bucket(
         cluster, s3_bucket, tmp_path):
     from attnlab.location import Location
-    from attnlab.train.run import replica_checksums
+    from attnlab.runfolder import replica_checksums
 
     work = tmp_path / "work"
     work.mkdir()

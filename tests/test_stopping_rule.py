@@ -15,7 +15,7 @@ import pytest
 from attnlab.errors import UserError
 from attnlab.train import load_train_config
 from attnlab.train.loop import LocalSession, train_worker
-from attnlab.train.run import outcome
+from attnlab.runfolder import outcome
 
 DATA = {"synthetic": "copy_distractors", "vocab": 16, "copy_len": 4}
 TRAIN = dict(preset="tiny", data=DATA, seq_len=16, steps=300, tokens_per_step=512, micro_batch=32, lr=3e-3,

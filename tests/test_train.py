@@ -231,7 +231,7 @@ def test_a_run_on_object_storage_keeps_every_file_there(ray_session, s3_bucket, 
     from attnlab.evaluate import EvalConfig, evaluate_checkpoint
     from attnlab.location import Location
     from attnlab.train.ray_train import run_training
-    from attnlab.train.run import outcome, replica_checksums
+    from attnlab.runfolder import outcome, replica_checksums
     from conftest import s3_keys
 
     run = f"{s3_bucket}/runs/tiny"

@@ -2,7 +2,7 @@
 
 Everything here reads; nothing writes, starts or stops anything. The study layout is
 :class:`attnlab.study.state.StudyState`'s (status records, the saved spec, each run's ``metrics.jsonl`` through
-:func:`attnlab.train.run.read_metrics`); the results are :class:`attnlab.results.ResultsStore`'s rows, and the
+:func:`attnlab.runfolder.read_metrics`); the results are :class:`attnlab.results.ResultsStore`'s rows, and the
 Table-4 layout, its cells and the best configuration come from :mod:`attnlab.results.reports`, the code of
 ``attnlab results table|best`` (nothing is recomputed here). Locations are :class:`attnlab.location.Location`
 (a local folder or an object-store URI alike); ``pathlib`` never sees one.
@@ -27,7 +27,7 @@ from attnlab.location import Location
 from attnlab.names import STUDY_NAME
 from attnlab.results import COMPLETE_METRIC, METRICS, ResultsStore, reports
 from attnlab.study.state import SPEC_FILE, STATUSES, StudyState
-from attnlab.train.run import METRICS_FILE, read_metrics
+from attnlab.runfolder import METRICS_FILE, read_metrics
 
 DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
 _HTTP_URL = re.compile(r"https?://[^\s\"'<>]+")

@@ -14,7 +14,7 @@ import time
 
 from attnlab.names import format_duration
 from attnlab.study.state import StudyState
-from attnlab.train.run import Progress, read_metrics
+from attnlab.runfolder import Progress, read_metrics
 
 
 def say(line: str, log: str | None = None) -> None:

@@ -81,7 +81,7 @@ def plan_trial(spec: StudySpec, ctx: StudyContext, point: dict, cfg: TrainConfig
 # ------------------------------------------------------------------------------------------ step 2: train
 def train_step(plan: TrialPlan, state: StudyState, callbacks=()):
     """Train unless the run already finished or diverged. Returns ``(outcome, trained: bool)``."""
-    from attnlab.train.run import outcome
+    from attnlab.runfolder import outcome
 
     done = outcome(plan.run, steps=plan.cfg.steps)
     if done.status in ("finished", "diverged"):
@@ -279,7 +279,7 @@ def study_trial(config: dict, context: StudyContext) -> None:
 def evaluate_missing(spec: StudySpec, ctx: StudyContext, state: StudyState, store, log=print) -> int:
     """For every trial that finished training, evaluate the cells of the current ``eval`` with no rows yet
     (after a p_eval value, a length or a RoPE setting was added). Returns the number of cells evaluated."""
-    from attnlab.train.run import outcome
+    from attnlab.runfolder import outcome
 
     pending = []
     for record in state.statuses():

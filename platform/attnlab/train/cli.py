@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     with _progress(run, cfg.steps):
         if args.local:
             from attnlab.train.loop import LocalSession, train_worker
-            from attnlab.train.run import outcome
+            from attnlab.runfolder import outcome
 
             train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run)
             result = outcome(run, steps=cfg.steps)
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _progress(run, steps: int):
     """Print the run's progress (step, losses, time left) from its metrics while the block runs."""
-    from attnlab.train.run import watch
+    from attnlab.runfolder import watch
 
     stop = threading.Event()
     thread = threading.Thread(target=watch, args=(run, steps, stop, lambda line: print(line, flush=True)),

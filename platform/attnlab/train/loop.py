@@ -3,7 +3,7 @@
 ``train_worker(cfg, session, run)`` runs on every worker. A ``Session`` supplies what differs between a plain
 process and a Ray Train worker: rank and world size, device, DDP wrapping, the latest checkpoint, reporting
 (with an optional checkpoint), and all-reduce. ``LocalSession`` (here) runs one process with no Ray;
-``attnlab.train.ray_train`` provides the Ray Train one. The run's own files (``attnlab.train.run``) go straight
+``attnlab.train.ray_train`` provides the Ray Train one. The run's own files (``attnlab.runfolder``) go straight
 to the run location, local or object storage: rank 0 writes ``metrics.jsonl`` and ``provenance.json``, a
 diverged run writes ``failure.json`` with the step and stops cleanly, every rank records its final weights'
 checksum. Validation scores windows with :mod:`attnlab.model.scoring`, the function evaluation uses too.
@@ -37,7 +37,7 @@ from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
 from attnlab.train.config import TrainConfig
 from attnlab.train.recipe import build_optimizer, lr_at, peak_flops
-from attnlab.train.run import PROVENANCE_FILE, MetricsLog, write_failure, write_replica_checksum
+from attnlab.runfolder import PROVENANCE_FILE, MetricsLog, write_failure, write_replica_checksum
 
 # Test-only fault injection: rank FAIL_RANK raises at step FAIL_AT_STEP once (the marker file records it).
 FAIL_AT_STEP_ENV, FAIL_RANK_ENV, FAIL_ONCE_FILE_ENV = "ATTNLAB_FAIL_AT_STEP", "ATTNLAB_FAIL_RANK", "ATTNLAB_FAIL_ONCE_FILE"

@@ -4,7 +4,7 @@
 CPU, NCCL on GPU; ``FailureConfig`` restarts a dead worker group from the latest checkpoint; calling it again
 with the same ``run`` resumes (Ray finds the run snapshot in the storage). ``run`` is a local folder or an
 object-storage URI: it is Ray Train's ``storage_path/name`` itself, so checkpoints and the run's own files
-(``attnlab.train.run``) all end up there, whichever node rank 0 ran on.
+(``attnlab.runfolder``) all end up there, whichever node rank 0 ran on.
 Inside a Tune trial pass ``callbacks=[TuneReportCallback()]`` so each report reaches Tune.
 """
 
@@ -19,7 +19,7 @@ from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.train.config import TrainConfig
 from attnlab.train.loop import train_worker
-from attnlab.train.run import TrainOutcome, outcome
+from attnlab.runfolder import TrainOutcome, outcome
 
 # Environment variables every worker gets (attnlab's own settings, e.g. the test-only fault injection, and
 # the object-storage endpoint and credentials pyarrow reads).

@@ -1,0 +1,193 @@
+"""A training run's folder: the one owner of its files' format. Training writes them (rank 0, or every rank,
+straight to the run's location); the study's console, the trial and ``attnlab serve`` read them and the run's
+outcome back from here, never through the trainer. The folder may be local or on object storage; nothing is left
+on a worker's own disk, so the process that reads the outcome may sit on another node than the one that trained.
+
+Layout of a run folder (``RUN``)::
+
+    RUN/metrics.jsonl          one JSON object per report (step, train_loss, lr, grad_norm, tokens_per_s, mfu,
+                               val_loss when measured; with a stopping rule the last one says stopped:
+                               reached or cap), rewritten whole (object storage has no append)
+    RUN/provenance.json        config, train_key, git, versions, hardware, data fingerprint, FLOPs
+    RUN/failure.json           only when the run diverged: {"reason", "step", "kind"}
+    RUN/replicas/rankN.sha256  each DDP rank's final weights (replicas must end byte-identical)
+    RUN/checkpoint_*/          Ray Train's checkpoints (RUN/checkpoints/step_*/ for a plain-process run)
+
+It also watches a run's progress (:class:`Progress`, :func:`watch`): the step, the losses and an estimate of
+the time left, read from ``metrics.jsonl`` by whoever waits for the run. No Ray, no torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from attnlab.errors import UserError
+from attnlab.location import Location
+from attnlab.names import format_duration
+
+METRICS_FILE = "metrics.jsonl"
+PROVENANCE_FILE = "provenance.json"
+FAILURE_FILE = "failure.json"
+REPLICAS_DIR = "replicas"
+# On object storage the metrics file is rewritten at most this often (and always at a checkpoint, a
+# validation, a divergence and the end); a local file is rewritten at every report.
+REMOTE_FLUSH_SECONDS = 10.0
+
+
+class MetricsLog:
+    """``RUN/metrics.jsonl``, kept in memory and rewritten whole; on resume, lines past the checkpoint go."""
+
+    def __init__(self, run: Location, keep_through_step: int | None = None):
+        self.run = run
+        self.lines: list[str] = []
+        if run.exists(METRICS_FILE):
+            self.lines = [line for line in run.read_text(METRICS_FILE).splitlines() if line.strip()]
+        if keep_through_step is not None:
+            kept = [line for line in self.lines if json.loads(line).get("step", -1) <= keep_through_step]
+            changed = len(kept) != len(self.lines)
+            self.lines = kept
+            if changed:
+                self.flush()
+        self._flushed = time.monotonic()
+
+    def append(self, metrics: dict, force: bool = False) -> None:
+        self.lines.append(json.dumps(metrics))
+        if force or self.run.is_local or time.monotonic() - self._flushed >= REMOTE_FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        self.run.write_text(METRICS_FILE, "".join(line + "\n" for line in self.lines))
+        self._flushed = time.monotonic()
+
+
+def read_metrics(run: Location) -> list[dict]:
+    if not run.exists(METRICS_FILE):
+        return []
+    return [json.loads(line) for line in run.read_text(METRICS_FILE).splitlines() if line.strip()]
+
+
+def write_failure(run: Location, reason: str, step: int, kind: str = "diverged") -> None:
+    run.write_json(FAILURE_FILE, {"reason": reason, "step": int(step), "kind": kind})
+
+
+def write_replica_checksum(run: Location, rank: int, digest: str) -> None:
+    run.write_text(f"{REPLICAS_DIR}/rank{rank}.sha256", digest + "\n")
+
+
+def replica_checksums(run: Location) -> dict[int, str]:
+    out = {}
+    for name in run.list_names(REPLICAS_DIR, hidden=False):
+        if name.startswith("rank") and name.endswith(".sha256"):
+            out[int(name[4:-7])] = run.read_text(f"{REPLICAS_DIR}/{name}").strip()
+    return out
+
+
+@dataclass
+class TrainOutcome:
+    run_dir: str  # the run's location (a path or a URI)
+    status: str  # "finished" | "diverged" | "incomplete"
+    final: dict  # the last metrics line
+    checkpoint: str | None  # the latest checkpoint's location
+    failure: str | None = None
+    train_key: str | None = None
+    # with a stopping rule (TrainConfig.stop_when): "reached" (met at steps_trained) or "cap" (steps ran out
+    # first); None without a rule, or while the run is incomplete
+    stopped: str | None = None
+    steps_trained: int | None = None  # the latest checkpoint's step
+
+
+def outcome(run: str | Location, steps: int | None = None) -> TrainOutcome:
+    """Read a run folder's result: last metrics, latest checkpoint, failure reason. ``steps``: the run's target;
+    a run whose latest checkpoint is short of it (and that did not diverge) is ``incomplete``, unless that
+    checkpoint met the run's stopping rule (``stopped: reached`` in its metrics): then it is ``finished``."""
+    from attnlab.model.checkpoint import find_latest_checkpoint
+
+    run = Location.parse(run, field="run")
+    lines = read_metrics(run)
+    final = lines[-1] if lines else {}
+    failure = run.read_json(FAILURE_FILE)
+    provenance = run.read_json(PROVENANCE_FILE, default={}) or {}
+    try:
+        checkpoint = find_latest_checkpoint(run)
+        meta = json.loads(checkpoint.read_bytes("meta.json"))
+        step, stopped = meta.get("step"), (meta.get("metrics") or {}).get("stopped")
+    except UserError:
+        checkpoint, step, stopped = None, None, None
+    if failure:
+        status = "diverged"
+    elif checkpoint is None or (steps is not None and (step or 0) < steps and stopped != "reached"):
+        status = "incomplete"
+    else:
+        status = "finished"
+    return TrainOutcome(run.uri, status, final, checkpoint.uri if checkpoint else None,
+                        failure["reason"] if failure else None, provenance.get("train_key"),
+                        stopped if status == "finished" else None, None if step is None else int(step))
+
+
+# ------------------------------------------------------------------------------------------ progress
+class Progress:
+    """A run's progress as its metrics show it: the latest step and losses, the pace since it was first seen,
+    and an estimate of the time left."""
+
+    def __init__(self, steps: int):
+        self.steps = int(steps)
+        self.first: tuple[float, int] | None = None
+        self.last: dict = {}
+        self.val_loss: float | None = None
+
+    def update(self, lines: list[dict], now: float | None = None) -> bool:
+        """Take the metrics lines read so far; True when the step moved."""
+        now = time.monotonic() if now is None else now
+        if not lines:
+            return False
+        moved = lines[-1].get("step") != self.last.get("step")
+        self.last = lines[-1]
+        for line in reversed(lines):
+            if "val_loss" in line:
+                self.val_loss = line["val_loss"]
+                break
+        if self.first is None:
+            self.first = (now, int(self.last.get("step", 0)))
+        self._now = now
+        return moved
+
+    def eta_seconds(self) -> float | None:
+        if self.first is None or not self.last:
+            return None
+        t0, s0 = self.first
+        done = int(self.last.get("step", 0)) - s0
+        if done <= 0 or self._now <= t0:
+            return None
+        return (self.steps - int(self.last.get("step", 0))) * (self._now - t0) / done
+
+    def line(self) -> str:
+        step = int(self.last.get("step", 0))
+        parts = [f"step {step:,}/{self.steps:,}"]
+        if "train_loss" in self.last:
+            parts.append(f"loss {self.last['train_loss']:.4f}")
+        if self.val_loss is not None:
+            parts.append(f"val {self.val_loss:.4f}")
+        eta = self.eta_seconds()
+        if self.last.get("stopped") == "reached":
+            parts.append("stopping rule met: done")
+        elif step >= self.steps:
+            parts.append("done")
+        elif eta is not None:
+            parts.append(f"ETA {format_duration(eta)}")
+        return " · ".join(parts)
+
+
+def watch(run: Location, steps: int, stop, emit, interval: float = 5.0) -> None:
+    """Until ``stop`` (a threading.Event) is set, emit a progress line whenever the run's step moves."""
+    progress = Progress(steps)
+    while True:
+        stopped = stop.wait(interval)
+        try:
+            if progress.update(read_metrics(run)):
+                emit(progress.line())
+        except (OSError, ValueError):  # a file being replaced, a bucket hiccup: try again next time
+            pass
+        if stopped:  # one last look after the run ended
+            return
