@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"
 STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
 GIB = 1024**3
-# The estimate's stated tolerance against the CPU measurement (docs/gpu-memory.md#error).
+# The estimate's stated tolerance against the CPU measurement (docs/gpu-memory.md#error-against-cpu-measurements).
 TRAIN_TOLERANCE = 0.05
 
 

@@ -24,9 +24,9 @@ import torch
 
 from attnlab.data.synthetic import open_task
 from attnlab.evaluate.diagnostics import offset_profile
-from attnlab.evaluate.extrapolation import score_windows
+from attnlab.evaluate.measure import score_windows
+from attnlab.model.checkpoint import META_FILE, STATE_FILE, load_model
 from attnlab.results import ResultsStore, reports
-from attnlab.train.checkpoint import checkpoint_step, load_model
 
 LENGTHS = (64, 1024)
 DIAG_WINDOWS = 16  # windows per length for the offset profile (16 x 32 = 512 scored query rows)
@@ -105,6 +105,16 @@ def copy_head(profiles_1x: list[dict]) -> tuple[int, int]:
     return best["layer"], best["head"]
 
 
+def checkpoint_step(directory: Path) -> int | None:
+    """The step a checkpoint folder records (its meta.json), or None when it is not a whole checkpoint."""
+    try:
+        if not (directory / STATE_FILE).is_file():
+            return None
+        return int(json.loads((directory / META_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def checkpoints(run_dir: str) -> list[tuple[int, str]]:
     found = []
     for d in glob.glob(os.path.join(run_dir, "checkpoint_*")) + glob.glob(os.path.join(run_dir, "checkpoints", "step_*")):
@@ -147,7 +157,7 @@ def trajectory(run_dir: str, out: str) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store")
     parser.add_argument("--storage")
@@ -155,7 +165,7 @@ def main() -> None:
     parser.add_argument("--trajectory", nargs="*", default=[], metavar="RUN_DIR",
                         help="run folders with intermediate checkpoints (label taken from their config)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
     if args.figures_only:
