@@ -145,6 +145,9 @@ def test_a_study_marks_capped_trials_in_rows_and_table(ray_session, tmp_path):
     store_uri = str(tmp_path / "results")
     summary = run_study(load_spec(study), store=store_uri, storage=str(tmp_path / "runs"), verbose=0)
     assert [t["status"] for t in summary.trials] == ["complete"] * 2, summary.trials
+    # the evaluation's cells are keyed by the step the run stopped at: a re-run finds them all, measures nothing
+    again = run_study(load_spec(study), store=store_uri, storage=str(tmp_path / "runs"), verbose=0)
+    assert again.trained == 0 and again.evaluated == 0
     rows = ResultsStore(store_uri).read(study="stoprule", metric="acc")
     ended = {(int(r.tokens) // 512 <= 10, r.stopped, r.stop_rule, int(r.step)) for r in rows.itertuples()}
     assert {(capped, stopped) for capped, stopped, _, _ in ended} == {(True, "cap"), (False, "reached")}

@@ -113,7 +113,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bo
     from attnlab.evaluate.rows import nan_rows
 
     stored = store.stored_eval_keys(ctx.study().name, plan.train_key)
-    missing = [(cell, key) for cell, key in plan.cells if key not in stored]
+    missing = [(cell, key) for cell, key in cell_keys(plan, ctx, outcome) if key not in stored]
     if not missing:
         return 0
     if outcome.status == "diverged":
@@ -150,6 +150,15 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bo
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))
     ray.get(task.remote(*args))
     return len(missing)
+
+
+def cell_keys(plan: TrialPlan, ctx: StudyContext, outcome) -> list[tuple[EvalCell, str]]:
+    """The plan's cells keyed by the step of the checkpoint evaluation reads (as the evaluation keys its rows):
+    ``steps``, or for a finished run with a stopping rule the step it stopped at, known only after training."""
+    step = outcome.steps_trained if plan.cfg.stop_when is not None and outcome.status == "finished" else None
+    if not step or step == plan.cfg.steps:
+        return plan.cells
+    return [(cell, cell.key(plan.train_key, step, ctx.data_fingerprint)) for cell, _ in plan.cells]
 
 
 def stop_columns(plan: TrialPlan, outcome) -> dict:
@@ -290,13 +299,16 @@ def evaluate_missing(spec: StudySpec, ctx: StudyContext, state: StudyState, stor
         stored = store.stored_eval_keys(spec.name, plan.train_key)
         if all(key in stored for _, key in plan.cells):
             continue
-        pending.append(plan)
+        done = outcome(plan.run, steps=plan.cfg.steps)  # a stopping rule keys the cells by the step it stopped at
+        if all(key in stored for _, key in cell_keys(plan, ctx, done)):
+            continue
+        pending.append((plan, done))
     total = 0
-    for plan in pending:
+    for plan, done in pending:
         log(f"attnlab: evaluating new cells of trial {plan.train_key} (training reused)")
-        total += evaluate_step(plan, ctx, store, outcome(plan.run, steps=plan.cfg.steps))
+        total += evaluate_step(plan, ctx, store, done)
     return total
 
 
 __all__ = ["StudyContext", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason", "knob_label",
-           "objective_values", "plan_trial", "stop_columns", "study_trial", "train_step"]
+           "objective_values", "plan_trial", "cell_keys", "stop_columns", "study_trial", "train_step"]
