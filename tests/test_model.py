@@ -17,6 +17,8 @@ from attnlab.model.rope import apply_rope, rope_tables
     ("gpt2-small", 124_439_808 - 1024 * 768),     # llm.c GPT-2 124M less its 0.8M position table
     ("gpt2-medium", 354_823_168 - 1024 * 1024),   # GPT-2 medium 355M less its position table
     ("gpt2-45m", 44_646_912),
+    ("llama-45m", 45_005_824),                    # the same size with the Llama block (docs/protocol.md#presets)
+    ("tiny-llama", 6_859_520),
 ])
 def test_preset_parameter_counts(name, expected):
     with torch.device("meta"):
@@ -132,6 +134,8 @@ def test_gradients_flow_through_sharpened_attention():
     (dict(name="tiny", attention="softmaxx"), "attention='softmaxx' is unknown"),
     (dict(name="tiny", n_head=3), "not divisible"),
     (dict(name="tiny", p_train=0), "p_train=0 is not allowed: use default"),
+    (dict(name="tiny", block="x"), "model.block='x' is not allowed: use one of gpt2, llama"),
+    (dict(name="tiny", position="x"), "model.position='x' is not allowed: use one of rope, nope, alibi"),
 ])
 def test_bad_model_config(bad, match):
     name = bad.pop("name")

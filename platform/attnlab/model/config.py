@@ -8,6 +8,7 @@ No Ray, no torch modules here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from attnlab.attention import Backend, get_variant
@@ -17,12 +18,32 @@ from attnlab.errors import UserError
 from attnlab.names import GPT2_VOCAB
 
 
+# Position encodings (docs/protocol.md#position-encoding): rotary (the default), none at all (the causal mask
+# only, "NoPE"), or ALiBi's linear bias on the attention scores (the attention backends add it: AttentionSpec).
+POSITIONS = ("rope", "nope", "alibi")
+# Blocks (docs/protocol.md#blocks): GPT-2's (LayerNorm, GELU MLP, biases) or Llama's (RMSNorm, SwiGLU, no biases).
+BLOCKS = ("gpt2", "llama")
+
+
+def alibi_override() -> dict | None:
+    """The AttentionSpec field that turns on ALiBi's bias, as ``{field: value}``; None while the attention
+    package has no such field (``position: alibi`` is then refused)."""
+    fields = {f.name for f in dataclasses.fields(AttentionSpec)}
+    if "alibi" in fields:
+        return {"alibi": True}
+    if "position_bias" in fields:
+        return {"position_bias": "alibi"}
+    return None
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """A GPT-2 style decoder with RoPE. ``attention``/``p_train``/``scale`` select the attention variant.
 
     ``p_train``: ``"default"`` (the variant's own sharpening power: 15 for lssar, none for the others), None
-    (no sharpening) or a number >= 1 (docs/attention.md#sharpening).
+    (no sharpening) or a number >= 1 (docs/attention.md#sharpening). ``position``: ``rope``, ``nope`` or
+    ``alibi`` (:data:`POSITIONS`); ``block``: ``gpt2`` or ``llama`` (:data:`BLOCKS`; llama has no biases, so
+    ``bias`` is False for it whatever was given).
     """
 
     n_layer: int = 12
@@ -37,15 +58,25 @@ class GPTConfig:
     bias: bool = True
     init_std: float = 0.02
     attn_impl: str = "auto"  # a Backend value: auto, dense, flex, sdpa (stored as the string)
+    position: str = "rope"  # rope | nope | alibi (POSITIONS)
+    block: str = "gpt2"  # gpt2 | llama (BLOCKS)
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "train_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UserError(f"model.{name}={value!r} is not allowed: use a positive integer")
+        for name, allowed in (("position", POSITIONS), ("block", BLOCKS)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"model.{name}={getattr(self, name)!r} is not allowed: use one of {', '.join(allowed)}")
+        if self.position == "alibi" and alibi_override() is None:
+            raise UserError("model.position='alibi' needs ALiBi's bias in the attention backends "
+                            "(AttentionSpec has no alibi field yet): use rope or nope")
+        if self.block == "llama":
+            object.__setattr__(self, "bias", False)
         if self.n_embd % self.n_head:
             raise UserError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.position == "rope":
             raise UserError(f"model head dim {self.head_dim} (n_embd/n_head) must be even for RoPE")
         try:
             object.__setattr__(self, "p_train", parse_p_train(self.p_train, "model.p_train"))
@@ -81,7 +112,18 @@ class GPTConfig:
             p = self.p_train
         if p != P_TRAIN_DEFAULT:
             overrides["p"] = p
-        return get_variant(self.attention, **overrides)
+        spec = get_variant(self.attention, **overrides)
+        if self.position == "alibi":
+            spec = dataclasses.replace(spec, **alibi_override())
+        return spec
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width: 4 x n_embd (gpt2), or Llama's SwiGLU 8/3 x n_embd rounded up to a multiple
+        of 64 (llama; Touvron et al. 2023 round to 256 at their sizes)."""
+        if self.block == "llama":
+            return 64 * math.ceil(8 * self.n_embd / 3 / 64)
+        return 4 * self.n_embd
 
     def replace(self, **changes) -> "GPTConfig":
         return dataclasses.replace(self, **changes)
@@ -97,6 +139,10 @@ PRESETS: dict[str, dict] = {
     # CPU proxies: head dim 64; trains at 64 tokens, evaluates to 16x = 1024 on a laptop.
     "tiny": dict(n_layer=2, n_head=2, n_embd=128, train_len=64),
     "tiny-4l": dict(n_layer=4, n_head=4, n_embd=256, train_len=128),
+    # The same sizes with the Llama block (RMSNorm, SwiGLU of 8/3 x width rounded to 64, no biases):
+    # docs/protocol.md#presets.
+    "llama-45m": dict(n_layer=6, n_head=8, n_embd=512, train_len=1024, block="llama"),
+    "tiny-llama": dict(n_layer=2, n_head=2, n_embd=128, train_len=64, block="llama"),
 }
 
 

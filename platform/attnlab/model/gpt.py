@@ -2,7 +2,10 @@
 
 Blocks as in llm.c's GPT-2: pre-LayerNorm with biases, tanh-GELU MLP (4x), tied input/output embeddings,
 init N(0, 0.02) with residual projections at 0.02/sqrt(2 * n_layer). The learned position table is replaced
-by RoPE. Per forward call one can choose the RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another
+by RoPE. ``cfg.block = "llama"`` swaps in Llama's block (pre-RMSNorm with a learnable gain, SwiGLU MLP, no
+biases, final RMSNorm; the same embeddings, init and attention). ``cfg.position``: ``rope`` (rotate q and k),
+``nope`` (no position signal: the causal mask only) or ``alibi`` (no rotation; the attention spec carries
+ALiBi's bias, added by the attention backends). Per forward call one can choose the RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another
 attention spec (e.g. a different sharpening power ``p_eval``) without touching the weights.
 No Ray imports here.
 """
@@ -19,14 +22,24 @@ import torch.nn.functional as F
 
 from attnlab.attention import attend
 from attnlab.attention.spec import AttentionSpec
-from attnlab.model.config import GPTConfig
-from attnlab.model.rope import apply_rope, scaled_rope_tables
+from attnlab.model.config import GPTConfig, alibi_override
+from attnlab.model.rope import apply_rope, check_scaling, scaled_rope_tables
+
+# Llama's RMSNorm epsilon (Touvron et al. 2023, Llama 2's configuration; Llama 1 used 1e-6).
+RMS_EPS = 1e-5
 
 # Called as on_attention(layer_index, q, k) with q, k after RoPE, (B, H, T, D): for attention diagnostics.
 AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 # What a block sees: the observer with its layer index bound, called as observe(q, k). Blocks take no layer
 # index, so one compiled block serves every layer (see compile.py).
 LayerObserver = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    """The block's normalisation: LayerNorm (gpt2; with bias when ``cfg.bias``) or RMSNorm with a gain (llama)."""
+    if cfg.block == "llama":
+        return nn.RMSNorm(cfg.n_embd, eps=RMS_EPS)
+    return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
 
 
 class CausalSelfAttention(nn.Module):
@@ -41,7 +54,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:  # position rope; nope and alibi leave q and k as they are
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if observe is not None:
             observe(q.detach(), k.detach())
         y = attend(q, k, v, spec, impl=impl)
@@ -59,13 +73,31 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
-class Block(nn.Module):
+class SwiGLU(nn.Module):
+    """Llama's MLP (Shazeer 2020; Touvron et al. 2023): ``c_proj(silu(c_fc(x)) * c_up(x))``, hidden width
+    ``cfg.mlp_hidden`` (8/3 x n_embd rounded up to 64), three projections without bias."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        hidden = cfg.mlp_hidden
+        self.c_fc = nn.Linear(cfg.n_embd, hidden, bias=False)  # the gate (Llama's w1)
+        self.c_up = nn.Linear(cfg.n_embd, hidden, bias=False)  # Llama's w3
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=False)  # Llama's w2
+        self.c_proj.residual_scaled = True
+
+    def forward(self, x):
+        return self.c_proj(F.silu(self.c_fc(x)) * self.c_up(x))
+
+
+class Block(nn.Module):
+    """A pre-norm block: GPT-2's (LayerNorm, GELU MLP) or Llama's (RMSNorm, SwiGLU), by ``cfg.block``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.ln_2 = make_norm(cfg)
+        self.mlp = SwiGLU(cfg) if cfg.block == "llama" else MLP(cfg)
 
     def forward(self, x, cos, sin, spec, impl, observe: LayerObserver | None = None):
         x = x + self.attn(self.ln_1(x), cos, sin, spec, impl, observe)
@@ -79,7 +111,7 @@ class GPT(nn.Module):
         self.spec = cfg.attention_spec()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied input/output embeddings
         self.apply(self._init_weights)
@@ -111,18 +143,28 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx: torch.Tensor, *, rope_scaling: str = "none", attention: AttentionSpec | None = None,
                       impl: str | None = None, on_attention: AttentionObserver | None = None) -> torch.Tensor:
-        """The final-LayerNorm output ``(B, T, C)``.
+        """The final-norm output ``(B, T, C)``.
 
         ``rope_scaling``: ``none``, ``ntk``, ``pi`` or ``yarn`` beyond train_len (:mod:`attnlab.model.rope`;
-        yarn's logit multiplier is folded into the cos/sin tables, so into q and k); ``attention``: a spec to use
+        yarn's logit multiplier is folded into the cos/sin tables, so into q and k; a model with position
+        ``nope`` or ``alibi`` checks the name and ignores it); ``attention``: a spec to use
         instead of the trained one (evaluation-time sharpening); ``on_attention``: diagnostics observer. With an
         observer the blocks run eagerly even in a compiled model (:func:`attnlab.model.compile_model`).
         """
         x = self.embed(idx)
         T = x.shape[1]
         c = self.cfg
-        cos, sin = scaled_rope_tables(rope_scaling, T, c.head_dim, c.train_len, c.rope_base, device=idx.device)
+        position = getattr(c, "position", "rope")
+        if position == "rope":
+            cos, sin = scaled_rope_tables(rope_scaling, T, c.head_dim, c.train_len, c.rope_base, device=idx.device)
+        else:  # no rotation: the scaling is checked, and has nothing to scale
+            check_scaling(rope_scaling)
+            cos = sin = None
         spec = attention or self.spec
+        if position == "alibi":  # an evaluation spec from elsewhere keeps the model's bias
+            override = alibi_override()
+            if any(getattr(spec, k) != v for k, v in override.items()):
+                spec = spec.replace(**override)
         impl = impl or c.attn_impl
         if on_attention is not None:
             return self._observed_blocks(x, cos, sin, spec, impl, on_attention)

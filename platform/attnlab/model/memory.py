@@ -83,9 +83,15 @@ def _positive(value, name: str) -> int:
     return value
 
 
+def _llama(cfg: GPTConfig) -> bool:
+    return getattr(cfg, "block", "gpt2") == "llama"
+
+
 def num_params(cfg: GPTConfig) -> int:
     """Parameters of :class:`attnlab.model.GPT` (tied embedding counted once), without building it."""
     C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    if _llama(cfg):  # no biases; attention 4 C^2, SwiGLU 3 C H, two RMSNorm gains; the final RMSNorm's gain
+        return V * C + L * (4 * C * C + 3 * C * cfg.mlp_hidden + 2 * C) + C
     b = 1 if cfg.bias else 0
     per_layer = (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b) \
         + 2 * (C + C * b)
@@ -95,7 +101,8 @@ def num_params(cfg: GPTConfig) -> int:
 def _matrix_params(cfg: GPTConfig) -> int:
     """Weights autocast casts to bf16 (the linear layers' weights, the tied head included)."""
     C = cfg.n_embd
-    return cfg.vocab_size * C + cfg.n_layer * 12 * C * C
+    mlp = 3 * C * cfg.mlp_hidden if _llama(cfg) else 8 * C * C
+    return cfg.vocab_size * C + cfg.n_layer * (4 * C * C + mlp)
 
 
 def resolve_backend_name(cfg: GPTConfig, backend: str = "auto") -> str:
@@ -159,12 +166,22 @@ def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backe
 
     Read off :class:`attnlab.model.gpt.Block` under ``saved_tensors_hooks`` on CPU (fp32) and carried to bf16
     with autocast's dtypes: LayerNorm and the residual stream stay float32, linear inputs/outputs are bf16.
+    The llama block (RMSNorm, SwiGLU) is counted the same way.
     """
     C = cfg.n_embd
     a = 2 if precision == "bf16" else 4
     r = 4
-    saved = {"ln_1 input": r * C + 8, "c_attn input": a * C, "c_proj input": a * C, "ln_2 input": r * C + 8,
-             "c_fc input": a * C, "c_fc output": 4 * a * C, "gelu output": 4 * a * C}
+    if _llama(cfg):  # RMSNorm (composite: torch's CPU path) saves its input, 1/rms and the normalised input
+        # before the gain; SwiGLU its input (cast once per projection under autocast), the gate, silu(gate), the
+        # up projection and their product (c_proj's input)
+        H = cfg.mlp_hidden
+        saved = {"ln_1 input": 2 * r * C + 4, "c_attn input": a * C, "c_proj input": a * C,
+                 "ln_2 input": 2 * r * C + 4,
+                 "c_fc input": a * C, "c_up input": a * C if precision == "bf16" else 0, "c_fc output": a * H,
+                 "silu output": a * H, "c_up output": a * H, "product": a * H}
+    else:
+        saved = {"ln_1 input": r * C + 8, "c_attn input": a * C, "c_proj input": a * C, "ln_2 input": r * C + 8,
+                 "c_fc input": a * C, "c_fc output": 4 * a * C, "gelu output": 4 * a * C}
     if backend == "dense":  # q, k^T and v copied to float32 (and contiguous) for the two matmuls
         saved["q, k, v"] = 3 * 4 * C
     else:  # the fused kernels save q and k after RoPE, v as a view of the qkv projection, output + logsumexp
@@ -176,8 +193,8 @@ def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backe
         full = len(parts_of(spec)) - 1  # f = f+ - f-: a second full-width call, combined in float32
         narrow = int(spec.p is not None) + int(spec.post == "recentre_l1")  # statistics passes (16-wide values)
         saved["more FlexAttention calls"] = full * (4 * C + 4 * cfg.n_head) + narrow * cfg.n_head * (16 * a + 4)
-    if compiled:  # inductor recomputes the cheap pointwise GELU in the backward instead of saving it
-        saved.pop("gelu output")
+    if compiled:  # inductor recomputes the cheap pointwise GELU / SiLU in the backward instead of saving it
+        saved.pop("silu output" if _llama(cfg) else "gelu output")
     return sum(saved.values())
 
 
@@ -212,7 +229,7 @@ def estimate_train_step(cfg: GPTConfig, seq_len: int, micro_batch: int, precisio
     if backend == "dense":
         layer += dense_saved_factor(cfg) * _dense_rows_keys(B, cfg.n_head, T)
     C = cfg.n_embd
-    head_in = (4 * C + 8) + (2 if precision == "bf16" else 4) * C  # ln_f input, lm_head input
+    head_in = ((8 * C + 4) if _llama(cfg) else (4 * C + 8)) + (2 if precision == "bf16" else 4) * C  # ln_f, lm_head inputs
     parts["activations"] = cfg.n_layer * layer + head_in * N
     parts["loss_path"] = _loss_path_bytes_per_token(cfg, precision, compiled) * N
     parts["transient"] = 0
@@ -240,7 +257,10 @@ def estimate_eval(cfg: GPTConfig, length: int, batch: int, precision: str = "bf1
         chunk = max(1, min(T, 256 * 1024**2 // max(1, B * H * T * 16)))
         per_element = max(12.0, dense_saved_factor(cfg))  # sharpening's temporaries: what training saves
         attention += int(per_element * B * H * chunk * T) + 3 * 4 * C * N  # and q, k, v in float32
-    mlp = (r * C + a * C + 8 * a * C) * N
+    if _llama(cfg):  # residual, RMSNorm output, gate, silu(gate) / up, their product
+        mlp = (r * C + a * C + 3 * a * cfg.mlp_hidden) * N
+    else:
+        mlp = (r * C + a * C + 8 * a * C) * N
     head = r * C * N + 8 * V * B * min(T, EVAL_HEAD_CHUNK) + 5 * N
     phase = max(("attention", attention), ("mlp", mlp), ("lm_head", head), key=lambda kv: kv[1])
     parts[f"working_set ({phase[0]})"] = phase[1]

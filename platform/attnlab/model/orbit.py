@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from attnlab.errors import UserError
 from attnlab.model.config import GPTConfig
-from attnlab.model.gpt import GPT, Block
+from attnlab.model.gpt import GPT, Block, make_norm
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class OrbitGPT(nn.Module):
         self.wte = nn.ModuleList(nn.Embedding(V, D) for _ in range(C))
         self.combine = nn.Linear(C * D, D, bias=cfg.bias)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(D, bias=cfg.bias)
+        self.ln_f = make_norm(cfg)
         self.head = nn.Linear(D, C * V, bias=False)
         self.apply(self._init_weights)
 

@@ -110,6 +110,8 @@ PRESET_RECIPES: dict[str, dict[str, Any]] = {
                  val_every=100, val_tokens=16_384, checkpoint_every=300),
     "tiny-4l": dict(steps=1000, tokens_per_step=4096, micro_batch=32, lr=2e-3, warmup_steps=50, log_every=10,
                     val_every=250, val_tokens=65_536, checkpoint_every=500),
+    "tiny-llama": dict(steps=300, tokens_per_step=1024, micro_batch=16, lr=3e-3, warmup_steps=20, log_every=10,
+                       val_every=100, val_tokens=16_384, checkpoint_every=300),  # tiny's recipe, Llama block
     # 355M: micro-batch 64 x 1024 needs ~93 GiB, more than an 80 GB GPU (docs/gpu-memory.md); auto picks what fits.
     "gpt2-medium": dict(lr=3e-4, micro_batch=AUTO),
 }
@@ -395,6 +397,9 @@ class TrainConfig(BaseModel):
         model = dataclasses.asdict(gpt)
         for key in ("attention", "p_train", "scale", "attn_impl"):
             model.pop(key)
+        for key, default in (("position", "rope"), ("block", "gpt2")):  # added later: old keys stay the same
+            if model.get(key) == default:
+                model.pop(key)
         model["attention"] = {"variant": get_variant(spec.name).name, "scale": spec.scale_label, "p": spec.p}
         recipe = {k: v for k, v in self.model_dump(mode="json").items()
                   if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
