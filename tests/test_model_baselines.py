@@ -165,7 +165,7 @@ def test_alibi_reaches_the_attention():
 
 # ------------------------------------------------------------------------------------------------ llama block
 @pytest.mark.parametrize("position", POSITIONS_NOW)
-@pytest.mark.parametrize("attention", ["softmax", "lssa", "lssar"])
+@pytest.mark.parametrize("attention", ["softmax", "lssa", "lssar"] + (["softmax_qknorm"] if _alibi_available() else []))
 def test_llama_block_forward_backward(attention, position):
     torch.manual_seed(3)
     model = GPT(preset("tiny-llama", attention=attention, position=position, vocab_size=128))
@@ -192,8 +192,10 @@ def test_llama_block_shape():
 
 @pytest.mark.parametrize("name, kwargs", [("tiny-llama", {}), ("llama-45m", {}), ("tiny-llama", dict(vocab_size=512)),
                                           ("gpt2-45m", dict(block="llama", position="nope")),
-                                          ("tiny-4l", dict(block="llama", n_embd=320, n_head=5))])
-def test_llama_parameter_count_matches_the_memory_plan(name, kwargs):
+                                          ("tiny-4l", dict(block="llama", n_embd=320, n_head=5)),
+                                          ("tiny-llama", dict(attention="softmax_qknorm")),
+                                          ("tiny", dict(attention="softmax_qknorm_logn"))])
+def test_parameter_count_matches_the_memory_plan(name, kwargs):
     from attnlab.model.memory import num_params
 
     cfg = preset(name, **kwargs)
@@ -239,3 +241,18 @@ def test_position_and_block_are_training_and_study_axes():
     with pytest.raises(UserError) as info:
         load_train_config(dict(preset="tiny", data="demo", model={"position": "learned"}))
     assert "model.position='learned' is not allowed: use one of rope, nope, alibi" in str(info.value)
+
+
+@pytest.mark.parametrize("position", [p for p in POSITIONS_NOW if p != "rope"])
+def test_models_without_rope_evaluate_every_scaling_as_the_same_forward(demo_data_dir, position):
+    """rope_scaling is meaningless without RoPE: rows record each scaling as asked, with equal numbers."""
+    from attnlab.evaluate import EvalConfig, evaluate_checkpoint
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny-llama", position=position)).eval()
+    cfg = {"preset": "tiny-llama", "model": {"position": position}, "data": str(demo_data_dir), "seq_len": 64}
+    config = EvalConfig(multiples=[1, 2], rope_scaling=["none", "ntk", "pi", "yarn"], max_tokens=256)
+    rows = evaluate_checkpoint((model, cfg, {"step": 0}), config, device="cpu")
+    loss = {(r["rope_scaling"], r["eval_len"]): r["value"] for r in rows if r["metric"] == "val_loss"}
+    assert set(loss) == {(s, L) for s in ("none", "ntk", "pi", "yarn") for L in (64, 128)}
+    assert {loss[(s, 128)] for s in ("none", "ntk", "pi", "yarn")} == {loss[("none", 128)]}

@@ -49,6 +49,11 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_scaled = True
+        if getattr(cfg.attention_spec(), "learned_qk_gain", False):
+            # QK-norm as an RMSNorm with a learned per-channel gain shared by the heads, initialised to 1
+            # (docs/attention.md#softmax_qknorm): parameters of the model, passed to every attention call
+            self.q_gain = nn.Parameter(torch.ones(cfg.head_dim))
+            self.k_gain = nn.Parameter(torch.ones(cfg.head_dim))
 
     def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, observe: LayerObserver | None = None):
         B, T, C = x.shape
@@ -58,7 +63,10 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if observe is not None:
             observe(q.detach(), k.detach())
-        y = attend(q, k, v, spec, impl=impl)
+        if getattr(spec, "learned_qk_gain", False):
+            y = attend(q, k, v, spec, impl=impl, qk_gain=(self.q_gain, self.k_gain))
+        else:
+            y = attend(q, k, v, spec, impl=impl)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -90,12 +90,14 @@ def _llama(cfg: GPTConfig) -> bool:
 def num_params(cfg: GPTConfig) -> int:
     """Parameters of :class:`attnlab.model.GPT` (tied embedding counted once), without building it."""
     C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    # QK-norm with learned gains (softmax_qknorm): two (head_dim,) gains per layer
+    gains = L * 2 * cfg.head_dim if getattr(cfg.attention_spec(), "learned_qk_gain", False) else 0
     if _llama(cfg):  # no biases; attention 4 C^2, SwiGLU 3 C H, two RMSNorm gains; the final RMSNorm's gain
-        return V * C + L * (4 * C * C + 3 * C * cfg.mlp_hidden + 2 * C) + C
+        return V * C + L * (4 * C * C + 3 * C * cfg.mlp_hidden + 2 * C) + C + gains
     b = 1 if cfg.bias else 0
     per_layer = (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b) \
         + 2 * (C + C * b)
-    return V * C + L * per_layer + (C + C * b)
+    return V * C + L * per_layer + (C + C * b) + gains
 
 
 def _matrix_params(cfg: GPTConfig) -> int:
