@@ -104,7 +104,7 @@ def test_random_points_are_seeded_and_respect_ranges():
 
 
 def test_the_study_embeds_the_training_config_and_its_resources():
-    spec = _spec(train={"tokens": 10_000, "tokens_per_step": 1024, "workers": 2, "gpus_per_worker": 1,
+    spec = _spec(train={"tokens": 10_000, "tokens_per_step": 1024, "micro_batch": 8, "workers": 2, "gpus_per_worker": 1,
                         "cpus_per_worker": 4},
                  resources={"max_concurrent_trials": 3})
     cfg = spec.train_config({})
@@ -163,3 +163,21 @@ def test_searched_knobs_label_rows_so_reports_never_average_them_as_seeds():
     table = reports.table(pd.DataFrame(rows))
     assert list(table["knobs"]) == ["lr=0.001", "lr=0.003"]
     assert list(table["mean@64"]) == pytest.approx([5.1, 4.2])
+
+
+def test_validate_refuses_a_local_data_folder_that_is_not_there(tmp_path, capsys):
+    """Every trial would fail on it; `study validate` says so in one line (with --cluster the folder is the cluster's)."""
+    from attnlab.cli import main
+
+    study = tmp_path / "s.yaml"
+    study.write_text(f"name: x\ntrain: {{preset: tiny, data: {tmp_path / 'nowhere'}, steps: 10}}\n")
+    assert main(["study", "validate", str(study)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"attnlab: error: {study}: train.data='{tmp_path / 'nowhere'}': {tmp_path / 'nowhere'} does not exist; "
+                   f"prepare it first (attnlab data prepare --out {tmp_path / 'nowhere'}), or check a cluster's study "
+                   "with --cluster")
+    (tmp_path / "nowhere").mkdir()
+    assert main(["study", "validate", str(study)]) == 2
+    assert "holds no manifest.json" in capsys.readouterr().err
+    (tmp_path / "nowhere" / "manifest.json").write_text("{}")
+    assert main(["study", "validate", str(study)]) == 0

@@ -51,6 +51,14 @@ def _scheme(text: str) -> str | None:
     return head.lower() if sep and head.isidentifier() else None
 
 
+def check_bucket(text: str, field: str = "location") -> None:
+    """A ``s3://``, ``gs://`` or ``gcs://`` URI must name a bucket: checked from the text alone (no filesystem is
+    built, so nothing is asked of the network), as a study file is validated before anything runs."""
+    scheme = _scheme(text)
+    if scheme in REMOTE_SCHEMES and not text.partition("://")[2].strip("/"):
+        raise UserError(f"{field}={text!r}: name a bucket, e.g. {scheme}://my-bucket/attnlab")
+
+
 @dataclass(frozen=True)
 class Location:
     """A folder (or file) on a pyarrow filesystem: ``fs``, the ``path`` on it, and the canonical ``uri``."""

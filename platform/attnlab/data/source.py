@@ -82,6 +82,21 @@ def resolve_data(spec: str | dict[str, Any], *, log=print) -> str | dict[str, An
     return user_input(spec, field="data").uri
 
 
+def check_prepared(spec: str | dict[str, Any], field: str = "train.data") -> None:
+    """A local folder named as prepared data that holds none: one line now, before anything runs, instead of a
+    failure in every trial. Generated sources, the demo corpora (built on first use) and object-store URIs (read
+    by the workers, checked when the study opens them) pass."""
+    if isinstance(spec, dict) or spec in _DEMO_DATA:
+        return
+    from attnlab.location import user_input
+
+    loc = user_input(spec, field=field)
+    if loc.is_local and not loc.exists("manifest.json"):
+        what = "does not exist" if not loc.exists() else "holds no manifest.json"
+        raise UserError(f"{field}={spec!r}: {loc.uri} {what}; prepare it first (attnlab data prepare --out {spec}), "
+                        "or check a cluster's study with --cluster")
+
+
 def data_label(spec: str | dict[str, Any]) -> str:
     """A short name for the results' ``data`` column: ``synthetic:TASK``, or a folder's last component."""
     if isinstance(spec, dict):
@@ -107,4 +122,4 @@ def open_data(spec: str | dict[str, Any]) -> DataSource:
     return TextData(spec)
 
 
-__all__ = ["DEMO", "DEMO_BYTES", "ORBITS", "DataSource", "data_label", "model_kind", "open_data", "resolve_data"]
+__all__ = ["DEMO", "DEMO_BYTES", "ORBITS", "DataSource", "check_prepared", "data_label", "model_kind", "open_data", "resolve_data"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from attnlab.errors import UserError
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -42,7 +44,9 @@ def add_parser(subparsers) -> None:
                          description="Validate STUDY.yaml: exit 0 and print the resolved trial count and "
                                      "resources, or exit 2 with a one-line error.")
     val.add_argument("study", metavar="STUDY.yaml", nargs="+", help="study files to check (nothing runs)")
-    val.add_argument("--cluster", metavar="CLUSTER.yaml", help="also check the resources fit this cluster config")
+    val.add_argument("--cluster", metavar="CLUSTER.yaml",
+                     help="also check the resources fit this cluster config (a local train.data folder is then "
+                     "taken to be the cluster's, and not looked for here)")
     val.set_defaults(func=_validate)
 
     from attnlab.study.submit import add_submit_parser
@@ -67,6 +71,13 @@ def _validate(args: argparse.Namespace) -> int:
     for path in args.study:
         spec = load_spec(path)
         note = None
+        if not args.cluster:  # a trial would fail on it: the prepared folder must be where the study runs
+            from attnlab.data.source import check_prepared
+
+            try:
+                check_prepared(spec.train.data)
+            except UserError as exc:
+                raise UserError(f"{path}: {exc}") from None
         if args.cluster:
             from attnlab.cluster.validate import check_fits
 

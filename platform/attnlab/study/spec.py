@@ -419,6 +419,13 @@ class StudySpec(_Strict):
                     raise ValueError(str(exc)) from None
             if not isinstance(data, (str, dict)):
                 raise ValueError(f"train.data={data!r} is not allowed: use {data_rule}")
+            if isinstance(data, str):
+                from attnlab.location import check_bucket
+
+                try:
+                    check_bucket(data, "train.data")
+                except UserError as exc:
+                    raise ValueError(str(exc)) from None
         return value
 
     @field_validator("objective", mode="before")
@@ -510,9 +517,13 @@ class StudySpec(_Strict):
                 if axis.is_int_range:
                     values = [int(v) for v in values]
                 points += [{**base, key: v} for v in values]
+        from attnlab.train.config import AUTO
+
         for point in points:
             try:
-                self.train_config(point)
+                cfg = self.train_config(point)
+                if cfg.micro_batch != AUTO:  # what every trial would refuse inside Tune: refused here, once
+                    cfg.batch_plan(cfg.workers)
             except UserError as exc:
                 shown = ", ".join(f"{k}={v}" for k, v in point.items())
                 raise ValueError(f"the trial ({shown}) is not a valid training config: {exc}") from None
