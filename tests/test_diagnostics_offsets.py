@@ -20,7 +20,7 @@ def model():
 def _full_weights(model, window):
     captured = {}
 
-    def capture(layer, q, k):
+    def capture(layer, q, k, qk_gain=None):
         captured[layer] = attention_weights(q, k, model.spec)[0]  # (H, T, T)
 
     model.hidden_states(torch.as_tensor(window[None, :-1]), on_attention=capture)

@@ -227,7 +227,7 @@ def test_diagnostics_chunking_is_exact(trained_run):
     chunked = attention_diagnostics(model, window, rope_scaling="ntk", chunk_bytes=1)  # one row at a time
     captured = {}
 
-    def capture(layer, q, k):
+    def capture(layer, q, k, qk_gain=None):
         captured[layer] = attention_weights(q, k, model.spec)
 
     model.hidden_states(torch.as_tensor(window[:, :-1]), rope_scaling="ntk", on_attention=capture)
@@ -387,3 +387,33 @@ def test_pi_and_yarn_cells_are_measured_without_retraining(trained_run):
     loss = {(r["rope_scaling"], r["eval_len"]): r["value"] for r in rows if r["metric"] == "val_loss"}
     assert {loss[(rope, 64)] for rope in ("none", "ntk", "pi", "yarn")} == {loss[("none", 64)]}
     assert len({loss[(rope, 128)] for rope in ("none", "ntk", "pi", "yarn")}) == 4
+
+
+def test_diagnostics_of_a_learned_qk_norm_model_use_its_gains():
+    """softmax_qknorm's weights depend on each layer's learned gains: the diagnostics recompute them with the gains
+    the layer used (the model's own attention output is the reference)."""
+    from attnlab.attention import attention_weights
+    from attnlab.evaluate.diagnostics import attention_diagnostics
+    from attnlab.model import GPT, preset
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=64, attention="softmax_qknorm")).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.q_gain.mul_(3.0).add_(torch.rand_like(block.attn.q_gain))
+    window = np.random.default_rng(0).integers(0, 64, size=(1, 33))
+    seen = {}
+
+    def capture(layer, q, k, qk_gain=None):
+        seen[layer] = attention_weights(q, k, model.spec, qk_gain=qk_gain)[0]
+
+    model.hidden_states(torch.as_tensor(window[:, :-1]), on_attention=capture)
+    rows = attention_diagnostics(model, window)
+    for row in rows:
+        w = seen[row["layer"]].double()
+        w = w / w.sum(-1, keepdim=True)
+        entropy = torch.special.entr(w).sum(-1).mean().item()
+        assert row["entropy"] == pytest.approx(entropy, rel=1e-4)
+    plain = attention_weights(*(torch.randn(1, 2, 8, 64) for _ in range(2)), model.spec,
+                              qk_gain=(torch.ones(64), torch.ones(64)))
+    assert plain.shape == (1, 2, 8, 8)

@@ -103,7 +103,7 @@ def test_observer_runs_the_blocks_eagerly_and_sees_every_layer():
     seen = []
     with torch.no_grad():
         for _ in range(3):  # a new observer closure each call: no recompile, no error
-            h = compiled.hidden_states(idx, on_attention=lambda layer, q, k: seen.append((layer, q.shape)))
+            h = compiled.hidden_states(idx, on_attention=lambda layer, q, k, gain: seen.append((layer, q.shape)))
         ref = eager.hidden_states(idx)
     assert _graphs() == 0  # nothing was compiled
     assert [layer for layer, _ in seen] == [0, 1] * 3

@@ -123,7 +123,7 @@ def test_nan_value_is_recorded_and_schema_version_in_metadata(tmp_path):
         ({"step": 1.5}, "column 'step' must be an integer"),
         ({"p_eval": "sharp"}, "column 'p_eval' must be a number"),
         ({"metric": "val-loss"}, "unknown metric 'val-loss'; registered: .*val_loss"),
-        ({"rope_scaling": "yarn"}, "column 'rope_scaling' is 'yarn'; allowed: ntk, none"),
+        ({"rope_scaling": "linear"}, "column 'rope_scaling' is 'linear'; allowed: ntk, none, pi, yarn"),
         ({"evallen": 64}, "unknown column 'evallen'"),
         ({"study": "a/b"}, "column 'study' is 'a/b'"),
         ({"eval_len": 0}, "column 'eval_len' must be > 0"),

@@ -135,11 +135,6 @@ def parse_p_train(value, field: str = "p_train") -> float | str | None:
     return float(value)
 
 
-def p_train_label(value: float | str | None) -> str:
-    """How a ``p_train`` setting is written back: ``default``, ``off`` or the number."""
-    return P_TRAIN_OFF if value is None else (value if isinstance(value, str) else f"{value:g}")
-
-
 def parse_scale(value) -> tuple[str, float | None]:
     """Parse a scale override into ``(scale, coef)``.
 

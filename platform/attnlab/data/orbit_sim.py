@@ -164,11 +164,6 @@ def to_jacobi(x: np.ndarray, masses: np.ndarray) -> np.ndarray:
     return jacobi_matrices(masses)[0] @ x
 
 
-def from_jacobi(xj: np.ndarray, masses: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`to_jacobi`."""
-    return jacobi_matrices(masses)[1] @ xj
-
-
 def accelerations(x: np.ndarray, masses: np.ndarray) -> np.ndarray:
     """Newtonian accelerations ``(S, N, 2)`` of every body from every other: ``G sum_j m_j d_ij / |d_ij|^3``."""
     d = x[:, None, :, :] - x[:, :, None, :]  # (S, i, j, 2): from body i to body j
@@ -305,5 +300,5 @@ def simulate(systems: Systems, n_obs) -> Trajectories:
 
 
 __all__ = ["G", "Systems", "Trajectories", "accelerations", "angular_momentum", "elements_to_state", "energy",
-           "from_jacobi", "jacobi_matrices", "kepler_drift", "place_systems", "simulate", "solve_kepler",
+           "jacobi_matrices", "kepler_drift", "place_systems", "simulate", "solve_kepler",
            "substeps_for", "to_jacobi"]

@@ -275,10 +275,6 @@ def local_work_dir(out: Location) -> Location:
     return Location.parse(str(cache_dir() / "prepare-work" / key))
 
 
-def _identity(record: dict) -> dict:
-    return {k: record.get(k) for k in _IDENTITY_KEYS}
-
-
 def _check_same(existing: dict, wanted: dict, where: str) -> None:
     for key in _IDENTITY_KEYS:
         if existing.get(key) != wanted.get(key):

@@ -50,13 +50,13 @@ def attention_diagnostics(model, windows: np.ndarray, *, spec=None, rope_scaling
     spec = spec or model.spec
     sums: dict[int, list[float]] = {}
 
-    def observe(layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    def observe(layer: int, q: torch.Tensor, k: torch.Tensor, qk_gain=None) -> None:
         B, H, T, _ = q.shape
         rows = max(1, min(T, chunk_bytes // max(1, B * H * T * 4 * 4)))
         acc = sums.setdefault(layer, [0.0, 0.0, 0])
         for r0 in range(0, T, rows):
             r1 = min(T, r0 + rows)
-            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T)
+            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, qk_gain=qk_gain)
             entropy, sink = row_statistics(a)
             acc[0] += float(entropy.double().sum())
             acc[1] += float(sink.double().sum())
@@ -108,7 +108,7 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
     sums: dict[int, dict] = {}
     current: dict = {}
 
-    def observe(layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    def observe(layer: int, q: torch.Tensor, k: torch.Tensor, qk_gain=None) -> None:
         B, H, T, _ = q.shape
         wanted = torch.as_tensor(np.nonzero(current["rows"])[0], device=q.device)
         if len(wanted) == 0:
@@ -125,7 +125,8 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
             inside = wanted[(wanted >= r0) & (wanted < r1)]
             if len(inside) == 0:
                 continue
-            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T)[0]  # (H, R, r1)
+            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T,
+                                 qk_gain=qk_gain)[0]  # (H, R, r1)
             a = a[:, inside - r0, :]
             w = a.abs()
             w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)

@@ -19,7 +19,7 @@ import torch
 
 from attnlab.errors import UserError
 from attnlab.evaluate.measure import measure, text_tokenizer
-from attnlab.evaluate.plan import EvalCell, EvalConfig
+from attnlab.evaluate.plan import EvalCell, EvalConfig, p_eval_label
 from attnlab.evaluate.rows import rows_for
 from attnlab.location import Location
 
@@ -209,7 +209,7 @@ def check_tokenizer(source, model_vocab: int) -> None:
 
 
 def plan_line(config: EvalConfig, todo, lengths, source, step: int, checkpoint) -> str:
-    p_evals = ", ".join("none" if p is None else f"{p:g}" for p in config.p_eval)
+    p_evals = ", ".join(p_eval_label(p) for p in config.p_eval)
     if not config.windows and config.downstream is not None:
         return (f"plan: evaluate {checkpoint or 'the model'} (step {step}): {len(todo)} downstream cell(s) "
                 f"(tasks {', '.join(config.downstream.tasks)}, p_eval {p_evals}, rope {', '.join(config.rope_scaling)})")

@@ -276,7 +276,7 @@ class EvalCell:
         return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
     def describe(self) -> str:
-        p = "none" if self.p_eval is None else f"{self.p_eval:g}"
+        p = p_eval_label(self.p_eval)
         if self.kind == "downstream":
             return f"downstream {self.extra[0]} L={self.length} rope={self.rope} p_eval={p}"
         return f"{self.kind} L={self.length} mode={self.window_mode} rope={self.rope} p_eval={p}"

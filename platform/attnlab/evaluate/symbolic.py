@@ -24,7 +24,7 @@ It must never: train or run a model, touch tokens or torch, or import Ray.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -76,13 +76,6 @@ class ForceLaw:
     power_law: PowerLaw
     n_points: int
     n_dropped: int  # points left out: non-positive or non-finite force
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        pl = out.pop("power_law")
-        out.update({f"pl_{k}": v for k, v in pl.items()})
-        out["pl_newton_distance"] = self.power_law.newton_distance
-        return out
 
 
 def exponent_distance(exp_r: float, exp_m1: float, exp_m2: float) -> float:

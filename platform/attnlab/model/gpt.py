@@ -28,11 +28,12 @@ from attnlab.model.rope import apply_rope, check_scaling, scaled_rope_tables
 # Llama's RMSNorm epsilon (Touvron et al. 2023, Llama 2's configuration; Llama 1 used 1e-6).
 RMS_EPS = 1e-5
 
-# Called as on_attention(layer_index, q, k) with q, k after RoPE, (B, H, T, D): for attention diagnostics.
-AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
-# What a block sees: the observer with its layer index bound, called as observe(q, k). Blocks take no layer
-# index, so one compiled block serves every layer (see compile.py).
-LayerObserver = Callable[[torch.Tensor, torch.Tensor], None]
+# Called as on_attention(layer_index, q, k, qk_gain) with q, k after RoPE, (B, H, T, D), and the layer's learned
+# QK-norm gains (g_q, g_k) or None: for attention diagnostics, which recompute the weights the layer used.
+AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, "tuple | None"], None]
+# What a block sees: the observer with its layer index bound, called as observe(q, k, qk_gain). Blocks take no
+# layer index, so one compiled block serves every layer (see compile.py).
+LayerObserver = Callable[[torch.Tensor, torch.Tensor, "tuple | None"], None]
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:
@@ -61,12 +62,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if cos is not None:  # position rope; nope and alibi leave q and k as they are
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gain = (self.q_gain, self.k_gain) if getattr(spec, "learned_qk_gain", False) else None
         if observe is not None:
-            observe(q.detach(), k.detach())
-        if getattr(spec, "learned_qk_gain", False):
-            y = attend(q, k, v, spec, impl=impl, qk_gain=(self.q_gain, self.k_gain))
-        else:
-            y = attend(q, k, v, spec, impl=impl)
+            observe(q.detach(), k.detach(), None if gain is None else tuple(g.detach() for g in gain))
+        y = attend(q, k, v, spec, impl=impl) if gain is None else attend(q, k, v, spec, impl=impl, qk_gain=gain)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -917,8 +917,6 @@ def metric_axis_label(metric: str) -> str:
         return f"{metric} (nats per token)"
     if metric == "acc":
         return "acc (fraction of target tokens right)"
-    if metric == "ppl":
-        return "ppl (perplexity, exp of the loss in nats)"
     return metric
 
 

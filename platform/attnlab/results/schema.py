@@ -58,7 +58,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("scale", "str", True, 'scale factor, e.g. "logd_logn", "inv_sqrt_d", "coef*log_n:0.8"'),
     Column("p_train", "float", False, "sharpening power used in training; null = none"),
     Column("p_eval", "float", False, "sharpening power applied at evaluation only; null = none"),
-    Column("rope_scaling", "str", True, "RoPE scaling at evaluation: ntk | none"),
+    Column("rope_scaling", "str", True, "RoPE scaling at evaluation: ntk | none | pi | yarn"),
     Column("step", "int", True, "training step of the evaluated weights"),
     Column("tokens", "int", True, "training tokens seen at that step"),
     Column("eval_len", "int", True, "evaluation length (tokens per window)"),
