@@ -314,7 +314,7 @@ def test_a_study_resource_request_is_the_one_request_shape(tmp_path):
     from attnlab.study.spec import load_spec
 
     study = tmp_path / "s.yaml"
-    study.write_text("name: x\ntrain: {preset: tiny, data: demo, workers: 8, gpus_per_worker: 1}\nresources: {trial_cpus: 0.5}\n")
+    study.write_text("name: x\ntrain: {preset: tiny, data: demo, tokens_per_step: 8192, workers: 8, gpus_per_worker: 1}\nresources: {trial_cpus: 0.5}\n")
     request = load_spec(study).resource_request()
     assert request == cv.normalise_request(request)
     assert request == {"workers": 8, "gpus_per_worker": 1.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1,
