@@ -16,6 +16,7 @@ from scipy import stats as sps
 from attnlab.cli import main
 from attnlab.errors import UserError
 from attnlab.results import Comparison, ResultsStore, compare, reports
+from attnlab.results.reports.figures import _plot_line
 from attnlab.results.stats import t_interval, two_sample_test
 
 SOFTMAX = [0.010, 0.020, 0.015, 0.012]   # acc at 1024, seeds 0..3
@@ -194,8 +195,8 @@ def test_figure_legend_marks_single_runs(store):
 
     axes = Figure().add_subplot(1, 1, 1)
     xs, ys = np.array([64.0, 1024.0]), np.array([1.0, 0.5])
-    assert reports._plot_line(axes, xs, ys, np.zeros(2), np.array([1, 1]), "sigmoid_l1") is True
-    assert reports._plot_line(axes, xs, ys, np.array([0.0, 0.1]), np.array([4, 4]), "lssar") is False
+    assert _plot_line(axes, xs, ys, np.zeros(2), np.array([1, 1]), "sigmoid_l1") is True
+    assert _plot_line(axes, xs, ys, np.array([0.0, 0.1]), np.array([4, 4]), "lssar") is False
     labels = axes.get_legend_handles_labels()[1]
     assert labels == ["sigmoid_l1 (1 seed)", "lssar"]
     hollow = [line for line in axes.lines if line.get_markerfacecolor() == "white"]
@@ -248,7 +249,7 @@ def test_figure_points_of_few_runs_show_each_run():
     axes = Figure().add_subplot(1, 1, 1)
     xs, ys = np.array([64.0, 1024.0]), np.array([0.9, 0.5])
     seeds = [tuple(enumerate([0.8, 0.9, 1.0, 0.9, 0.9])), ((0, 0.9), (1, 0.1))]
-    assert reports._plot_line(axes, xs, ys, np.array([0.2, 0.57]), np.array([5, 2]), "lssar", bounds=(0.0, 1.0),
+    assert _plot_line(axes, xs, ys, np.array([0.2, 0.57]), np.array([5, 2]), "lssar", bounds=(0.0, 1.0),
                               seeds=seeds) is False
     container = axes.containers[0]
     at_64, at_1024 = container.lines[2][0].get_segments()
