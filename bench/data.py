@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 
 def build_corpus(folder: Path, repeat: int, files: int = 8, doc_chars: int = 4000) -> list[str]:
-    from attnlab.data.demo import ensure_demo_corpus
+    from attnlab.data.demo_corpus import ensure_demo_corpus
 
     docs = []
     for f in sorted(ensure_demo_corpus().glob("*.txt")):

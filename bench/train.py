@@ -100,7 +100,7 @@ def main() -> None:
         print(f"| {args.preset} | {attention} | {cfg.seq_length} | {cfg.tokens_per_step} | {tps:,.0f} | {mfu_s} |",
               flush=True)
     if args.ray_overhead:
-        from attnlab.raycluster import ensure_ray
+        from attnlab.ray_runtime import ensure_ray
 
         ensure_ray()
         attention = args.variants.split(",")[0]

@@ -74,7 +74,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        # This cluster's own dashboard, named for every process of it (as attnlab.raycluster does): another
+        # This cluster's own dashboard, named for every process of it (as attnlab.ray_runtime does): another
         # Ray on this machine must not make Train's state queries ambiguous.
         port = _free_port()
         os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
@@ -157,7 +157,7 @@ MULTIPLE_INSTANCES = "Found multiple active Ray instances"
 
 def multiple_instance_errors(text: str) -> list[str]:
     """Lines of ``text`` where Ray could not tell which of several clusters on this machine to use (see
-    ``attnlab.raycluster``). Ray's job supervisor logs a warning with the same words when it picks its own cluster
+    ``attnlab.ray_runtime``). Ray's job supervisor logs a warning with the same words when it picks its own cluster
     from its temp dir's address file ("... Connecting to latest cluster at ..."): that one found the right cluster
     and is not an error."""
     return [line for line in text.splitlines()

@@ -6,7 +6,7 @@ upward import fails here with the file and the line that made it.
 Layers, bottom to top (a package may import its own layer's modules only inside itself):
 
     0  errors
-    1  names, validation, location, provenance, raycluster   (the shared base)
+    1  names, validation, location, provenance, ray_runtime, cache   (the shared base)
     2  attention
     3  model
     4  data, results, runfolder (a training run's folder: its files' format, read by train, study and serve)
@@ -23,12 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "platform"
 PACKAGE = ROOT / "attnlab"
 LAYERS = {
-    "errors": 0, "names": 1, "validation": 1, "location": 1, "provenance": 1, "raycluster": 1,
+    "errors": 0, "names": 1, "validation": 1, "location": 1, "provenance": 1, "ray_runtime": 1, "cache": 1,
     "attention": 2, "model": 3, "data": 4, "results": 4, "runfolder": 4,
     "train": 5, "evaluate": 5, "cluster": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
 }
 # Modules that may import Ray (the thin layer); everything else must import and test without it.
-RAY_MODULES = {"attnlab.raycluster", "attnlab.train.ray_train", "attnlab.data.parallel", "attnlab.study.runner",
+RAY_MODULES = {"attnlab.ray_runtime", "attnlab.train.ray_train", "attnlab.data.parallel", "attnlab.study.runner",
                "attnlab.study.trial", "attnlab.study.submit", "attnlab.cluster.validate"}
 
 

@@ -1,6 +1,6 @@
 """Several embedded Ray clusters side by side: two ``attnlab study run`` processes started at once on this machine
 (no ``RAY_ADDRESS``: each starts its own local Ray) both finish, and nothing in them meets Ray's
-``Found multiple active Ray instances`` (see :mod:`attnlab.raycluster`).
+``Found multiple active Ray instances`` (see :mod:`attnlab.ray_runtime`).
 
 Each process gets its own ``RAY_TMPDIR``, so its Ray session logs (where a detached actor such as Train's
 ``PlacementGroupCleaner`` writes its errors) can be searched too. Both clusters end with their drivers.

@@ -370,7 +370,7 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
 
     # Nothing was written to a local folder named s3: (job working-dir copies, both nodes' temp dirs, the cwd).
     assert _local_s3_paths(cluster.head_tmp, cluster.worker_tmp, work, os.getcwd()) == []
-    # Train's placement-group cleaner found its own cluster among the several on this machine (attnlab.raycluster).
+    # Train's placement-group cleaner found its own cluster among the several on this machine (attnlab.ray_runtime).
     for job in (first, third_id):
         assert multiple_instance_errors(cluster.job_logs(job)) == []
     assert cluster.logs_with_multiple_instance_errors() == []

@@ -138,7 +138,7 @@ def test_links_name_the_study_own_tensorboard_and_optuna(tmp_path):
 
 
 def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(tmp_path, capsys):
-    from attnlab.raycluster import Dashboard
+    from attnlab.ray_runtime import Dashboard
 
     store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
     live = Dashboard("http://127.0.0.1:41234").record()

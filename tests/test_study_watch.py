@@ -59,8 +59,8 @@ def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path
     """No Ray: a stand-in ``ray`` module says which cluster this process joined; the GCS is not asked twice."""
     import types
 
-    from attnlab import raycluster
-    from attnlab.raycluster import Dashboard
+    from attnlab import ray_runtime
+    from attnlab.ray_runtime import Dashboard
     from attnlab.study.console import say
     from attnlab.study.runner import study_plan
     from attnlab.study.spec import StudySpec
@@ -70,22 +70,22 @@ def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path
         is_initialized=lambda: connected["gcs"] is not None,
         get_runtime_context=lambda: types.SimpleNamespace(gcs_address=connected["gcs"]))
     monkeypatch.setitem(sys.modules, "ray", fake)
-    monkeypatch.setattr(raycluster, "_dashboards", {"10.0.0.1:6379": Dashboard("http://127.0.0.1:40001")})
+    monkeypatch.setattr(ray_runtime, "_dashboards", {"10.0.0.1:6379": Dashboard("http://127.0.0.1:40001")})
     asked = []
     answers = {"10.0.0.2:6379": (None, True), "10.0.0.3:6379": (None, False),
                "10.0.0.4:6379": ("http://10.0.0.4:8265", True)}
-    monkeypatch.setattr(raycluster, "_ask_dashboard", lambda gcs: asked.append(gcs) or answers[gcs])
+    monkeypatch.setattr(ray_runtime, "_ask_dashboard", lambda gcs: asked.append(gcs) or answers[gcs])
 
-    assert raycluster.dashboard().line() == "Ray dashboard: none (not connected to a Ray cluster)"
+    assert ray_runtime.dashboard().line() == "Ray dashboard: none (not connected to a Ray cluster)"
     connected["gcs"] = "10.0.0.1:6379"  # an embedded cluster: the port ensure_ray chose, nothing asked
-    assert raycluster.dashboard() == Dashboard("http://127.0.0.1:40001") and asked == []
+    assert ray_runtime.dashboard() == Dashboard("http://127.0.0.1:40001") and asked == []
     connected["gcs"] = "10.0.0.4:6379"  # RAY_ADDRESS or a Ray job: what the cluster's GCS records, asked once
-    assert raycluster.dashboard().url == raycluster.dashboard().url == "http://10.0.0.4:8265"
+    assert ray_runtime.dashboard().url == ray_runtime.dashboard().url == "http://10.0.0.4:8265"
     assert asked == ["10.0.0.4:6379"]
     connected["gcs"] = "10.0.0.2:6379"
-    assert raycluster.dashboard().line() == "Ray dashboard: none (the cluster runs without one)"
+    assert ray_runtime.dashboard().line() == "Ray dashboard: none (the cluster runs without one)"
     connected["gcs"] = "10.0.0.3:6379"
-    assert raycluster.dashboard().line() == "Ray dashboard: none (unknown: the cluster's GCS at 10.0.0.3:6379 did " \
+    assert ray_runtime.dashboard().line() == "Ray dashboard: none (unknown: the cluster's GCS at 10.0.0.3:6379 did " \
                                             "not answer)"
 
     spec = StudySpec.model_validate({"name": "planned", "train": {"preset": "tiny", "data": "demo", "steps": 6},

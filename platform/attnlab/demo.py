@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir()
     store, storage = out.child("results").uri, out.child("runs").uri
     if not os.environ.get("RAY_ADDRESS"):
-        from attnlab.raycluster import ensure_ray
+        from attnlab.ray_runtime import ensure_ray
 
         # 4 logical CPUs on small machines: one trial driver + fractional Train workers fit with room to spare.
         ensure_ray(num_cpus=max(4, os.cpu_count() or 1), object_store_mb=256, log_to_driver=args.verbose)

@@ -11,12 +11,12 @@ Public API (no Ray needed to import any of it; only ``prepare(..., workers>1)`` 
 - ``make_source(kind, ...)``, ``SOURCE_KINDS``; ``ensure_demo_corpus()`` (the offline demo texts).
 """
 
-from attnlab.data.demo import ensure_demo_corpus
+from attnlab.data.demo_corpus import ensure_demo_corpus
 from attnlab.data.prepare import prepare
 from attnlab.data.reader import TokenShards, TrainSampler
 from attnlab.data.shards import verify
 from attnlab.data.source import DataSource, open_data
-from attnlab.data.sources import SOURCE_KINDS, make_source
+from attnlab.data.corpora import SOURCE_KINDS, make_source
 from attnlab.data.tokenizer import EOT_ID, GPT2_VOCAB, encode_document, get_encoding, seed_tiktoken_cache
 
 __all__ = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from attnlab.data.sources import SOURCE_KINDS
+from attnlab.data.corpora import SOURCE_KINDS
 from attnlab.data.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 

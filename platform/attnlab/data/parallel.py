@@ -34,7 +34,7 @@ class RayPool:
         self._started_here = False
 
     def __enter__(self) -> RayPool:
-        from attnlab.raycluster import ensure_ray
+        from attnlab.ray_runtime import ensure_ray
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self._started_here = ensure_ray(num_cpus=self.workers or os.cpu_count() or 1, object_store_mb=256,

@@ -56,7 +56,7 @@ from attnlab.data.shards import (
     sha256_hex,
     shard_name,
 )
-from attnlab.data.sources import Partition, Source, make_source
+from attnlab.data.corpora import Partition, Source, make_source
 from attnlab.data.tokenizer import DEFAULT_TOKENIZER, get_tokenizer
 from attnlab.errors import UserError
 from attnlab.location import Location
@@ -269,7 +269,7 @@ def _remove_work(loc: Location, work: Location, remote: bool) -> None:
 def local_work_dir(out: Location) -> Location:
     """The work folder of a preparation into object storage: on this machine's disk, named by the output URI
     (``<attnlab cache>/prepare-work/<sha256(uri)[:16]>``), so a re-run resumes from it."""
-    from attnlab.data.demo import cache_dir
+    from attnlab.cache import cache_dir
 
     key = hashlib.sha256(out.uri.encode()).hexdigest()[:16]
     return Location.parse(str(cache_dir() / "prepare-work" / key))
@@ -356,7 +356,7 @@ def prepare(
 ) -> dict:
     """Tokenise ``source`` into shards under ``out`` (local folder or pyarrow URI); return a summary.
 
-    ``source``: a kind of :data:`attnlab.data.sources.SOURCE_KINDS` (with ``path``, ``name``,
+    ``source``: a kind of :data:`attnlab.data.corpora.SOURCE_KINDS` (with ``path``, ``name``,
     ``text_column``) or a :class:`Source`. ``val_tokens=None`` means 100M tokens capped at 10% of the
     corpus; 0 means no validation split. ``workers``: parallel tasks (1 = in this process, no Ray;
     None = every CPU). ``tokenizer``: ``gpt2`` or ``bytes`` (:data:`attnlab.data.tokenizer.TOKENIZERS`). Returns ``{"manifest", "tokens", "seconds", "tokens_per_s", "skipped_partitions",

@@ -49,7 +49,7 @@ def cache_root() -> str:
     """This node's shard cache folder (created on first use)."""
     root = os.environ.get(CACHE_ENV)
     if not root:
-        from attnlab.data.demo import cache_dir
+        from attnlab.cache import cache_dir
 
         root = str(cache_dir() / "shards")
     return os.path.abspath(os.path.expanduser(root))

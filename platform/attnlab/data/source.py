@@ -55,7 +55,7 @@ def model_kind(source) -> str:
 
 
 def demo_data_location(name: str = DEMO) -> str:
-    from attnlab.data.demo import cache_dir
+    from attnlab.cache import cache_dir
 
     return str(cache_dir() / "prepared" / _DEMO_DATA[name][0])
 

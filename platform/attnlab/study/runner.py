@@ -176,7 +176,7 @@ def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> boo
 
 def study_plan(spec: StudySpec, dashboard=None) -> str:
     """The study in one line: trials, each trial's training, the evaluation cells, how many at once, and (given
-    ``dashboard``, an :class:`attnlab.raycluster.Dashboard`) the Ray dashboard of the cluster it runs on."""
+    ``dashboard``, an :class:`attnlab.ray_runtime.Dashboard`) the Ray dashboard of the cluster it runs on."""
     cfg = spec.train
     cells = len(spec.eval.cells(cfg.seq_length))
     return (f"plan: study {spec.name}: {spec.num_trials()} trial(s) ({spec.search.engine}), each {cfg.steps:,} steps x "
@@ -203,7 +203,7 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
 
     from ray import tune
 
-    from attnlab.raycluster import dashboard, ensure_ray, log_file, quiet_ray
+    from attnlab.ray_runtime import dashboard, ensure_ray, log_file, quiet_ray
     from attnlab.results import ResultsStore
     from attnlab.study.console import LiveView, say
 
@@ -218,7 +218,7 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     state.loc.mkdir()
     log = None
     if quiet:
-        from attnlab.data.demo import cache_dir
+        from attnlab.cache import cache_dir
 
         log = log_file(state.loc.child("logs").path if state.loc.is_local else str(cache_dir() / "logs"), "ray")
         quiet_ray(log)

