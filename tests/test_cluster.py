@@ -207,7 +207,7 @@ def test_strictify_keeps_preserve_unknown_fields_open():
 
 def test_vendored_schemas_are_v1_kuberay_schemas_and_extraction_round_trips(tmp_path):
     """The vendored files are KubeRay v1 schemas of both kinds, and `extract-crd` on a CRD made from one gives
-    back exactly that file (the regeneration path of cluster/kuberay/schemas/README.md)."""
+    back exactly that file (the regeneration path of platform/attnlab/cluster/kuberay_schemas/README.md)."""
     for kind in cv.KUBERAY_KINDS:
         vendored = json.loads(gzip.decompress(cv.vendored_schema_path(kind).read_bytes()))
         assert (vendored["group"], vendored["kind"], vendored["version"]) == ("ray.io", kind, "v1")
@@ -226,7 +226,7 @@ def test_vendored_schemas_are_v1_kuberay_schemas_and_extraction_round_trips(tmp_
 
 
 def test_kuberay_licence_notice_is_kept():
-    notice = (CLUSTER / "kuberay" / "schemas" / "README.md").read_text()
+    notice = (cv.KUBERAY_SCHEMA_DIR / "README.md").read_text()
     assert "Apache" in notice and "KubeRay" in notice and "v1.7.0" in notice
 
 

@@ -22,10 +22,14 @@ DEFAULT_STUDIES = ("demo_text.yaml", "demo_probe.yaml")
 
 
 def _default_studies() -> list[str]:
-    """``studies/demo_text.yaml`` and ``studies/demo_probe.yaml`` of the current folder, else of the source tree."""
-    here = Path("studies")
-    folder = here if (here / DEFAULT_STUDIES[0]).exists() else Path(__file__).resolve().parents[2] / "studies"
-    return [str(folder / name) for name in DEFAULT_STUDIES]
+    """``studies/demo_text.yaml`` and ``studies/demo_probe.yaml`` of the current folder (the repository's root, where
+    ``make demo`` runs); the study files are the repository's, not part of the installed package."""
+    paths = [Path("studies") / name for name in DEFAULT_STUDIES]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise UserError(f"{missing[0]}: not found here; run attnlab demo from the repository's root (where studies/ "
+                        "is), or name the studies with --study FILE")
+    return [str(p) for p in paths]
 
 
 def add_parser(subparsers) -> None:

@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--config", required=True, help="a cluster YAML (cluster/aws.yaml, gcp.yaml, kuberay/...)")
     p.add_argument("studies", nargs="+", metavar="STUDY.yaml", help="study files whose trials must fit the cluster")
     p.set_defaults(func=_fits)
-    p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into cluster/kuberay/schemas/",
+    p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into platform/attnlab/cluster/kuberay_schemas/",
                        description="Extract the v1 openAPIV3Schema of KubeRay CRD files (e.g. ray.io_rayclusters.yaml "
                        "from a KubeRay release) into gzipped JSON schemas, the form `attnlab cluster validate` "
                        "checks manifests against offline.")

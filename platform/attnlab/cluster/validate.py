@@ -6,7 +6,7 @@ Three things live here:
   that ships in the installed ray wheel (``ray/autoscaler/ray-schema.json``), then with the same
   ``prepare_config`` + ``validate_config`` that ``ray up`` runs before it touches a cloud.
 - ``validate_kuberay_manifest(path)``: RayCluster / RayJob manifests are checked against the v1
-  ``openAPIV3Schema`` of the KubeRay v1.7.0 CRDs (vendored, trimmed, in ``cluster/kuberay/schemas/``),
+  ``openAPIV3Schema`` of the KubeRay v1.7.0 CRDs (vendored, trimmed, in ``platform/attnlab/cluster/kuberay_schemas/``),
   "strictified" so that unknown fields are errors, as with ``kubectl --validate=strict``.
 - ``check_fits(request, config_path)``: refuses a study whose trials no node type (or allowed span of
   nodes) of a config can schedule, with a one-line ``UserError``, instead of letting Ray wait forever.
@@ -36,8 +36,7 @@ from attnlab.errors import UserError
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: the CRDs are 2 MB
 
 # The repository's cluster/ folder (platform/attnlab/cluster/validate.py -> repo root).
-REPO_ROOT = Path(__file__).resolve().parents[3]
-KUBERAY_SCHEMA_DIR = REPO_ROOT / "cluster" / "kuberay" / "schemas"
+KUBERAY_SCHEMA_DIR = Path(__file__).resolve().parent / "kuberay_schemas"  # package data, installed with attnlab
 KUBERAY_KINDS = {"RayCluster": "rayclusters", "RayJob": "rayjobs"}
 
 # The CPUs and GPUs of the cloud machine types the configs use. AWS node types may leave
@@ -235,7 +234,7 @@ def strictify(schema: Any) -> Any:
 
 
 def extract_crd_schema(crd_path: str | Path, version: str = "v1") -> dict:
-    """The trimmed record vendored in ``cluster/kuberay/schemas/``: one version's ``openAPIV3Schema``."""
+    """The trimmed record vendored in ``platform/attnlab/cluster/kuberay_schemas/``: one version's ``openAPIV3Schema``."""
     crd = _read_yaml(crd_path)
     try:
         spec = crd["spec"]
@@ -259,7 +258,7 @@ def vendored_schema_path(kind: str, schema_dir: str | Path | None = None) -> Pat
 
 
 def write_vendored_schema(crd_path: str | Path, schema_dir: str | Path | None = None) -> Path:
-    """Extract a CRD's v1 schema into ``cluster/kuberay/schemas/`` (gzip, deterministic bytes)."""
+    """Extract a CRD's v1 schema into ``platform/attnlab/cluster/kuberay_schemas/`` (gzip, deterministic bytes)."""
     record = extract_crd_schema(crd_path)
     out = vendored_schema_path(record["kind"], schema_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
