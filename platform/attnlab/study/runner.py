@@ -27,6 +27,7 @@ from attnlab.errors import UserError
 from attnlab.location import Location, user_location
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
+from attnlab.study.trackers import tracker_callbacks
 from attnlab.study.trial import StudyContext, evaluate_missing, study_trial
 
 DEFAULT_STORAGE, DEFAULT_STORE = "runs", "results"
@@ -260,7 +261,7 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
                                         max_concurrent_trials=spec.resources.max_concurrent_trials),
             run_config=tune.RunConfig(name="tune", storage_path=storage_path, storage_filesystem=storage_fs,
                                       verbose=verbose, failure_config=tune.FailureConfig(max_failures=0),
-                                      callbacks=tracker_callbacks(spec, state)))
+                                      callbacks=tracker_callbacks(spec, state) if spec.trackers else []))
     if url:
         print(f"attnlab: Optuna study {spec.name!r} in {url}\n  watch it: optuna-dashboard {url}", flush=True)
     print(f"attnlab: TensorBoard: tensorboard --logdir {exp.uri}", flush=True)
@@ -273,59 +274,6 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     summary.trials = state.statuses()
     _report(spec, summary, state, curves_dir)
     return summary
-
-
-def tracker_callbacks(spec: StudySpec, state: StudyState) -> list:
-    """Ray Tune's own logger callbacks for the study's ``trackers`` (each run = one trial, steps = training steps)."""
-    callbacks = []
-    for tracker in spec.trackers:
-        try:
-            if tracker == "mlflow":
-                from ray.air.integrations.mlflow import MLflowLoggerCallback
-
-                uri = os.environ.get("MLFLOW_TRACKING_URI")
-                if not uri and not state.loc.is_local:
-                    raise UserError("trackers: mlflow with a bucket as storage needs MLFLOW_TRACKING_URI (an MLflow "
-                                    "server or a shared file:// folder)")
-                if not uri:  # MLflow's local file store next to the study (MLflow 3 asks for an explicit opt-in)
-                    uri = f"file://{state.loc.child('mlruns').path}"
-                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-                class StudyMLflowCallback(MLflowLoggerCallback):
-                    """MLflow metric names take no '@', ',' or '=' (and '/' would nest them under val_loss's own
-                    file): val_loss@16x,p_eval=15 -> val_loss:16x:p_eval-15."""
-
-                    def log_trial_result(self, iteration, trial, result):
-                        names = {k: k.replace("@", ":").replace(",", ":").replace("=", "-") for k in result}
-                        super().log_trial_result(iteration, trial, {names[k]: v for k, v in result.items()})
-
-                callbacks.append(StudyMLflowCallback(tracking_uri=uri, experiment_name=spec.name, save_artifact=False))
-                print(f"attnlab: MLflow: {uri} (experiment {spec.name!r})", flush=True)
-            else:
-                import ray
-                from ray.air.integrations import wandb as ray_wandb
-
-                class StudyWandbCallback(ray_wandb.WandbLoggerCallback):
-                    """Ray forwards only WANDB_API_KEY to its logging actors, which run in the cluster's worker
-                    processes: every WANDB_* setting of the submitting shell (WANDB_MODE=offline, WANDB_DIR,
-                    WANDB_ENTITY, ...) is forwarded here, so the study logs where its user asked."""
-
-                    def _start_logging_actor(self, trial, exclude_results, **wandb_init_kwargs):
-                        if not self._remote_logger_class:
-                            env_vars = {k: v for k, v in os.environ.items() if k.startswith("WANDB_")}
-                            self._remote_logger_class = ray.remote(
-                                num_cpus=0, **ray_wandb._force_on_current_node(), runtime_env={"env_vars": env_vars},
-                                max_restarts=-1, max_task_retries=-1)(self._logger_actor_cls)
-                        super()._start_logging_actor(trial, exclude_results, **wandb_init_kwargs)
-
-                project = os.environ.get("WANDB_PROJECT", spec.name)
-                callbacks.append(StudyWandbCallback(project=project, group=spec.name, log_config=True))
-                print(f"attnlab: W&B: project {project!r}"
-                      + (" (offline)" if os.environ.get("WANDB_MODE") == "offline" else ""), flush=True)
-        except ImportError as exc:
-            package = "mlflow-skinny" if tracker == "mlflow" else "wandb"
-            raise UserError(f"trackers: {tracker} needs the {package} package ({exc.name} is missing): "
-                            f"pip install {package}") from None
-    return callbacks
 
 
 def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
