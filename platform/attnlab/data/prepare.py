@@ -57,7 +57,7 @@ from attnlab.data.shards import (
     shard_name,
 )
 from attnlab.data.corpora import Partition, Source, make_source
-from attnlab.data.tokenizer import DEFAULT_TOKENIZER, get_tokenizer
+from attnlab.data.tokenizer import DEFAULT_TOKENIZER, Tokenizer, get_tokenizer
 from attnlab.errors import UserError
 from attnlab.location import Location
 
@@ -340,6 +340,227 @@ def resolve_workers(workers: int | None) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------- prepare
+@dataclass
+class _Job:
+    """One ``prepare`` call: where it reads and writes, what it was asked (``wanted``, the identity a finished
+    folder must match), and whether it created the output folder (a failure then leaves nothing behind)."""
+
+    src: Source
+    tok: Tokenizer
+    loc: Location
+    work: Location
+    remote_work: Location | None
+    wanted: dict
+    shard_tokens: int
+    val_tokens: int | None
+    seed: int
+    progress: bool
+    created_out: bool = False
+
+    @property
+    def remote(self) -> bool:
+        return self.remote_work is not None
+
+    def discard(self, message: str) -> UserError:
+        """Bad input found after tokenising: remove the work folder (and the output folder if this run made it)."""
+        _remove_work(self.loc, self.work, self.remote)
+        if self.created_out and not self.loc.list_names():
+            self.loc.fs.delete_dir(self.loc.path)
+        return UserError(message)
+
+
+def _job(source, path, out, name, text_column, shard_tokens, val_tokens, seed, progress, tokenizer) -> _Job:
+    """Check the arguments and say where everything goes (nothing is read or written)."""
+    if int(shard_tokens) < 1:
+        raise UserError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    if val_tokens is not None and int(val_tokens) < 0:
+        raise UserError(f"--val-tokens must be >= 0, got {val_tokens}")
+    tok = get_tokenizer(tokenizer)
+    src = make_source(source, path, name, text_column) if isinstance(source, str) else source
+    loc = Location.parse(out, field="--out")
+    remote = not loc.is_local
+    # into object storage: the intermediate files stay on this machine's disk (read once, never uploaded)
+    work = local_work_dir(loc) if remote else loc.child(WORK_DIR)
+    wanted = {
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "source": src.describe(),
+        "seed": int(seed),
+        "shard_tokens": int(shard_tokens),
+        "val_tokens_requested": None if val_tokens is None else int(val_tokens),
+    }
+    return _Job(src, tok, loc, work, loc.child(WORK_DIR) if remote else None, wanted, int(shard_tokens),
+                None if val_tokens is None else int(val_tokens), int(seed), progress)
+
+
+def _already_prepared(job: _Job, t0: float) -> dict | None:
+    """Refuse a folder prepared differently; return the summary of one already prepared with these arguments
+    (nothing is written either way)."""
+    loc, work = job.loc, job.work
+    if work.exists(PLAN):
+        _check_same(json.loads(work.read_bytes(PLAN)), job.wanted, loc.uri)
+    if loc.exists(MANIFEST):
+        try:
+            existing = json.loads(loc.read_bytes(MANIFEST))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{loc.join(MANIFEST)} is not valid JSON ({exc.msg}); delete the folder") from exc
+        _check_same(existing, job.wanted, loc.uri)
+        total = sum(existing["splits"][s]["num_tokens"] for s in SPLITS)
+        return {"manifest": existing, "tokens": total, "seconds": time.perf_counter() - t0, "tokens_per_s": None,
+                "skipped_partitions": None, "skipped_shards": len(existing["shards"]), "already_prepared": True,
+                "summary": f"{loc.uri} is already prepared with these arguments ({total:,} tokens); nothing to do"}
+    if not work.exists(PLAN):
+        stray = [n for n in loc.list_names() if n.endswith(".arrow") and n.split("-")[0] in SPLITS]
+        if stray:
+            raise UserError(
+                f"output folder {loc.uri} holds shards ({stray[0]}, ...) without a manifest or plan (unknown "
+                f"tokeniser/seed); choose another --out or delete them"
+            )
+    return None
+
+
+def _start(job: _Job, partitions: list[Partition]) -> None:
+    """Create the work folder, record the arguments in its plan, and remove what an interrupted run left half
+    written (``*.tmp-*``)."""
+    loc, work = job.loc, job.work
+    job.created_out = not loc.is_dir()
+    work.mkdir()
+    if not work.exists(PLAN):
+        work.write_bytes(PLAN, manifest_bytes(job.wanted))
+    for folder in (loc, work) if job.remote else (loc,):
+        for stale in folder.list_names() + [WORK_DIR + "/" + n for n in folder.list_names(WORK_DIR)]:
+            if ".tmp-" in stale.rsplit("/", 1)[-1]:
+                folder.delete(stale)
+
+
+def _tokenise(job: _Job, partitions: list[Partition], pool: _Runner, workers: int | None) -> int:
+    """Phase 1: every partition not tokenised yet becomes a part file; returns how many were already done."""
+    work, remote_work = job.work, job.remote_work
+    done_parts = set(work.list_names()) | (set(remote_work.list_names()) if job.remote else set())
+    todo = [p for p in partitions if _part_name(p.index) not in done_parts]
+    skipped_parts = len(partitions) - len(todo)
+    if job.progress:
+        val = "10% of the corpus" if job.val_tokens is None else f"{job.val_tokens:,}"
+        print(f"plan: tokenise ({job.tok.key}) {len(partitions)} partition(s) of {job.src.kind} ({len(todo)} left) "
+              f"into {job.loc.uri}: shards of {job.shard_tokens:,} tokens, {val} validation tokens of whole "
+              f"documents, seed {job.seed}, "
+              f"{'every CPU of the cluster' if workers is None else f'{workers} worker(s)'}", flush=True)
+    bar = _progress(len(partitions), "tokenise", job.progress)
+    if bar is not None:
+        bar.update(skipped_parts)
+    host = socket.gethostname() if job.remote else None
+    jobs = [TokenizeJob(job.src, p, work, host, remote_work, job.tok.key) for p in todo]
+    for _, (_docs, toks) in pool.map(tokenize_partition, jobs):
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"{toks:,} tokens", refresh=False)
+    if bar is not None:
+        bar.close()
+    if job.remote:  # parts a task on another machine left in OUT/_work: fetched once, to this machine's disk
+        here = set(work.list_names())
+        for p in partitions:
+            if _part_name(p.index) not in here:
+                pafs.copy_files(remote_work.join(_part_name(p.index)), work.join(_part_name(p.index)),
+                                source_filesystem=job.loc.fs, destination_filesystem=work.fs)
+    return skipped_parts
+
+
+def _plan(job: _Job, partitions: list[Partition]) -> tuple[list[dict], np.ndarray, np.ndarray, int]:
+    """Shuffle the documents, split validation from train, cut the shards: ``(shard plans, document lengths,
+    each part's last document index + 1, the validation budget)``."""
+    part_files = [_PartFile(job.work, _part_name(p.index)) for p in partitions]
+    lengths = np.concatenate([pf.doc_lengths() for pf in part_files]).astype(np.int64)
+    part_doc_ends = np.cumsum([pf.num_docs for pf in part_files], dtype=np.int64)
+    del part_files
+    if len(lengths) == 0:
+        raise job.discard(f"source {json.dumps(job.src.describe())} is an empty corpus (no non-empty documents)")
+    total_tokens = int(lengths.sum())
+    budget = min(DEFAULT_VAL_TOKENS, total_tokens // 10) if job.val_tokens is None else job.val_tokens
+    try:
+        val_ids, train_ids = split_documents(lengths, job.seed, budget)
+    except UserError as exc:
+        raise job.discard(str(exc)) from None
+    if len(train_ids) == 0:
+        raise job.discard(f"--val-tokens {budget} takes every document; lower it so a train split remains")
+    plans = plan_shards("train", train_ids, lengths, job.shard_tokens) + plan_shards(
+        "val", val_ids, lengths, job.shard_tokens
+    )
+    return plans, lengths, part_doc_ends, budget
+
+
+def _assemble(job: _Job, plans: list[dict], part_doc_ends: np.ndarray, pool: _Runner) -> tuple[dict[str, dict], int]:
+    """Phase 2: write every shard not written yet; ``(manifest entry by shard name, shards already done)``."""
+    loc, work = job.loc, job.work
+    existing_names = set(loc.list_names())
+    entries: dict[str, dict] = {}
+    skipped_shards = 0
+    shard_jobs = []
+    for plan in plans:
+        if job.remote:  # a shard uploaded by an interrupted run: its entry was recorded here (never read back)
+            recorded = work.read_json(f"shards/{plan['name']}.json")
+            if recorded is not None and plan["name"] in existing_names:
+                entries[plan["name"]] = recorded
+                skipped_shards += 1
+                continue
+        elif plan["name"] in existing_names:
+            data = read_shard(loc, plan["name"])
+            if len(data.tokens) == plan["num_tokens"]:
+                entries[plan["name"]] = _entry(
+                    plan["name"], file_sha256(loc, plan["name"]), len(data.tokens), len(data.doc_starts),
+                    data.first_doc_continues,
+                )
+                skipped_shards += 1
+                continue
+        shard_jobs.append(ShardJob(work, loc, part_doc_ends=part_doc_ends, **plan))
+    bar = _progress(len(plans), "shards", job.progress)
+    if bar is not None:
+        bar.update(skipped_shards)
+    if job.remote:  # in this process: the part files are on this machine's disk, memory-mapped once
+        open_parts: dict[int, _PartFile] = {}
+        done = ((i, assemble_shard(shard_job, open_parts)) for i, shard_job in enumerate(shard_jobs))
+    else:
+        done = pool.map(assemble_shard, shard_jobs)
+    for _, entry in done:
+        entries[entry["name"]] = entry
+        if job.remote:
+            work.write_json(f"shards/{entry['name']}.json", entry)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return entries, skipped_shards
+
+
+def _write_manifest(job: _Job, plans: list[dict], entries: dict[str, dict], budget: int) -> dict:
+    """The manifest (the folder's identity, the split rule, every shard's entry), written last; then the work
+    folder goes."""
+    shards = [entries[p["name"]] for p in plans]
+    splits = {
+        s: {
+            "num_tokens": sum(e["num_tokens"] for e in shards if e["split"] == s),
+            "num_docs": sum(e["num_docs"] for e in shards if e["split"] == s),
+            "num_shards": sum(1 for e in shards if e["split"] == s),
+        }
+        for s in SPLITS
+    }
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        **job.wanted,
+        "dtype": "uint16",
+        "eot_position": "before every document",
+        "shuffle": "documents in source order, permuted by numpy.random.Generator(PCG64(seed)).permutation",
+        "val_tokens": budget,
+        "val_rule": "longest prefix of the shuffled documents that fits in val_tokens (whole documents)",
+        "splits": splits,
+        "shards": shards,
+    }
+    job.loc.write_bytes(MANIFEST, manifest_bytes(manifest))
+    _remove_work(job.loc, job.work, job.remote)
+    return manifest
+
+
 def prepare(
     source: str | Source,
     path: str | None = None,
@@ -359,183 +580,32 @@ def prepare(
     ``source``: a kind of :data:`attnlab.data.corpora.SOURCE_KINDS` (with ``path``, ``name``,
     ``text_column``) or a :class:`Source`. ``val_tokens=None`` means 100M tokens capped at 10% of the
     corpus; 0 means no validation split. ``workers``: parallel tasks (1 = in this process, no Ray;
-    None = every CPU). ``tokenizer``: ``gpt2`` or ``bytes`` (:data:`attnlab.data.tokenizer.TOKENIZERS`). Returns ``{"manifest", "tokens", "seconds", "tokens_per_s", "skipped_partitions",
-    "skipped_shards", "already_prepared", "summary"}`` (``summary``: the one-line report, printed when
-    ``progress``).
+    None = every CPU). ``tokenizer``: ``gpt2`` or ``bytes`` (:data:`attnlab.data.tokenizer.TOKENIZERS`).
+    Returns ``{"manifest", "tokens", "seconds", "tokens_per_s", "skipped_partitions", "skipped_shards",
+    "already_prepared", "summary"}`` (``summary``: the one-line report, printed when ``progress``).
+
+    The steps, each a function of this module: check the arguments (:func:`_job`), refuse a folder prepared
+    differently or stop at one already prepared (:func:`_already_prepared`), start the work folder
+    (:func:`_start`), tokenise (:func:`_tokenise`), shuffle, split and cut (:func:`_plan`), write the shards
+    (:func:`_assemble`) and the manifest (:func:`_write_manifest`).
     """
     t0 = time.perf_counter()
-    if int(shard_tokens) < 1:
-        raise UserError(f"--shard-tokens must be >= 1, got {shard_tokens}")
-    if val_tokens is not None and int(val_tokens) < 0:
-        raise UserError(f"--val-tokens must be >= 0, got {val_tokens}")
-    tok = get_tokenizer(tokenizer)
-    src = make_source(source, path, name, text_column) if isinstance(source, str) else source
-    loc = Location.parse(out, field="--out")
-    remote = not loc.is_local
-    # into object storage: the intermediate files stay on this machine's disk (read once, never uploaded)
-    work = local_work_dir(loc) if remote else loc.child(WORK_DIR)
-    remote_work = loc.child(WORK_DIR) if remote else None
-    wanted = {
-        "tokenizer": tok.name,
-        "vocab_size": tok.vocab_size,
-        "eot_id": tok.eot_id,
-        "source": src.describe(),
-        "seed": int(seed),
-        "shard_tokens": int(shard_tokens),
-        "val_tokens_requested": None if val_tokens is None else int(val_tokens),
-    }
-
-    # --- refuse a folder prepared differently; detect a finished or interrupted run (nothing written yet)
-    if work.exists(PLAN):
-        _check_same(json.loads(work.read_bytes(PLAN)), wanted, loc.uri)
-    if loc.exists(MANIFEST):
-        try:
-            existing = json.loads(loc.read_bytes(MANIFEST))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{loc.join(MANIFEST)} is not valid JSON ({exc.msg}); delete the folder") from exc
-        _check_same(existing, wanted, loc.uri)
-        total = sum(existing["splits"][s]["num_tokens"] for s in SPLITS)
-        return {"manifest": existing, "tokens": total, "seconds": time.perf_counter() - t0, "tokens_per_s": None,
-                "skipped_partitions": None, "skipped_shards": len(existing["shards"]), "already_prepared": True,
-                "summary": f"{loc.uri} is already prepared with these arguments ({total:,} tokens); nothing to do"}
-    if not work.exists(PLAN):
-        stray = [n for n in loc.list_names() if n.endswith(".arrow") and n.split("-")[0] in SPLITS]
-        if stray:
-            raise UserError(
-                f"output folder {loc.uri} holds shards ({stray[0]}, ...) without a manifest or plan (unknown "
-                f"tokeniser/seed); choose another --out or delete them"
-            )
-
-    partitions = src.partitions()  # validates columns etc. before anything is written
+    job = _job(source, path, out, name, text_column, shard_tokens, val_tokens, seed, progress, tokenizer)
+    done = _already_prepared(job, t0)
+    if done is not None:
+        return done
+    partitions = job.src.partitions()  # validates columns etc. before anything is written
     if not partitions:
-        raise UserError(f"source {src.describe()} is an empty corpus (no partitions)")
+        raise UserError(f"source {job.src.describe()} is an empty corpus (no partitions)")
     workers = resolve_workers(workers)
-    created_out = not loc.is_dir()
-    work.mkdir()
-    created_plan = not work.exists(PLAN)
-    if created_plan:
-        work.write_bytes(PLAN, manifest_bytes(wanted))
-    for folder in (loc, work) if remote else (loc,):
-        for stale in folder.list_names() + [WORK_DIR + "/" + n for n in folder.list_names(WORK_DIR)]:
-            if ".tmp-" in stale.rsplit("/", 1)[-1]:
-                folder.delete(stale)
-
-    skipped_shards = 0
-    done_parts = set(work.list_names()) | (set(remote_work.list_names()) if remote else set())
-    todo = [p for p in partitions if _part_name(p.index) not in done_parts]
-    skipped_parts = len(partitions) - len(todo)
-    if progress:
-        print(f"plan: tokenise ({tok.key}) {len(partitions)} partition(s) of {src.kind} ({len(todo)} left) into {loc.uri}: "
-              f"shards of {shard_tokens:,} tokens, {'10% of the corpus' if val_tokens is None else f'{val_tokens:,}'} "
-              f"validation tokens of whole documents, seed {seed}, "
-              f"{'every CPU of the cluster' if workers is None else f'{workers} worker(s)'}", flush=True)
+    _start(job, partitions)
     with _Runner(workers) as pool:
-        # ---- phase 1: tokenise partitions
-        bar = _progress(len(partitions), "tokenise", progress)
-        if bar is not None:
-            bar.update(skipped_parts)
-        host = socket.gethostname() if remote else None
-        jobs = [TokenizeJob(src, p, work, host, remote_work, tok.key) for p in todo]
-        for _, (_docs, toks) in pool.map(tokenize_partition, jobs):
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"{toks:,} tokens", refresh=False)
-        if bar is not None:
-            bar.close()
-
-        if remote:  # parts a task on another machine left in OUT/_work: fetched once, to this machine's disk
-            here = set(work.list_names())
-            for p in partitions:
-                if _part_name(p.index) not in here:
-                    pafs.copy_files(remote_work.join(_part_name(p.index)), work.join(_part_name(p.index)),
-                                    source_filesystem=loc.fs, destination_filesystem=work.fs)
-
-        # ---- plan: shuffle documents, split val/train, cut shards
-        part_files = [_PartFile(work, _part_name(p.index)) for p in partitions]
-        lengths = np.concatenate([pf.doc_lengths() for pf in part_files]).astype(np.int64)
-        part_doc_ends = np.cumsum([pf.num_docs for pf in part_files], dtype=np.int64)
-        del part_files
-        def discard(message: str) -> UserError:  # bad input found after tokenising: leave nothing behind
-            _remove_work(loc, work, remote)
-            if created_out and not loc.list_names():
-                loc.fs.delete_dir(loc.path)
-            return UserError(message)
-
-        if len(lengths) == 0:
-            raise discard(f"source {json.dumps(src.describe())} is an empty corpus (no non-empty documents)")
-        total_tokens = int(lengths.sum())
-        budget = min(DEFAULT_VAL_TOKENS, total_tokens // 10) if val_tokens is None else int(val_tokens)
-        try:
-            val_ids, train_ids = split_documents(lengths, int(seed), budget)
-        except UserError as exc:
-            raise discard(str(exc)) from None
-        if len(train_ids) == 0:
-            raise discard(f"--val-tokens {budget} takes every document; lower it so a train split remains")
-        plans = plan_shards("train", train_ids, lengths, int(shard_tokens)) + plan_shards(
-            "val", val_ids, lengths, int(shard_tokens)
-        )
-
-        # ---- phase 2: assemble shards
-        existing_names = set(loc.list_names())
-        entries: dict[str, dict] = {}
-        shard_jobs = []
-        for plan in plans:
-            if remote:  # a shard uploaded by an interrupted run: its entry was recorded here (never read back)
-                recorded = work.read_json(f"shards/{plan['name']}.json")
-                if recorded is not None and plan["name"] in existing_names:
-                    entries[plan["name"]] = recorded
-                    skipped_shards += 1
-                    continue
-            elif plan["name"] in existing_names:
-                data = read_shard(loc, plan["name"])
-                if len(data.tokens) == plan["num_tokens"]:
-                    entries[plan["name"]] = _entry(
-                        plan["name"], file_sha256(loc, plan["name"]), len(data.tokens), len(data.doc_starts),
-                        data.first_doc_continues,
-                    )
-                    skipped_shards += 1
-                    continue
-            shard_jobs.append(ShardJob(work, loc, part_doc_ends=part_doc_ends, **plan))
-        bar = _progress(len(plans), "shards", progress)
-        if bar is not None:
-            bar.update(skipped_shards)
-        if remote:  # in this process: the part files are on this machine's disk, memory-mapped once
-            open_parts: dict[int, _PartFile] = {}
-            done = ((i, assemble_shard(job, open_parts)) for i, job in enumerate(shard_jobs))
-        else:
-            done = pool.map(assemble_shard, shard_jobs)
-        for _, entry in done:
-            entries[entry["name"]] = entry
-            if remote:
-                work.write_json(f"shards/{entry['name']}.json", entry)
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-
-    shards = [entries[p["name"]] for p in plans]
-    splits = {
-        s: {
-            "num_tokens": sum(e["num_tokens"] for e in shards if e["split"] == s),
-            "num_docs": sum(e["num_docs"] for e in shards if e["split"] == s),
-            "num_shards": sum(1 for e in shards if e["split"] == s),
-        }
-        for s in SPLITS
-    }
-    manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        **wanted,
-        "dtype": "uint16",
-        "eot_position": "before every document",
-        "shuffle": "documents in source order, permuted by numpy.random.Generator(PCG64(seed)).permutation",
-        "val_tokens": budget,
-        "val_rule": "longest prefix of the shuffled documents that fits in val_tokens (whole documents)",
-        "splits": splits,
-        "shards": shards,
-    }
-    loc.write_bytes(MANIFEST, manifest_bytes(manifest))
-    _remove_work(loc, work, remote)
+        skipped_parts = _tokenise(job, partitions, pool, workers)
+        plans, lengths, part_doc_ends, budget = _plan(job, partitions)
+        entries, skipped_shards = _assemble(job, plans, part_doc_ends, pool)
+    manifest = _write_manifest(job, plans, entries, budget)
+    splits = manifest["splits"]
+    total_tokens = int(lengths.sum())
     seconds = time.perf_counter() - t0
     result = {
         "manifest": manifest,
@@ -549,7 +619,7 @@ def prepare(
     result["summary"] = (
         f"prepared {total_tokens:,} tokens ({splits['train']['num_tokens']:,} train in "
         f"{splits['train']['num_shards']} shard(s), {splits['val']['num_tokens']:,} val in "
-        f"{splits['val']['num_shards']}) from {len(lengths):,} documents into {loc.uri} in {seconds:.1f} s: "
+        f"{splits['val']['num_shards']}) from {len(lengths):,} documents into {job.loc.uri} in {seconds:.1f} s: "
         f"{result['tokens_per_s']:,.0f} tokens/s (workers={pool.workers})"
     )
     if progress:
