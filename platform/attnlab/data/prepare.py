@@ -420,7 +420,7 @@ def _already_prepared(job: _Job, t0: float) -> dict | None:
     return None
 
 
-def _start(job: _Job, partitions: list[Partition]) -> None:
+def _start(job: _Job) -> None:
     """Create the work folder, record the arguments in its plan, and remove what an interrupted run left half
     written (``*.tmp-*``)."""
     loc, work = job.loc, job.work
@@ -598,7 +598,7 @@ def prepare(
     if not partitions:
         raise UserError(f"source {job.src.describe()} is an empty corpus (no partitions)")
     workers = resolve_workers(workers)
-    _start(job, partitions)
+    _start(job)
     with _Runner(workers) as pool:
         skipped_parts = _tokenise(job, partitions, pool, workers)
         plans, lengths, part_doc_ends, budget = _plan(job, partitions)
