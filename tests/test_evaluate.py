@@ -58,16 +58,25 @@ class RecordingModel(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ windows and bpb
+def _hand_documents(tmp_path_factory, name: str, says: str, val_tokens: int, tokenizer: str = "gpt2"):
+    """40 short hand-written documents (``Document i says: <says>w0 wi ...``) prepared into a folder."""
+    from attnlab.data import prepare
+
+    src = tmp_path_factory.mktemp(f"{name}-docs")
+    for i in range(40):
+        (src / f"d{i:02d}.txt").write_text(f"Document {i} says: {says}" + " ".join(f"w{i * j}" for j in range(i + 3)))
+    out = tmp_path_factory.mktemp(f"{name}-prepared") / "prep"
+    prepare("text", path=str(src), out=str(out), val_tokens=val_tokens, seed=0, workers=1, progress=False,
+            tokenizer=tokenizer)
+    return out
+
+
 @pytest.fixture(scope="module")
 def hand_corpus(tmp_path_factory):
     """A prepared folder from 40 short hand-written documents, most of them held out for validation."""
-    from attnlab.data import TokenShards, prepare
+    from attnlab.data import TokenShards
 
-    src = tmp_path_factory.mktemp("hand-docs")
-    for i in range(40):
-        (src / f"d{i:02d}.txt").write_text(f"Document {i} says: " + " ".join(f"w{i * j}" for j in range(i + 3)))
-    out = tmp_path_factory.mktemp("hand-prepared") / "prep"
-    prepare("text", path=str(src), out=str(out), val_tokens=600, seed=0, workers=1, progress=False)
+    out = _hand_documents(tmp_path_factory, "hand", "", val_tokens=600)
     return out, TokenShards.open(out)
 
 
@@ -309,16 +318,8 @@ def test_rows_record_the_power_actually_trained_with(demo_data_dir):
 
 @pytest.fixture(scope="module")
 def byte_corpus(tmp_path_factory):
-    """The hand corpus's kind of documents prepared with --tokenizer bytes."""
-    from attnlab.data import prepare
-
-    src = tmp_path_factory.mktemp("byte-docs")
-    for i in range(40):
-        (src / f"d{i:02d}.txt").write_text(f"Document {i} says: café " + " ".join(f"w{i * j}" for j in range(i + 3)))
-    out = tmp_path_factory.mktemp("byte-prepared") / "prep"
-    prepare("text", path=str(src), out=str(out), val_tokens=2400, seed=0, workers=1, progress=False,
-            tokenizer="bytes")
-    return out
+    """The hand corpus's kind of documents (with a two-byte character) prepared with --tokenizer bytes."""
+    return _hand_documents(tmp_path_factory, "byte", "café ", val_tokens=2400, tokenizer="bytes")
 
 
 def test_a_gpt2_checkpoint_on_byte_data_is_one_line(trained_run, byte_corpus, tmp_path):

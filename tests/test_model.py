@@ -11,6 +11,7 @@ from attnlab.attention import get_variant
 from attnlab.errors import UserError
 from attnlab.model import GPT, ntk_base, preset
 from attnlab.model.rope import apply_rope, rope_tables
+from attnlab.names import ROPE_SCALINGS
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -50,7 +51,9 @@ def test_rope_keeps_norms_and_is_relative():
     assert torch.allclose(s[5, 2], s[10, 7]) and torch.allclose(s[3, 3], s[12, 12])
 
 
-def test_ntk_none_vs_ntk_same_within_training_length_and_different_beyond():
+def test_rope_scalings_agree_up_to_the_training_length_and_differ_beyond():
+    """Every RoPE scaling (ntk, pi, yarn) is the trained RoPE at lengths <= train_len, and each differs from the
+    others beyond it; position 0 sees only itself (no rotation, one key) under every one."""
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=512)).eval()
     T = model.cfg.train_len
@@ -58,12 +61,15 @@ def test_ntk_none_vs_ntk_same_within_training_length_and_different_beyond():
     with torch.no_grad():
         for t in (1, T // 2, T):
             a, _ = model(idx[:, :t], rope_scaling="none")
-            b, _ = model(idx[:, :t], rope_scaling="ntk")
-            assert torch.equal(a, b)
-        a, _ = model(idx, rope_scaling="none")
-        b, _ = model(idx, rope_scaling="ntk")
-        assert not torch.allclose(a, b)
-        assert torch.allclose(a[:, :1], b[:, :1], atol=1e-5)  # position 0 has no rotation
+            for scaling in ROPE_SCALINGS:
+                assert torch.equal(model(idx[:, :t], rope_scaling=scaling)[0], a), (scaling, t)
+        long = {scaling: model(idx, rope_scaling=scaling)[0] for scaling in ROPE_SCALINGS}
+    for a in ROPE_SCALINGS:
+        for b in ROPE_SCALINGS:
+            if a < b:
+                assert not torch.allclose(long[a], long[b]), (a, b)
+    for scaling in ROPE_SCALINGS:
+        assert torch.allclose(long[scaling][:, :1], long["none"][:, :1], atol=1e-5)
 
 
 def test_tiny_forward_at_16x_training_length():
