@@ -84,13 +84,12 @@ class Location:
         if scheme not in REMOTE_SCHEMES:
             raise UserError(f"{field}={text!r}: the scheme {scheme}:// is not supported; use a local path, file://, "
                             "s3:// or gs://")
+        check_bucket(text, field)
         try:
             fs, path = pafs.FileSystem.from_uri(text)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
             raise UserError(f"{field}={text!r} cannot be opened: {str(exc).splitlines()[0]}") from None
         path = path.rstrip("/")
-        if not path:
-            raise UserError(f"{field}={text!r}: name a bucket, e.g. s3://my-bucket/attnlab")
         return cls(fs, path, f"{'gs' if scheme == 'gcs' else scheme}://{path}")
 
     def child(self, *names: str) -> Location:
