@@ -512,8 +512,9 @@ def _row_sums(q, k, v, spec: AttentionSpec, sizes: Sizes, norms, block_mask: Blo
 
     With ``f+``/``f-`` (``Z+ = exp(lse+)``, ``out+``, and likewise for ``f-``): ``U_i = Z+ out+ - Z- out-``;
     ``l1``: ``U_i / (Z+ + Z-)``, ``none``: ``U_i``, ``count``: ``U_i / N_i``
-    (docs/attention.md#unnormalised-rows). Computed relative to ``m_i = max(lse+, lse-)``: no overflow, and a row with no visible weight (both
-    LSEs ``-inf``: FlexAttention's output is 0) gives exactly 0 and no NaN in either direction.
+    (docs/attention.md#unnormalised-rows). Computed relative to ``m_i = max(lse+, lse-)``: no overflow, and a row
+    with no visible weight (both LSEs ``-inf``: FlexAttention's output is 0) gives exactly 0 and no NaN in either
+    direction.
     """
     dtype = compute_dtype(q.dtype)
     outs, lses = [], []

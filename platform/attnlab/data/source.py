@@ -62,8 +62,9 @@ def demo_data_location(name: str = DEMO) -> str:
 
 def resolve_data(spec: str | dict[str, Any], *, log=print) -> str | dict[str, Any]:
     """What a user wrote for ``data`` as what every worker can open: ``demo`` / ``demo-bytes`` -> the demo corpus
-    prepared with GPT-2 tokens / UTF-8 bytes (built on first use); a relative path -> absolute (against the current directory, or inside a Ray job below
-    ``$ATTNLAB_STORAGE``: :func:`attnlab.location.user_input`); a URI as it is; a probe mapping as it is."""
+    prepared with GPT-2 tokens / UTF-8 bytes (built on first use); a relative path -> absolute (against the
+    current directory, or inside a Ray job below ``$ATTNLAB_STORAGE``: :func:`attnlab.location.user_input`); a URI
+    as it is; a probe mapping as it is."""
     if isinstance(spec, dict):
         return spec
     if spec in _DEMO_DATA:
