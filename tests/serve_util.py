@@ -51,11 +51,11 @@ def spec_json(name: str, engine: str = "grid") -> dict:
             "eval": {"multiples": [1, 2, 4], "p_eval": ["none", 15], "rope_scaling": ["none", "ntk"]}}
 
 
-def write_study(store_uri: str, storage_uri: str, name: str = "probe", engine: str = "grid",
+def write_study(store_uri: str, runs_uri: str, name: str = "probe", engine: str = "grid",
                 ray: dict | None = None) -> StudyState:
     """A study with every trial status, metrics for each run and acc + val_loss rows for the finished ones;
     ``ray``: the cluster record ``attnlab study run`` writes (``Dashboard.record()``), none by default."""
-    state = StudyState(storage_uri, name)
+    state = StudyState(runs_uri, name)
     state.write_spec(spec_json(name, engine), "fingerprint0", ray=ray)
     store = ResultsStore(store_uri)
     now = time.time()

@@ -162,7 +162,7 @@ def test_rayjob_runs_an_existing_study_on_the_cluster():
     assert entrypoint[:3] == ["attnlab", "study", "run"]
     study = entrypoint[3]
     assert study == "studies/paper_table4.yaml"
-    assert "--storage" in entrypoint and "--store" in entrypoint
+    assert "--runs" in entrypoint and "--store" in entrypoint
     assert (ROOT / study).is_file(), f"the RayJob runs {study}, which does not exist"
 
 
@@ -479,7 +479,7 @@ def test_fake_cluster_adds_worker_nodes_for_a_study_and_removes_them_when_idle(t
     study.write_text(yaml.safe_dump(_STUDY))
     store, storage = tmp_path / "results", tmp_path / "runs"
     command = [str(Path(sys.executable).with_name("attnlab")), "study", "run", str(study), "--store", str(store),
-               "--storage", str(storage)]
+               "--runs", str(storage)]
     cluster = OwnFakeCluster(CLUSTER / "local-fake.yaml")
     try:
         cluster.start()

@@ -291,27 +291,27 @@ def test_study_downstream_cells_run_once_and_a_new_task_trains_nothing(ray_sessi
              "objective": "val_loss@1x",
              "eval": {"multiples": [1], "max_tokens": 1024,
                       "downstream": {"tasks": ["attnlab_mc"], "data": str(folder)}}}
-    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    first = run_study(load_spec(study), store=store_uri, storage=storage, verbose=0)
+    store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    first = run_study(load_spec(study), store=store_uri, runs=runs, verbose=0)
     assert first.trained == 1 and [t["status"] for t in first.trials] == ["complete"]
     key = first.trials[0]["config_hash"]
     store = ResultsStore(store_uri)
     rows = store.read(study="down", task="attnlab_mc")
     assert sorted(rows["metric"]) == ["acc", "acc_norm"]
     assert set(rows["window_mode"]) == {"downstream"} and set(rows["eval_len"]) == {64}
-    model = _model(study_state(load_spec(study), storage).run(key).path)
+    model = _model(study_state(load_spec(study), runs).run(key).path)
     acc, acc_norm, _ = _expected_mc(model, mc)  # the study's 4-step model, scored here token by token
     assert rows.set_index("metric")["value"].to_dict() == pytest.approx({"acc": acc, "acc_norm": acc_norm})
 
     assert main(["results", "table", "--store", store_uri, "--metric", "acc", "--where", "task=attnlab_mc"]) == 0
     assert f"{acc:.4f}" in capsys.readouterr().out
     n_rows = len(store.read(study="down"))
-    again = run_study(load_spec(study), store=store_uri, storage=storage, verbose=0)
+    again = run_study(load_spec(study), store=store_uri, runs=runs, verbose=0)
     assert again.trained == 0 and again.evaluated == 0 and len(store.read(study="down")) == n_rows
 
     grown = {**study, "eval": {**study["eval"], "downstream": {"tasks": ["attnlab_mc", "attnlab_lastword"],
                                                              "data": str(folder)}}}
-    third = run_study(load_spec(grown), store=store_uri, storage=storage, verbose=0)
+    third = run_study(load_spec(grown), store=store_uri, runs=runs, verbose=0)
     assert third.trained == 0 and third.evaluated == 1  # the one new cell: the new task on the old checkpoint
     after = store.read(study="down")
     assert len(after) == n_rows + 2  # perplexity and acc of the new task; nothing else rewritten
@@ -323,5 +323,5 @@ def test_study_downstream_cells_run_once_and_a_new_task_trains_nothing(ray_sessi
     bad = {**study, "name": "down-bad", "space": {"attention": ["lssa"]},
            "eval": {**study["eval"], "downstream": {"tasks": ["attnlab_nope"], "data": str(folder)}}}
     with pytest.raises(UserError, match="task 'attnlab_nope' is not in") as refused:
-        run_study(load_spec(bad), store=store_uri, storage=storage, verbose=0)
+        run_study(load_spec(bad), store=store_uri, runs=runs, verbose=0)
     assert "\n" not in str(refused.value) and not (tmp_path / "runs" / "down-bad").exists()

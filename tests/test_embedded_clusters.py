@@ -59,7 +59,7 @@ def test_two_studies_with_their_own_embedded_ray_run_side_by_side(tmp_path):
         ray_tmp = tempfile.mkdtemp(prefix="sbs", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
         log = open(folder / "out.log", "w")
         proc = subprocess.Popen(
-            [str(BIN / "attnlab"), "study", "run", "study.yaml", "--store", "results", "--storage", "runs"],
+            [str(BIN / "attnlab"), "study", "run", "study.yaml", "--store", "results", "--runs", "runs"],
             cwd=folder, env={**env, "RAY_TMPDIR": ray_tmp}, stdout=log, stderr=subprocess.STDOUT)
         runs[name] = (proc, folder, ray_tmp, log)
     try:

@@ -298,7 +298,7 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
     work = tmp_path / "work"
     name = _write_study(work, study)
     storage, store = f"{s3_bucket}/ray", f"{s3_bucket}/results"
-    run = ["attnlab", "study", "run", name, "--storage", storage, "--store", store]
+    run = ["attnlab", "study", "run", name, "--runs", storage, "--store", store]
 
     # 1. Submit, and stop the job (its driver) once the first trial is complete: a driver killed mid-study.
     first = f"mn-study-{uuid.uuid4().hex[:6]}"

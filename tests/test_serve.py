@@ -1,5 +1,5 @@
 """``attnlab serve`` without a browser: the data layer on a known study, the real server's pages and JSON, bad input
-(a store, storage or study that does not exist, a bad flag), an ``s3://`` store and storage, and no Ray import.
+(a store, runs folder or study that does not exist, a bad flag), an ``s3://`` store and runs folder, and no Ray import.
 
 The study is written by the real layout writers (``StudyState``, ``ResultsStore``; see ``serve_util``); the pages
 come from the application under uvicorn on a loopback port. The real-browser test is ``test_serve_browser.py``.
@@ -31,9 +31,9 @@ URL = re.compile(r"""https?://[^\s"'<>)]+""")
 
 @pytest.fixture()
 def local(tmp_path):
-    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    state = write_study(store, storage)
-    return open_sources(store, storage), state
+    store, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    state = write_study(store, runs)
+    return open_sources(store, runs), state
 
 
 # ------------------------------------------------------------------------------------------------ data layer
@@ -121,10 +121,10 @@ def test_results_are_cached_until_new_rows_land(local):
 
 
 def test_links_name_the_study_own_tensorboard_and_optuna(tmp_path):
-    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    write_study(store, storage, name="grid-study")
-    state = write_study(store, storage, name="tpe-study", engine="optuna")
-    sources = open_sources(store, storage, ray_dashboard="http://127.0.0.1:9999")
+    store, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    write_study(store, runs, name="grid-study")
+    state = write_study(store, runs, name="tpe-study", engine="optuna")
+    sources = open_sources(store, runs, ray_dashboard="http://127.0.0.1:9999")
     grid = data.study_info(sources, "grid-study")
     assert grid["links"] == {"ray_dashboard": "http://127.0.0.1:9999", "optuna_dashboard": None,
                              "tensorboard": f"tensorboard --logdir {tmp_path / 'runs' / 'grid-study' / 'tune'}"}
@@ -140,17 +140,17 @@ def test_links_name_the_study_own_tensorboard_and_optuna(tmp_path):
 def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(tmp_path, capsys):
     from attnlab.ray_runtime import Dashboard
 
-    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
+    store, runs = str(tmp_path / "results"), str(tmp_path / "runs")
     live = Dashboard("http://127.0.0.1:41234").record()
-    write_study(store, storage, name="live", ray=live)
-    write_study(store, storage, name="older", ray={**Dashboard("http://127.0.0.1:41000").record(), "recorded": 1.0})
-    write_study(store, storage, name="bare", ray=Dashboard(None, "the cluster runs without one").record())
-    write_study(store, storage, name="legacy")  # a study.json from before the dashboard was recorded
-    write_study(store, storage, name="forged", ray={"dashboard": "javascript:alert(1)"})
-    assert StudyState(storage, "live").ray_cluster()["dashboard"] == "http://127.0.0.1:41234"
-    assert StudyState(storage, "legacy").ray_cluster() is None
+    write_study(store, runs, name="live", ray=live)
+    write_study(store, runs, name="older", ray={**Dashboard("http://127.0.0.1:41000").record(), "recorded": 1.0})
+    write_study(store, runs, name="bare", ray=Dashboard(None, "the cluster runs without one").record())
+    write_study(store, runs, name="legacy")  # a study.json from before the dashboard was recorded
+    write_study(store, runs, name="forged", ray={"dashboard": "javascript:alert(1)"})
+    assert StudyState(runs, "live").ray_cluster()["dashboard"] == "http://127.0.0.1:41234"
+    assert StudyState(runs, "legacy").ray_cluster() is None
 
-    sources = open_sources(store, storage)  # no --ray-dashboard
+    sources = open_sources(store, runs)  # no --ray-dashboard
     assert sources.ray_dashboard is None
     info = {name: data.study_info(sources, name) for name in ("live", "older", "bare", "legacy", "forged")}
     assert info["live"]["links"]["ray_dashboard"] == "http://127.0.0.1:41234"
@@ -165,7 +165,7 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     assert data.header_dashboard(sources) == data.DEFAULT_RAY_DASHBOARD
 
     # an explicit --ray-dashboard (an SSH tunnel) wins everywhere
-    tunnel = open_sources(store, storage, ray_dashboard="http://127.0.0.1:8265")
+    tunnel = open_sources(store, runs, ray_dashboard="http://127.0.0.1:8265")
     for name in ("live", "bare", "legacy"):
         assert data.study_info(tunnel, name)["links"]["ray_dashboard"] == "http://127.0.0.1:8265"
     assert data.header_dashboard(tunnel, data.overview(tunnel)["studies"]) == "http://127.0.0.1:8265"
@@ -195,13 +195,13 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
 
 def test_bad_input_is_one_sentence(tmp_path, local):
     sources, _ = local
-    with pytest.raises(NotFound, match=r"no study 'nope' under --storage .*; studies: probe"):
+    with pytest.raises(NotFound, match=r"no study 'nope' under --runs .*; studies: probe"):
         data.study_info(sources, "nope")
     with pytest.raises(NotFound, match="not a study name"):
         data.trials(sources, "../etc")
     with pytest.raises(NotFound, match=r"--store .*/missing/results: neither it nor the folder"):
         open_sources(str(tmp_path / "missing" / "results"), str(tmp_path / "runs"))
-    with pytest.raises(NotFound, match=r"--storage .*/missing/runs: neither it nor the folder"):
+    with pytest.raises(NotFound, match=r"--runs .*/missing/runs: neither it nor the folder"):
         open_sources(str(tmp_path / "results"), str(tmp_path / "missing" / "runs"))
     with pytest.raises(UserError, match="--store='ftp://x/y': the scheme ftp:// is not supported"):
         open_sources("ftp://x/y", str(tmp_path))
@@ -259,7 +259,7 @@ def test_pages_and_json_over_a_real_server(local):
 
         # bad input: one sentence, never a stack trace
         for path, code, sentence in [
-            ("/study/nope", 404, "no study &#39;nope&#39; under --storage"),
+            ("/study/nope", 404, "no study &#39;nope&#39; under --runs"),
             ("/study/probe?metric=bpb", 400, "has no rows of it; metrics present: acc, val_loss"),
             ("/nothing/here", 404, "nothing at /nothing/here"),
             ("/static/secret.py", 404, "no static file"),
@@ -271,9 +271,9 @@ def test_pages_and_json_over_a_real_server(local):
 
 
 def test_a_missing_store_or_storage_gets_a_clear_page(tmp_path):
-    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    write_study(store, storage)
-    with serving(create_app(open_sources(str(tmp_path / "typo"), storage))) as base:
+    store, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    write_study(store, runs)
+    with serving(create_app(open_sources(str(tmp_path / "typo"), runs))) as base:
         status, _, page = get(base + "/study/probe")  # the state is there, the store is not (yet)
         assert status == 200 and "The results store" in page and "does not exist yet" in page
     with serving(create_app(open_sources(str(tmp_path / "typo"), str(tmp_path / "typo-runs")))) as base:
@@ -284,11 +284,12 @@ def test_a_missing_store_or_storage_gets_a_clear_page(tmp_path):
 def test_cli_refuses_bad_flags_in_one_line(tmp_path, capsys):
     missing = str(tmp_path / "no" / "such" / "runs")
     for argv, expected in [
-        (["serve", "--store", str(tmp_path), "--storage", missing], f"--storage {missing}: neither it nor"),
-        (["serve", "--store", "ftp://bucket/x", "--storage", str(tmp_path)], "--store='ftp://bucket/x'"),
-        (["serve", "--store", str(tmp_path), "--storage", str(tmp_path), "--port", "0"], "--port 0"),
-        (["serve", "--store", str(tmp_path), "--storage", str(tmp_path), "--refresh", "0"], "--refresh 0"),
-        (["serve", "--store", str(tmp_path), "--storage", str(tmp_path), "--host", "no.such.host.invalid"], "--host"),
+        # --storage, the runs folder's earlier name, still names it
+        (["serve", "--store", str(tmp_path), "--storage", missing], f"--runs {missing}: neither it nor"),
+        (["serve", "--store", "ftp://bucket/x", "--runs", str(tmp_path)], "--store='ftp://bucket/x'"),
+        (["serve", "--store", str(tmp_path), "--runs", str(tmp_path), "--port", "0"], "--port 0"),
+        (["serve", "--store", str(tmp_path), "--runs", str(tmp_path), "--refresh", "0"], "--refresh 0"),
+        (["serve", "--store", str(tmp_path), "--runs", str(tmp_path), "--host", "no.such.host.invalid"], "--host"),
     ]:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -299,16 +300,16 @@ def test_cli_refuses_bad_flags_in_one_line(tmp_path, capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        assert main(["serve", "--store", str(tmp_path), "--storage", str(tmp_path), "--port", str(port)]) == 2
+        assert main(["serve", "--store", str(tmp_path), "--runs", str(tmp_path), "--port", str(port)]) == 2
         assert f"--port {port}: cannot listen there" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------------------------ object storage
+# --------------------------------------------------------------------------------------------- object storage
 def test_the_page_reads_an_s3_store_and_storage(s3_bucket):
-    store, storage = f"{s3_bucket}/results", f"{s3_bucket}/runs"
-    state = write_study(store, storage, name="remote")
-    sources = open_sources(store, storage)
-    assert sources.storage.uri == storage and not sources.storage.is_local
+    store, runs = f"{s3_bucket}/results", f"{s3_bucket}/runs"
+    state = write_study(store, runs, name="remote")
+    sources = open_sources(store, runs)
+    assert sources.runs.uri == runs and not sources.runs.is_local
     with serving(create_app(sources)) as base:
         status, _, page = get(base + "/study/remote")
         assert status == 200 and 'data-status="running"' in page and 'id="table4"' in page
@@ -322,18 +323,18 @@ def test_the_page_reads_an_s3_store_and_storage(s3_bucket):
         status, _, body = get(base + "/study/absent")
         assert status == 404 and "no study &#39;absent&#39;" in body
     with pytest.raises(NotFound, match="neither it nor the bucket exists"):
-        open_sources("s3://attnlab-no-such-bucket-0", storage)
+        open_sources("s3://attnlab-no-such-bucket-0", runs)
 
 
 # ------------------------------------------------------------------------------------------------ house rules
 def test_the_server_never_imports_ray(tmp_path):
-    store, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    write_study(store, storage)
+    store, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    write_study(store, runs)
     code = f"""
 import sys
 from attnlab.serve.app import create_app
 from attnlab.serve import cli, data
-sources = data.open_sources({store!r}, {storage!r})
+sources = data.open_sources({store!r}, {runs!r})
 create_app(sources)
 data.overview(sources); data.trials(sources, "probe", curves="all"); data.results(sources, "probe")
 bad = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))

@@ -88,15 +88,15 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
     assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does it)"
     study_file = tmp_path / "watched.yaml"
     study_file.write_text(yaml.safe_dump(STUDY))
-    store, storage = tmp_path / "results", tmp_path / "runs"
+    store, runs = tmp_path / "results", tmp_path / "runs"
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server_log, study_log = tmp_path / "serve.log", tmp_path / "study.log"
 
     # the server first: it starts before the study exists and picks it up
-    server = subprocess.Popen([sys.executable, "-m", "attnlab.cli", "serve", "--store", str(store), "--storage",
-                               str(storage), "--port", str(port), "--refresh", "1"], cwd=tmp_path, env=env,
+    server = subprocess.Popen([sys.executable, "-m", "attnlab.cli", "serve", "--store", str(store), "--runs",
+                               str(runs), "--port", str(port), "--refresh", "1"], cwd=tmp_path, env=env,
                               stdout=server_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     study = None
     try:
@@ -105,7 +105,7 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
         assert status == 404 and "does not exist (yet)" in page  # nothing ran there yet: a clear page
 
         study = subprocess.Popen([sys.executable, "-m", "attnlab.cli", "study", "run", str(study_file), "--store",
-                                  str(store), "--storage", str(storage)], cwd=tmp_path, env=env,
+                                  str(store), "--runs", str(runs)], cwd=tmp_path, env=env,
                                  stdout=study_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         _wait(lambda: _status(base + "/study/watched") == 200, 300, "the study's state", study, study_log)
 

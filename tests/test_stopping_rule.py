@@ -143,10 +143,10 @@ def test_a_study_marks_capped_trials_in_rows_and_table(ray_session, tmp_path):
              "objective": "acc@4x", "eval": {"multiples": [1, 4], "p_eval": ["none"], "rope_scaling": ["none"],
                                              "max_tokens": 1024}}
     store_uri = str(tmp_path / "results")
-    summary = run_study(load_spec(study), store=store_uri, storage=str(tmp_path / "runs"), verbose=0)
+    summary = run_study(load_spec(study), store=store_uri, runs=str(tmp_path / "runs"), verbose=0)
     assert [t["status"] for t in summary.trials] == ["complete"] * 2, summary.trials
     # the evaluation's cells are keyed by the step the run stopped at: a re-run finds them all, measures nothing
-    again = run_study(load_spec(study), store=store_uri, storage=str(tmp_path / "runs"), verbose=0)
+    again = run_study(load_spec(study), store=store_uri, runs=str(tmp_path / "runs"), verbose=0)
     assert again.trained == 0 and again.evaluated == 0
     rows = ResultsStore(store_uri).read(study="stoprule", metric="acc")
     ended = {(int(r.tokens) // 512 <= 10, r.stopped, r.stop_rule, int(r.step)) for r in rows.itertuples()}

@@ -55,9 +55,9 @@ def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp
              "objective": ["val_loss@4x", "val_loss@1x"],
              "scheduler": {"type": "asha", "grace_period": 4, "reduction_factor": 2}, "eval": EVAL}
     spec = load_spec(_write(tmp_path, study))
-    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    summary = run_study(spec, store=store_uri, storage=storage, verbose=0)
-    state = study_state(spec, storage)
+    store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    summary = run_study(spec, store=store_uri, runs=runs, verbose=0)
+    state = study_state(spec, runs)
 
     # 4 Tune trials; Optuna may propose one configuration twice: the second finds it complete and trains nothing
     assert 2 <= len(summary.trials) <= 4
@@ -89,12 +89,12 @@ def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp
     for t in ot.trials:
         if t.state.name == "COMPLETE":
             assert len(t.values) == 2 and all(v > 0 for v in t.values)
-    assert list(Path(state.tune.path).rglob("events.out.tfevents.*")), "TensorBoard event files in the storage path"
+    assert list(Path(state.tune.path).rglob("events.out.tfevents.*")), "TensorBoard event files in the Tune storage path"
     assert Path(summary.curves["png"]).stat().st_size > 0
 
     rows_before = len(store.read(study="optuna-asha"))
     runs_before = _run_dirs(state)
-    again = run_study(spec, store=store_uri, storage=storage, verbose=0)
+    again = run_study(spec, store=store_uri, runs=runs, verbose=0)
     assert again.restored and again.trained == 0 and again.evaluated == 0
     assert _run_dirs(state) == runs_before
     assert len(store.read(study="optuna-asha")) == rows_before
@@ -106,15 +106,15 @@ def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ra
     study = {"name": "grow", "train": {**TRAIN, "steps": 4, "checkpoint_every": 4}, "search": {"engine": "grid"},
              "space": {"attention": ["softmax", "lssar"]}, "objective": "val_loss@4x",
              "eval": {"multiples": [1, 4], "p_eval": ["none"], "max_tokens": 1024}}
-    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    first = run_study(load_spec(study), store=store_uri, storage=storage, verbose=0)
+    store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    first = run_study(load_spec(study), store=store_uri, runs=runs, verbose=0)
     assert first.trained == 2 and [t["status"] for t in first.trials] == ["complete"] * 2
     store = ResultsStore(store_uri)
     before = store.read(study="grow", metric="val_loss")
     assert len(before) == 2 * 2
 
     grown = {**study, "eval": {"multiples": [1, 4, 16], "p_eval": ["none", 3], "max_tokens": 1024}}
-    second = run_study(load_spec(grown), store=store_uri, storage=storage, verbose=0)
+    second = run_study(load_spec(grown), store=store_uri, runs=runs, verbose=0)
     assert second.trained == 0 and second.restored  # the search is unchanged: the Tune state resumes
     assert second.evaluated == 2 * (6 - 2)  # per trial: 3 lengths x 2 p_eval, minus the 2 cells it had
     after = store.read(study="grow", metric="val_loss")
@@ -124,10 +124,10 @@ def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ra
     kept = after[after.p_eval.isna() & after.eval_len.isin([64, 256])].set_index(["config_hash", "eval_len"])["value"]
     assert kept.sort_index().tolist() == old.sort_index().tolist()  # old cells were not measured again
 
-    third = run_study(load_spec(grown), store=store_uri, storage=storage, verbose=0)
+    third = run_study(load_spec(grown), store=store_uri, runs=runs, verbose=0)
     assert third.trained == 0 and third.evaluated == 0
     assert len(store.read(study="grow")) == len(store.read(study="grow"))  # and nothing was written
-    fresh = run_study(load_spec(grown), store=store_uri, storage=storage, resume=False, verbose=0)
+    fresh = run_study(load_spec(grown), store=store_uri, runs=runs, resume=False, verbose=0)
     assert fresh.trained == 0 and [t["status"] for t in fresh.trials] == ["cached"] * 2
     for trial in fresh.trials:  # the cached report is the objective's own cell (4x, p_eval none, ntk)
         rows = after[(after.config_hash == trial["config_hash"]) & (after.eval_len == 256) & after.p_eval.isna()]
@@ -139,11 +139,11 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
              "space": {"attention": ["softmax", "lssa", "lssar"]}, "objective": "val_loss@4x", "eval": EVAL}
     path = _write(tmp_path, study)
     spec = load_spec(path)
-    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    state = study_state(spec, storage)
+    store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    state = study_state(spec, runs)
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     proc = subprocess.Popen([sys.executable, "-m", "attnlab.cli", "study", "run", str(path), "--store", store_uri,
-                             "--storage", storage], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             "--runs", runs], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     first_done = None
     try:
@@ -159,7 +159,7 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
         proc.wait()
     assert first_done is not None, "the first trial never completed"
 
-    summary = run_study(spec, store=store_uri, storage=storage, verbose=0)
+    summary = run_study(spec, store=store_uri, runs=runs, verbose=0)
     statuses = {t["config_hash"]: t["status"] for t in summary.trials}
     # the trial that finished before the kill is done (complete, or cached when Tune re-ran it and found it done)
     assert len(statuses) == 3 and set(statuses.values()) <= {"complete", "cached"}, summary.trials
@@ -182,8 +182,8 @@ def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_sess
              "search": {"engine": "grid"}, "space": {"attention": ["softmax"], "lr": [1.0e6]},
              "objective": "val_loss@4x", "scheduler": "none", "eval": EVAL}
     spec = load_spec(_write(tmp_path, study))
-    store_uri, storage = str(tmp_path / "results"), str(tmp_path / "runs")
-    summary = run_study(spec, store=store_uri, storage=storage, verbose=0)
+    store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    summary = run_study(spec, store=store_uri, runs=runs, verbose=0)
     (diverged,) = summary.trials
     assert diverged["status"] == "diverged" and "loss is nan at step" in diverged["reason"]
     rows = ResultsStore(store_uri).read(study="failures", metric="val_loss")
@@ -192,7 +192,7 @@ def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_sess
     # a crash beyond the retries (max_failures 0): the injected failure at step 3 is not absorbed
     study2 = {**study, "name": "crash", "space": {"attention": ["softmax", "lssa"]}, "train": {**train, "lr": 3e-3}}
     monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "crashed-once"))
-    summary = run_study(load_spec(_write(tmp_path, study2)), store=store_uri, storage=storage, verbose=0)
+    summary = run_study(load_spec(_write(tmp_path, study2)), store=store_uri, runs=runs, verbose=0)
     by_status = sorted(t["status"] for t in summary.trials)
     assert by_status == ["complete", "failed"], summary.trials
     failed = next(t for t in summary.trials if t["status"] == "failed")

@@ -155,7 +155,7 @@ def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
     (tmp_path / "wandb").mkdir()
     started = time.time()
     res = subprocess.run([sys.executable, "-m", "attnlab.cli", "study", "run", str(path), "--store",
-                          str(tmp_path / "results"), "--storage", str(tmp_path / "runs")],
+                          str(tmp_path / "results"), "--runs", str(tmp_path / "runs")],
                          capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     out = res.stdout
@@ -171,11 +171,14 @@ def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
     assert Path(log).is_file() and Path(log).stat().st_size > 0
     assert f"attnlab: {plan}" in Path(log).read_text()  # the log file names the dashboard too
     assert sum(" complete " in line for line in out.splitlines()) >= 1, out  # once failed in a full run: show why
-    assert "study watched: 2 trial(s)" in out
+    # TPE with seed 1 proposes lssar twice: the twin waits for the trial training it and reuses its run (one
+    # training, never two at once in one run folder), and the summary counts both trials
+    assert "study watched: 2 trial(s) on 1 distinct training run(s)" in out, out
+    assert "1 complete; 1 trained this run" in out, out
     state = StudyState(str(tmp_path / "runs"), "watched")
     # Optuna: intermediate values at training steps, trials tied to their run and training key
     ot = optuna.load_study(study_name="watched", storage=state.optuna_url(None))
-    # (TPE may sample the same attention twice: the second trial reuses the trained run and reports step 6 only)
+    # (the second lssar trial reuses the trained run and reports step 6 only)
     for trial in ot.trials:
         assert trial.user_attrs["config_hash"] in trial.user_attrs["run"]
         assert 6 in trial.intermediate_values and set(trial.intermediate_values) <= {2, 4, 6}

@@ -319,7 +319,7 @@ def test_probe_study_writes_acc_for_every_trial_length_p_eval_and_rope(ray_sessi
         "objective": {"metric": "acc@2x,rope=none", "mode": "max"},
         "eval": {"multiples": [1, 2], "p_eval": ["none", 15], "rope_scaling": ["none", "ntk"]},
     }
-    summary = run_study(load_spec(study), store=str(tmp_path / "results"), storage=str(tmp_path / "runs"), verbose=0)
+    summary = run_study(load_spec(study), store=str(tmp_path / "results"), runs=str(tmp_path / "runs"), verbose=0)
     assert [t["status"] for t in summary.trials] == ["complete", "complete"]
     acc = ResultsStore(str(tmp_path / "results")).read(study="probe-tiny", metric="acc")
     cells = sorted((r.attention, int(r.eval_len), "none" if r.p_eval != r.p_eval else f"{r.p_eval:g}", r.rope_scaling)

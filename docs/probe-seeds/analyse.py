@@ -6,7 +6,7 @@ optionally, run folders trained with intermediate checkpoints (``--trajectory``)
 ``evaluate.diagnostics.offset_profile`` for where attention lands. It only reads runs and writes PNG/JSON into
 ``--out``; it trains nothing.
 
-    python docs/probe-seeds/analyse.py --store runs-probe/results --storage runs-probe/runs \
+    python docs/probe-seeds/analyse.py --store runs-probe/results --runs runs-probe/runs \
         [--trajectory RUN_DIR ...] --out docs/probe-seeds
     python docs/probe-seeds/analyse.py --figures-only --out docs/probe-seeds   # redraw from summary.json
 """
@@ -32,10 +32,10 @@ LENGTHS = (64, 1024)
 DIAG_WINDOWS = 16  # windows per length for the offset profile (16 x 32 = 512 scored query rows)
 
 
-def study_runs(storage: str, study: str = "probe_copy") -> list[dict]:
+def study_runs(runs: str, study: str = "probe_copy") -> list[dict]:
     """[{attention, seed, run_dir}] of a study's trials (from runs/<study>/trials/*.json)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(storage, study, "trials", "*.json"))):
+    for path in sorted(glob.glob(os.path.join(runs, study, "trials", "*.json"))):
         with open(path, encoding="utf-8") as handle:
             info = json.load(handle)
         point = info.get("point", {})
@@ -160,7 +160,7 @@ def trajectory(run_dir: str, out: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store")
-    parser.add_argument("--storage")
+    parser.add_argument("--runs")
     parser.add_argument("--figures-only", action="store_true", help="redraw the figures from OUT/summary.json")
     parser.add_argument("--trajectory", nargs="*", default=[], metavar="RUN_DIR",
                         help="run folders with intermediate checkpoints (label taken from their config)")
@@ -172,13 +172,13 @@ def main(argv: list[str] | None = None) -> None:
         with open(os.path.join(args.out, "summary.json"), encoding="utf-8") as handle:
             figures(json.load(handle), args.out)
         return
-    if not (args.store and args.storage):
-        parser.error("--store and --storage are required (or --figures-only)")
+    if not (args.store and args.runs):
+        parser.error("--store and --runs are required (or --figures-only)")
     frame = ResultsStore(args.store).read(study="probe_copy", rope_scaling="none", p_eval=None)
     print(reports.to_markdown(reports.table(frame, metric="acc"), digits=3, per_seed=True))
 
     summary = {"runs": []}
-    for run in study_runs(args.storage):
+    for run in study_runs(args.runs):
         model, config, meta = load_model(run["run_dir"])
         record = dict(attention=run["attention"], seed=run["seed"], step=meta["step"], lengths={})
         for length in LENGTHS:

@@ -57,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
         if not Path(study).exists():
             raise UserError(f"--study {study}: no such file")
     specs = [load_spec(study) for study in studies]  # every file is validated before anything runs
-    from attnlab.location import Location
+    from attnlab.location import DEFAULT_RUNS, DEFAULT_STORE, Location
 
     out = Location.parse(args.out, field="--out")  # a folder, or s3:// / gs://
     out.mkdir()
-    store, storage = out.child("results").uri, out.child("runs").uri
+    store, runs = out.child(DEFAULT_STORE).uri, out.child(DEFAULT_RUNS).uri
     if not os.environ.get("RAY_ADDRESS"):
         from attnlab.ray_runtime import ensure_ray
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         ensure_ray(num_cpus=max(4, os.cpu_count() or 1), object_store_mb=256, log_to_driver=args.verbose)
     ok = True
     for spec in specs:
-        summary = run_study(spec, store=store, storage=storage, resume=False if args.fresh else None,
+        summary = run_study(spec, store=store, runs=runs, resume=False if args.fresh else None,
                             curves_dir=out.child("curves", spec.name).uri, verbose=1 if args.verbose else 0,
                             quiet=not args.verbose)
         ok = ok and bool(summary.count("complete"))
@@ -77,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:
         metric = spec.objective[0].parts["metric"]
         print(f"  attnlab results table --store {store} --study {spec.name} --metric {metric}")
-    print(f"watch and compare the studies in a browser:\n  attnlab serve --store {store} --storage {storage}"
+    print(f"watch and compare the studies in a browser:\n  attnlab serve --store {store} --runs {runs}"
           "   # then open http://127.0.0.1:8000/")
     return 0 if ok else 1

@@ -44,6 +44,10 @@ from attnlab.errors import UserError
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
 STORAGE_ENV = "ATTNLAB_STORAGE"  # the cluster's shared storage prefix (set on every node by cluster/*.yaml)
+# The two folders a study writes, by default below $ATTNLAB_STORAGE, else in the current directory: the results
+# store (``--store``, rows of every measurement) and the runs folder (``--runs``: each study's Tune state, training
+# runs and trial status).
+DEFAULT_STORE, DEFAULT_RUNS = "results", "runs"
 
 
 def _scheme(text: str) -> str | None:
@@ -294,3 +298,13 @@ def user_location(text: str | None, *, flag: str, default: str) -> Location:
                         f"temporary copy: give {flag} an absolute shared location (s3://..., gs://..., or an NFS "
                         f"path), or set {STORAGE_ENV} on the cluster")
     return Location.parse(chosen, field=flag)
+
+
+def store_location(text: str | None = None) -> Location:
+    """The results store a command writes to: ``--store``, else the default (:func:`user_location`)."""
+    return user_location(text, flag="--store", default=DEFAULT_STORE)
+
+
+def runs_location(text: str | None = None) -> Location:
+    """The runs folder a command writes to: ``--runs``, else the default (:func:`user_location`)."""
+    return user_location(text, flag="--runs", default=DEFAULT_RUNS)

@@ -6,7 +6,7 @@
   attention temperature) — see docs/protocol.md#rope-scalings; ``both`` (a list's shorthand)
   stays ``ntk`` and ``none``;
 - ``DEFAULT_MULTIPLES``: evaluation lengths as multiples of the training length (1x..16x);
-- ``STUDY_NAME``: the rule a study name follows (it names folders in the run storage and the results store);
+- ``STUDY_NAME``: the rule a study name follows (it names folders in the runs folder and the results store);
 - ``parse_optional_number``: ``none``/``null``/``~`` -> None, else a number (p_eval, p_train, ...);
 - ``parse_length`` / ``parse_lengths``: ``1024``, ``1k``, ``16k`` -> tokens;
 - ``parse_at``: a length (``16384``, ``16k``) or a multiple of the training length (``16x``);

@@ -35,7 +35,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from attnlab.errors import UserError
-from attnlab.location import Location
+from attnlab.location import DEFAULT_STORE, Location
 from attnlab.names import STUDY_NAME
 from attnlab.results.schema import (
     ARROW_SCHEMA,
@@ -45,7 +45,7 @@ from attnlab.results.schema import (
     rows_to_table,
 )
 
-DEFAULT_STORE_URI = "results"
+DEFAULT_STORE_URI = DEFAULT_STORE
 _STUDY_PREFIX = "study="
 _NULLABLE_INT_COLUMNS = ("layer", "n_tokens")
 _SORT_COLUMNS = ("study", "trial", "step", "metric", "eval_len", "p_eval", "layer", "bucket", "task")

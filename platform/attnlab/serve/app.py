@@ -12,7 +12,7 @@ Routes (all GET, all read-only)::
 
 Pages are rendered on the server (Jinja2, autoescaped); the study page's script polls its JSON endpoints. The
 page loads nothing from another origin (no CDN, no web font), so it works on a cluster with no internet.
-A store, storage or study that does not exist answers 404 with one sentence, other bad input 400, and an
+A store, runs folder or study that does not exist answers 404 with one sentence, other bad input 400, and an
 unexpected error 500 with one line (the traceback goes to the server's console, never to the page). Never
 writes, never imports Ray.
 """
@@ -90,7 +90,7 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     env = _environment()
     cache = ResultsCache(sources)
     # the header's Ray dashboard: a study page's own (data.study_info), the index's the latest study's
-    common = {"store": sources.store.uri, "storage": sources.storage.uri,
+    common = {"store": sources.store.uri, "runs": sources.runs.uri,
               "ray_dashboard": data.header_dashboard(sources)}
 
     def render(template: str, status_code: int = 200, **context) -> HTMLResponse:
@@ -161,9 +161,9 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
                 return error(request, 404, "Not found", str(exc))
             except UserError as exc:
                 return error(request, 400, "Bad request", str(exc))
-            except OSError as exc:  # a store or storage that cannot be read (permissions, an unreachable endpoint)
+            except OSError as exc:  # a store or runs folder that cannot be read (permissions, an unreachable endpoint)
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-                return error(request, 503, "Cannot read the store or storage", f"{type(exc).__name__}: {first}")
+                return error(request, 503, "Cannot read the store or runs folder", f"{type(exc).__name__}: {first}")
             except HTTPException:
                 raise
             except Exception as exc:  # noqa: BLE001 - the page gets one line, the console the traceback

@@ -13,7 +13,7 @@ import ipaddress
 import socket
 
 from attnlab.errors import UserError
-from attnlab.location import user_location
+from attnlab.location import runs_location, store_location
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
@@ -23,17 +23,18 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser(
         "serve", help="a web page over the results store and the studies: trials, live curves, Table 4",
-        description="Serve a page that lists every study under --storage with its trials (status, reason, point, "
-                    "progress), the live training curves of running trials, the extrapolation curves (mean ± std "
+        description="Serve a page that lists every study in the runs folder (--runs) with its trials (status, reason, "
+                    "point, progress), the live training curves of running trials, the extrapolation curves (mean ± std "
                     "over seeds, p_eval and RoPE scaling selectable), the Table-4 layout and the best configuration "
                     "from --store, and links to the Ray dashboard, TensorBoard and optuna-dashboard. Read-only; "
                     "works offline (nothing loaded from the internet).")
     p.add_argument("--store", metavar="URI",
                    help="results store, a path or an s3://, gs:// URI (default: $ATTNLAB_STORAGE/results, else "
                         "./results: the default of `attnlab study run`)")
-    p.add_argument("--storage", metavar="URI",
-                   help="where studies keep their state, a path or an s3://, gs:// URI (default: "
-                        "$ATTNLAB_STORAGE/runs, else ./runs)")
+    p.add_argument("--runs", "--storage", dest="runs", metavar="URI",
+                   help="the runs folder, where studies keep their state, a path or an s3://, gs:// URI (default: "
+                        "$ATTNLAB_STORAGE/runs, else ./runs: the default of `attnlab study run`; --storage is its "
+                        "earlier name)")
     p.add_argument("--host", default=DEFAULT_HOST,
                    help=f"address to bind (default {DEFAULT_HOST}: this machine only; the page has no login)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> None:
                    help="the Ray dashboard the page links to, for every study: give it when you reach the dashboard "
                         "your own way, e.g. through an SSH tunnel (cluster/README.md). Default: each study's own, "
                         "the dashboard of the cluster it runs on as `attnlab study run` recorded it in "
-                        f"<storage>/<study>/study.json (and printed on its plan line), else {DEFAULT_RAY_DASHBOARD}")
+                        f"<runs>/<study>/study.json (and printed on its plan line), else {DEFAULT_RAY_DASHBOARD}")
     p.add_argument("--refresh", type=float, default=3.0, metavar="SECONDS",
                    help="how often the study page refreshes trials and live curves (default 3)")
     p.set_defaults(func=_serve)
@@ -76,9 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not args.refresh > 0:
         raise UserError(f"--refresh {args.refresh:g}: give a number of seconds > 0")
-    store = user_location(args.store, flag="--store", default="results")
-    storage = user_location(args.storage, flag="--storage", default="runs")
-    sources = open_sources(store, storage, ray_dashboard=args.ray_dashboard)
+    sources = open_sources(store_location(args.store), runs_location(args.runs), ray_dashboard=args.ray_dashboard)
     _check_bind(args.host, args.port)
 
     import uvicorn
@@ -87,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     app = create_app(sources, refresh_s=args.refresh)
     shown = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"attnlab serve: http://{shown}:{args.port}/  (store {sources.store.uri}, storage {sources.storage.uri})",
+    print(f"attnlab serve: http://{shown}:{args.port}/  (store {sources.store.uri}, runs {sources.runs.uri})",
           flush=True)
     if _is_loopback(args.host):
         print(f"  from another machine: ssh -L {args.port}:127.0.0.1:{args.port} <this host>, then open "

@@ -7,7 +7,7 @@ Table-4 layout, its cells and the best configuration come from :mod:`attnlab.res
 ``attnlab results table|best`` (nothing is recomputed here). Locations are :class:`attnlab.location.Location`
 (a local folder or an object-store URI alike); ``pathlib`` never sees one.
 
-Bad input raises :class:`NotFound` (a store, storage or study that does not exist: the page answers 404) or
+Bad input raises :class:`NotFound` (a store, runs folder or study that does not exist: the page answers 404) or
 another :class:`attnlab.errors.UserError` (400), each one sentence. Every value returned is JSON-safe (NaN and
 infinities become None). No Ray, no HTTP here: the web layer is :mod:`attnlab.serve.app`.
 """
@@ -36,35 +36,35 @@ SELECTABLE = ("p_eval", "rope_scaling")
 
 
 class NotFound(UserError):
-    """A store, storage or study that does not exist (the page answers HTTP 404 with this sentence)."""
+    """A store, runs folder or study that does not exist (the page answers HTTP 404 with this sentence)."""
 
 
 @dataclass(frozen=True)
 class Sources:
-    """Where the page reads: the results store and the studies' storage (each a path or a URI), and the Ray
+    """Where the page reads: the results store and the studies' runs folder (each a path or a URI), and the Ray
     dashboard the user named (``--ray-dashboard``; None: each study's recorded one, see :func:`ray_dashboard`)."""
 
     store: ResultsStore
-    storage: Location
+    runs: Location
     ray_dashboard: str | None = None
 
 
-def open_sources(store: str | Location, storage: str | Location, ray_dashboard: str | None = None) -> Sources:
-    """The sources named by ``--store`` and ``--storage``; UserError (one line naming the flag) when a value is
+def open_sources(store: str | Location, runs: str | Location, ray_dashboard: str | None = None) -> Sources:
+    """The sources named by ``--store`` and ``--runs``; UserError (one line naming the flag) when a value is
     not a location, or when neither it nor the folder (or bucket) it would be created in exists: a typo, since
     a study creates both where it is told. A location that does not exist *yet* is fine: a study just started
     writes it, and the page says so until it does."""
     store_loc = Location.parse(store, field="--store")
-    storage_loc = Location.parse(storage, field="--storage")
+    runs_loc = Location.parse(runs, field="--runs")
     if ray_dashboard is not None and not _HTTP_URL.fullmatch(ray_dashboard):
         raise UserError(f"--ray-dashboard {ray_dashboard!r}: give an http:// or https:// URL, e.g. "
                         f"{DEFAULT_RAY_DASHBOARD}")
-    for flag, loc in (("--store", store_loc), ("--storage", storage_loc)):
+    for flag, loc in (("--store", store_loc), ("--runs", runs_loc)):
         if not _reachable(loc):
             where = "bucket" if not loc.is_local and "/" not in loc.path else "folder it would be created in"
             raise NotFound(f"{flag} {loc.uri}: neither it nor the {where} exists; give the {flag} that "
                            "`attnlab study run` was given")
-    return Sources(ResultsStore(store_loc), storage_loc, ray_dashboard)
+    return Sources(ResultsStore(store_loc), runs_loc, ray_dashboard)
 
 
 def _reachable(loc: Location) -> bool:
@@ -125,11 +125,11 @@ def check_study_name(name: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ studies
 def study_names(sources: Sources) -> dict[str, dict]:
-    """Every study: the folders under the storage holding a ``study.json`` and the studies the store has rows
+    """Every study: the folders in the runs folder holding a ``study.json`` and the studies the store has rows
     of, as ``{name: {"has_state": bool, "has_results": bool}}`` sorted by name."""
     found: dict[str, dict] = {}
-    for name in sources.storage.list_names(hidden=False):
-        if STUDY_NAME.match(name) and sources.storage.is_file(f"{name}/{SPEC_FILE}"):
+    for name in sources.runs.list_names(hidden=False):
+        if STUDY_NAME.match(name) and sources.runs.is_file(f"{name}/{SPEC_FILE}"):
             found[name] = {"has_state": True, "has_results": False}
     for name in sources.store.studies():
         found.setdefault(name, {"has_state": False, "has_results": False})["has_results"] = True
@@ -185,14 +185,14 @@ def _objective(spec: dict) -> dict | None:
 def study_info(sources: Sources, name: str) -> dict:
     """What a study is: its saved spec's search engine and objective, where its state lives, and the commands
     and links that watch it elsewhere (Ray dashboard, TensorBoard, optuna-dashboard). NotFound when neither the
-    storage nor the store knows it."""
+    runs folder nor the store knows it."""
     check_study_name(name)
-    state = StudyState(sources.storage, name)
+    state = StudyState(sources.runs, name)
     saved = state.saved_spec() if _exists(state.loc) else None
     has_results = _has_results(sources.store, name)
     if saved is None and not has_results:
         known = ", ".join(study_names(sources)) or "none"
-        raise NotFound(f"no study {name!r} under --storage {sources.storage.uri} or in --store "
+        raise NotFound(f"no study {name!r} under --runs {sources.runs.uri} or in --store "
                        f"{sources.store.uri}; studies: {known}")
     spec = (saved or {}).get("spec") or {}
     engine = (spec.get("search") or {}).get("engine", "grid") if saved else None
@@ -203,7 +203,8 @@ def study_info(sources: Sources, name: str) -> dict:
              "tensorboard": f"tensorboard --logdir {state.tune.uri}" if saved else None,
              "optuna_dashboard": None}
     if engine == "optuna":
-        links["optuna_dashboard"] = f"optuna-dashboard {state.optuna_url(spec.get('storage'))}"
+        url = state.optuna_url(spec.get("optuna_storage") or spec.get("storage"))  # "storage": an older study.json
+        links["optuna_dashboard"] = f"optuna-dashboard {url}"
     return clean({"name": name, "has_state": saved is not None, "has_results": has_results,
                   "state": state.loc.uri, "store": sources.store.uri, "engine": engine,
                   "description": spec.get("description"), "objective": objective,
@@ -233,19 +234,19 @@ def _exists(loc: Location) -> bool:
 
 def overview(sources: Sources) -> dict:
     """The index page: every study with its trial counts by status and when it last changed."""
-    if not _exists(sources.storage) and not sources.store.exists():
-        raise NotFound(f"--storage {sources.storage.uri} does not exist (yet) and neither does --store "
+    if not _exists(sources.runs) and not sources.store.exists():
+        raise NotFound(f"--runs {sources.runs.uri} does not exist (yet) and neither does --store "
                        f"{sources.store.uri}: no study has run there. Start one with `attnlab study run STUDY.yaml "
-                       f"--storage {sources.storage.uri} --store {sources.store.uri}`; this page picks it up.")
+                       f"--runs {sources.runs.uri} --store {sources.store.uri}`; this page picks it up.")
     studies = []
     for name, where in study_names(sources).items():
         info = study_info(sources, name)
-        records = StudyState(sources.storage, name).statuses() if where["has_state"] else []
+        records = StudyState(sources.runs, name).statuses() if where["has_state"] else []
         counts = {s: sum(1 for r in records if r.get("status") == s) for s in STATUSES}
         studies.append({**info, "trials": len(records), "counts": {s: n for s, n in counts.items() if n},
                         "updated": max((r.get("updated") or 0 for r in records), default=None)})
-    return clean({"storage": sources.storage.uri, "store": sources.store.uri,
-                  "storage_exists": _exists(sources.storage), "store_exists": sources.store.exists(),
+    return clean({"runs": sources.runs.uri, "store": sources.store.uri,
+                  "runs_exists": _exists(sources.runs), "store_exists": sources.store.exists(),
                   "studies": studies, "now": time.time()})
 
 
@@ -304,7 +305,7 @@ def trials(sources: Sources, name: str, curves: str = "running") -> dict:
     if curves not in ("running", "all", "none"):
         raise UserError(f"curves={curves!r}: allowed: running, all, none")
     info = study_info(sources, name)
-    state = StudyState(sources.storage, name)
+    state = StudyState(sources.runs, name)
     now = time.time()
     records = state.statuses() if info["has_state"] else []
     items = [_trial(state, r, curves == "all" or (curves == "running" and r.get("status") == "running"), now)

@@ -28,13 +28,15 @@ def add_parser(subparsers) -> None:
     run.add_argument("study", metavar="STUDY.yaml", help="the study file (examples: studies/*.yaml)")
     run.add_argument("--store", help="results store, a path or an s3://, gs:// URI (default: the study's store:, else "
                      "$ATTNLAB_STORAGE/results, else ./results)")
-    run.add_argument("--storage", help="where the study keeps its Tune state, training runs and trial status, a path "
-                     "or an s3://, gs:// URI (default: $ATTNLAB_STORAGE/runs, else ./runs)")
+    run.add_argument("--runs", "--storage", dest="runs",
+                     help="the runs folder: where the study keeps its Tune state, training runs and trial status, a "
+                     "path or an s3://, gs:// URI (default: $ATTNLAB_STORAGE/runs, else ./runs; --storage is its "
+                     "earlier name)")
     mode = run.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="require existing Tune state and resume it")
     mode.add_argument("--fresh", action="store_true",
                       help="start a new search even if Tune state exists (the old state is moved aside)")
-    run.add_argument("--curves", metavar="DIR", help="a local folder for the curves (default <storage>/<study>/curves)")
+    run.add_argument("--curves", metavar="DIR", help="a local folder for the curves (default <runs>/<study>/curves)")
     run.add_argument("--verbose", action="store_true",
                      help="show Ray's and Tune's own output here (default: a log file, whose path is printed, and a "
                      "line per trial change)")
@@ -60,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.study)
     resume = True if args.resume else (False if args.fresh else None)
-    summary = run_study(spec, store=args.store, storage=args.storage, resume=resume, curves_dir=args.curves,
+    summary = run_study(spec, store=args.store, runs=args.runs, resume=resume, curves_dir=args.curves,
                         verbose=1 if args.verbose else 0, quiet=not args.verbose)
     return 1 if summary.trials and summary.count("failed") == len(summary.trials) else 0
 

@@ -6,10 +6,11 @@ with a training worker's resources, report), then evaluates any cell that a grow
 had finished (:func:`~attnlab.study.trial.evaluate_missing`), records the trials the scheduler stopped, and
 prints the table and the curves.
 
-Locations: ``--store`` and ``--storage`` are local paths or object-storage URIs (``attnlab.location``); the
-defaults are ``$ATTNLAB_STORAGE/results`` and ``$ATTNLAB_STORAGE/runs`` when a cluster sets that prefix, else
-``./results`` and ``./runs``; inside a Ray job's temporary working directory a relative location is refused.
-The state layout under ``<storage>/<study>/`` is :mod:`attnlab.study.state`'s. Running the study again
+Locations: ``--store`` (the results store) and ``--runs`` (the runs folder) are local paths or object-storage
+URIs; the defaults are ``$ATTNLAB_STORAGE/results`` and ``$ATTNLAB_STORAGE/runs`` when a cluster sets that prefix,
+else ``./results`` and ``./runs``; inside a Ray job's temporary working directory a relative location is refused
+(:func:`attnlab.location.store_location`, :func:`~attnlab.location.runs_location`).
+The state layout under ``<runs>/<study>/`` is :mod:`attnlab.study.state`'s. Running the study again
 restores the Tune experiment when its search is unchanged (a changed evaluation is fine: only new cells run).
 
 Never imports torch at module level; never deletes results or Tune state (``fresh`` moves the old Tune
@@ -24,31 +25,29 @@ import time
 from dataclasses import dataclass, field
 
 from attnlab.errors import UserError
-from attnlab.location import Location, user_location
+from attnlab.location import runs_location, store_location
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
 from attnlab.study.trackers import tracker_callbacks
 from attnlab.study.trial import StudyContext, evaluate_missing, study_trial
 
-DEFAULT_STORAGE, DEFAULT_STORE = "runs", "results"
+
+def study_state(spec: StudySpec, runs: str | None = None) -> StudyState:
+    """Where ``spec`` keeps its state: the runs folder (``--runs`` or the default, see the module docstring)."""
+    return StudyState(runs_location(runs), spec.name)
 
 
-def study_state(spec: StudySpec, storage: str | None = None) -> StudyState:
-    """Where ``spec`` keeps its state (``--storage`` or the default, see the module docstring)."""
-    return StudyState(user_location(storage, flag="--storage", default=DEFAULT_STORAGE), spec.name)
-
-
-def study_context(spec: StudySpec, state: StudyState, store: Location) -> StudyContext:
+def study_context(spec: StudySpec, state: StudyState, store, launched: float = 0.0) -> StudyContext:
     """Resolve the study's data once (``demo`` is built on first use, a relative path made absolute) and fix
-    what every trial shares."""
+    what every trial shares. ``store``: the :class:`~attnlab.results.ResultsStore`."""
     from attnlab.data.source import data_label, open_data, resolve_data
     from attnlab.train.ray_train import forwarded_env
 
     data = resolve_data(spec.train.data)
     source = open_data(data)
-    return StudyContext(spec=spec.to_json(), state=state.loc.uri, store=store.uri, data=data,
-                        data_fingerprint=str(source.fingerprint), vocab_size=int(source.vocab_size),
-                        data_label=data_label(data), env=forwarded_env())
+    return StudyContext(spec=spec, state=state, store=store, data=data, data_fingerprint=str(source.fingerprint),
+                        vocab_size=int(source.vocab_size), data_label=data_label(data), env=forwarded_env(),
+                        launched=launched)
 
 
 # ------------------------------------------------------------------------------------------------ search
@@ -56,10 +55,10 @@ class DefineByRunSpace:
     """Optuna's define-by-run space for a study (picklable: Tune saves the searcher with it)."""
 
     def __init__(self, spec: StudySpec):
-        self.spec_json = spec.to_json()
+        self.spec = spec
 
     def __call__(self, trial):
-        spec = StudySpec.model_validate(self.spec_json)
+        spec = self.spec
         name = spec.attentions()[0]
         if spec.space.attention:
             name = trial.suggest_categorical("attention", list(spec.space.attention))
@@ -114,13 +113,13 @@ def _optuna_search(spec: StudySpec, url: str):
     keys = [o.key for o in spec.objective]
     modes = [o.mode for o in spec.objective]
     try:
-        storage = optuna.storages.RDBStorage(url)
+        rdb = optuna.storages.RDBStorage(url)
     except Exception as exc:  # noqa: BLE001 - any driver/URL problem is the user's to fix
-        raise UserError(f"storage: {url!r} is not a usable Optuna RDB storage ({type(exc).__name__}: "
+        raise UserError(f"optuna_storage: {url!r} is not a usable Optuna RDB storage ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:200]})") from None
     return StudyOptunaSearch(DefineByRunSpace(spec), metric=keys if len(keys) > 1 else keys[0],
                              mode=modes if len(modes) > 1 else modes[0], sampler=sampler,
-                             study_name=spec.name, storage=storage)
+                             study_name=spec.name, storage=rdb)
 
 
 def _scheduler(spec: StudySpec):
@@ -141,7 +140,8 @@ class StudySummary:
     state_dir: str
     store: str
     optuna_url: str | None
-    trials: list[dict] = field(default_factory=list)  # status file of each trial of this study
+    trials: list[dict] = field(default_factory=list)  # status file of each training run of this study
+    searched: int = 0  # Tune trials; more than ``trials`` when the search proposed a point twice (one training)
     trained: int = 0  # trainings started by this call
     evaluated: int = 0  # cells evaluated for trials that had finished before (the evaluation grew)
     table: str = ""
@@ -187,14 +187,14 @@ def study_plan(spec: StudySpec, dashboard=None) -> str:
             + (f"; {dashboard.line()}" if dashboard is not None else ""))
 
 
-def run_study(spec: StudySpec, store: str | None = None, storage: str | None = None, resume: bool | None = None,
+def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None, resume: bool | None = None,
               curves_dir: str | None = None, verbose: int = 0, quiet: bool = False) -> StudySummary:
     """Run ``spec`` on the current Ray cluster (``ensure_ray``: ``RAY_ADDRESS`` or an embedded one).
 
-    ``store``: results store (default ``spec.store``, else see the module docstring); ``storage``: where the
-    study's state goes. ``resume``: None = restore the Tune experiment when it exists, True = it must exist,
+    ``store``: results store (default ``spec.store``, else see the module docstring); ``runs``: the runs folder,
+    where the study's state goes. ``resume``: None = restore the Tune experiment when it exists, True = it must exist,
     False = start a fresh search (the old state is moved aside). ``curves_dir``: a local folder for the figures
-    (default ``<storage>/<study>/curves``). ``quiet``: Ray's and Tune's own output goes to a log file (its path is
+    (default ``<runs>/<study>/curves``). ``quiet``: Ray's and Tune's own output goes to a log file (its path is
     printed) and the terminal shows a line per trial change (:class:`attnlab.study.console.LiveView`);
     ``verbose``: Tune's own status tables (0 = none). The plan line, printed once Ray is up, ends with the
     address of the cluster's Ray dashboard (also written to the log file, and recorded in ``study.json`` for
@@ -208,10 +208,10 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     from attnlab.results import ResultsStore
     from attnlab.study.console import LiveView, say
 
-    store_loc = user_location(store or spec.store, flag="--store", default=DEFAULT_STORE)
+    store_loc = store_location(store or spec.store)
     results = ResultsStore(store_loc)
-    state = study_state(spec, storage)
-    ctx = study_context(spec, state, store_loc)
+    state = study_state(spec, runs)
+    ctx = study_context(spec, state, results, launched=time.time())
     if spec.eval.downstream is not None:  # a missing task folder or task: one line before any trial starts
         from attnlab.evaluate.downstream import check_tasks
 
@@ -241,7 +241,7 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
     trainable = tune.with_resources(tune.with_parameters(study_trial, context=ctx),
                                     {"cpu": spec.resources.trial_cpus})
-    url = state.optuna_url(spec.storage) if spec.search.engine == "optuna" else None
+    url = state.optuna_url(spec.optuna_storage) if spec.search.engine == "optuna" else None
     exp = state.tune
     storage_path, storage_fs = state.loc.ray_storage()
     if restore:
@@ -272,6 +272,7 @@ def run_study(spec: StudySpec, store: str | None = None, storage: str | None = N
     summary.evaluated = evaluate_missing(spec, ctx, state, results)
     summary.trained = state.trainings_started() - trained_before
     summary.trials = state.statuses()
+    summary.searched = len(grid)
     _report(spec, summary, state, curves_dir)
     return summary
 
@@ -300,7 +301,10 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, curves_di
     statuses = {}
     for t in summary.trials:
         statuses[t.get("status")] = statuses.get(t.get("status"), 0) + 1
-    print(f"\nstudy {spec.name}: {len(summary.trials)} trial(s) "
+    runs = len(summary.trials)
+    counted = (f"{summary.searched} trial(s) on {runs} distinct training run(s) (the search proposed a point more "
+               "than once):" if summary.searched > runs else f"{runs} trial(s)")
+    print(f"\nstudy {spec.name}: {counted} "
           + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) + f"; {summary.trained} trained this run"
           + (f", {summary.evaluated} new evaluation cell(s) of earlier trials" if summary.evaluated else ""))
     for t in summary.trials:

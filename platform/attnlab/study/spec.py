@@ -31,7 +31,7 @@ Shape (``name`` and ``train.preset`` / ``train.data`` required)::
       lr: [3e-4, 1e-3]                        # any training field that changes the weights; model.<field>
     objective: val_loss@16x                   # or a list: [val_loss@1x, val_loss@16x] (Pareto front)
     scheduler: {type: asha, grace_period: 20, reduction_factor: 2}   # or none
-    storage: sqlite:////abs/optuna.db         # Optuna RDB URL; default SQLite next to the study state
+    optuna_storage: sqlite:////abs/optuna.db  # Optuna RDB URL; default SQLite next to the study state
     store: results                            # results store (path or URI)
     trackers: [mlflow, wandb]                 # opt-in: Tune's MLflow / W&B logger callbacks
 
@@ -93,6 +93,7 @@ _MOVED = {
     "resources.gpus_per_worker": "write train.gpus_per_worker (0 = CPU workers)",
     "resources.cpus_per_worker": "write train.cpus_per_worker",
     "space.rope_scaling": "every trial is evaluated with all RoPE settings: write eval.rope_scaling",
+    "storage": "the Optuna RDB URL is now optuna_storage (the runs folder is the --runs flag)",
 }
 
 
@@ -368,10 +369,10 @@ class StudySpec(_Strict):
     space: Space = Field(default_factory=Space)
     objective: list[Objective] = Field(default_factory=lambda: [Objective(metric="val_loss@1x")])
     scheduler: Scheduler = Field(default_factory=Scheduler)
-    storage: str | None = None  # Optuna RDB URL
+    optuna_storage: str | None = None  # Optuna RDB URL
     store: str | None = None  # results store (path or URI)
     # Also log every trial where a lab already looks, through Ray Tune's own logger callbacks (opt-in):
-    # mlflow (MLFLOW_TRACKING_URI, default <storage>/<study>/mlruns) and wandb (WANDB_PROJECT, default the study)
+    # mlflow (MLFLOW_TRACKING_URI, default <runs>/<study>/mlruns) and wandb (WANDB_PROJECT, default the study)
     trackers: list[Literal["mlflow", "wandb"]] = Field(default_factory=list)
 
     @model_validator(mode="before")
@@ -380,7 +381,7 @@ class StudySpec(_Strict):
         """Blocks of the earlier study layout are refused with where they went (:data:`_MOVED`)."""
         if not isinstance(data, dict):
             return data
-        for key in ("model", "data"):
+        for key in ("model", "data", "storage"):
             if key in data:
                 raise ValueError(f"{key}: {_MOVED[key]}")
         for block in ("resources", "space"):
@@ -445,9 +446,9 @@ class StudySpec(_Strict):
             raise ValueError(f"{keys} repeats an objective")
         return value
 
-    @field_validator("storage")
+    @field_validator("optuna_storage")
     @classmethod
-    def _storage(cls, value):
+    def _optuna_storage(cls, value):
         if value is not None and "://" not in value:
             raise ValueError("must be an Optuna RDB URL such as sqlite:////abs/path/optuna.db or "
                              "postgresql+psycopg2://user@host/db")

@@ -1,15 +1,16 @@
-"""Where a study keeps its state, under ``<storage>/<study>/`` (a local folder or object storage), and how the
-study's files are read and written. The one place that knows this layout (``attnlab serve`` reads it too)::
+"""Where a study keeps its state, under ``<runs>/<study>/`` (``<runs>`` is the runs folder, ``--runs``: a local
+folder or object storage), and how the study's files are read and written. The one place that knows this layout
+(``attnlab serve`` reads it too)::
 
-    <storage>/<study>/study.json             the spec and its search fingerprint (a resumed search must match),
-                                             and the Ray dashboard of the cluster its latest run runs on
-    <storage>/<study>/tune/                  the Tune experiment (trial logs, TensorBoard files, searcher state)
-    <storage>/<study>/runs/<train_key>/      each training run (metrics.jsonl, provenance.json, checkpoints)
-    <storage>/<study>/trials/<train_key>.json  each trial's status: running, complete, cached, diverged, pruned,
-                                             failed; its point, reason, config, objectives, progress
-    <storage>/<study>/events/*.json          one file per training started (a counter for people and tests)
-    <storage>/<study>/curves/                the study's figures
-    <storage>/<study>/optuna.db              the Optuna SQLite file when the storage is a local folder
+    <runs>/<study>/study.json               the spec and its search fingerprint (a resumed search must match),
+                                            and the Ray dashboard of the cluster its latest run runs on
+    <runs>/<study>/tune/                    the Tune experiment (trial logs, TensorBoard files, searcher state)
+    <runs>/<study>/runs/<train_key>/        each training run (metrics.jsonl, provenance.json, checkpoints)
+    <runs>/<study>/trials/<train_key>.json  each trial's status: running, complete, cached, diverged, pruned,
+                                            failed; its point, reason, config, objectives, progress
+    <runs>/<study>/events/*.json            one file per training started (a counter for people and tests)
+    <runs>/<study>/curves/                  the study's figures
+    <runs>/<study>/optuna.db                the Optuna SQLite file when the runs folder is local
 
 Every file is written whole (``attnlab.location``); nothing is appended, so the layout works on a bucket.
 No Ray, no torch here.
@@ -29,12 +30,12 @@ STATUSES = ("running", "complete", "cached", "diverged", "pruned", "failed")
 
 
 class StudyState:
-    """The state of study ``name`` under a storage location."""
+    """The state of study ``name`` in the runs folder ``runs``."""
 
-    def __init__(self, storage: str | Location, name: str):
-        self.storage = Location.parse(storage, field="--storage")
+    def __init__(self, runs: str | Location, name: str):
+        self.runs = Location.parse(runs, field="--runs")
         self.name = name
-        self.loc = self.storage.child(name)
+        self.loc = self.runs.child(name)
 
     def __repr__(self) -> str:
         return f"StudyState({self.loc.uri!r})"
@@ -101,7 +102,7 @@ class StudyState:
 
     # ------------------------------------------------------------------------------------- Optuna
     def optuna_url(self, configured: str | None) -> str:
-        """The Optuna RDB URL: the study's ``storage:``, else SQLite next to the state when that is a local
+        """The Optuna RDB URL: the study's ``optuna_storage:``, else SQLite next to the state when that is a local
         folder, else SQLite in this node's attnlab cache (a bucket cannot hold a live database)."""
         if configured:
             return configured

@@ -35,25 +35,27 @@ def add_submit_parser(sub) -> None:
                    help="the head's dashboard, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)")
     p.add_argument("--cluster", metavar="CLUSTER.yaml", help="check the study's resources fit this cluster config")
     p.add_argument("--store", help="results store URI for the job (a shared one on a multi-node cluster: s3://...)")
-    p.add_argument("--storage", help="Tune state / runs folder for the job (shared storage on a multi-node cluster)")
+    p.add_argument("--runs", "--storage", dest="runs",
+                   help="the runs folder for the job: Tune state, training runs and trial status (shared storage on a "
+                   "multi-node cluster; --storage is its earlier name)")
     p.add_argument("--working-dir", default=".", help="the folder to upload (default: the current folder)")
     p.add_argument("--submission-id", help="a job id to use (must be unique on the cluster)")
     p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the log")
     p.set_defaults(func=_submit)
 
 
-def entrypoint(study: str, store: str | None = None, storage: str | None = None) -> str:
+def entrypoint(study: str, store: str | None = None, runs: str | None = None) -> str:
     """The job's command line."""
     parts = ["attnlab", "study", "run", study]
     if store:
         parts += ["--store", store]
-    if storage:
-        parts += ["--storage", storage]
+    if runs:
+        parts += ["--runs", runs]
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def submit_study(study: str, address: str, *, working_dir: str = ".", store: str | None = None,
-                 storage: str | None = None, cluster: str | None = None, submission_id: str | None = None) -> str:
+                 runs: str | None = None, cluster: str | None = None, submission_id: str | None = None) -> str:
     """Validate, package and submit; returns the job id."""
     from attnlab.study.spec import load_spec
 
@@ -87,14 +89,14 @@ def submit_study(study: str, address: str, *, working_dir: str = ".", store: str
                                            "TIKTOKEN_CACHE_DIR") if k in os.environ}
     env_vars.update(forwarded_env())  # ATTNLAB_* (storage prefix, cache) and the object store's AWS_*/GOOGLE_*
     return client.submit_job(
-        entrypoint=entrypoint(rel.as_posix(), store, storage),
+        entrypoint=entrypoint(rel.as_posix(), store, runs),
         runtime_env={"working_dir": str(wd), "excludes": PACKAGE_EXCLUDES, "env_vars": env_vars},
         submission_id=submission_id, metadata={"study": spec.name}, entrypoint_num_cpus=0)
 
 
 def _submit(args: argparse.Namespace) -> int:
     job_id = submit_study(args.study, args.address, working_dir=args.working_dir, store=args.store,
-                          storage=args.storage, cluster=args.cluster, submission_id=args.submission_id)
+                          runs=args.runs, cluster=args.cluster, submission_id=args.submission_id)
     address = args.address.rstrip("/")
     print(f"job id: {job_id}")
     print(f"logs:   ray job logs --address {address} {job_id} -f")

@@ -58,8 +58,8 @@ def mlflow_callback(spec: StudySpec, state: StudyState) -> StudyMLflowCallback:
     _require("mlflow")
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri and not state.loc.is_local:
-        raise UserError("trackers: mlflow with a bucket as storage needs MLFLOW_TRACKING_URI (an MLflow server or a "
-                        "shared file:// folder)")
+        raise UserError("trackers: mlflow with a bucket as runs folder (--runs) needs MLFLOW_TRACKING_URI (an MLflow "
+                        "server or a shared file:// folder)")
     if not uri:  # MLflow's local file store next to the study (MLflow 3 asks for an explicit opt-in)
         uri = f"file://{state.loc.child('mlruns').path}"
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

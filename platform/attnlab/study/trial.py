@@ -1,7 +1,7 @@
 """A trial is a small composition of steps, each with its own identity (docs/protocol.md#steps-and-identities):
 
 1. **plan**: the point's ``TrainConfig``, its training key (what changes the weights, the data by content), its
-   run location ``<storage>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key;
+   run location ``<runs>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key;
 2. **train**: skipped when the run already finished (or diverged); otherwise Ray Train, which resumes from the
    run's latest checkpoint when there is one; with a stopping rule (``train.stop_when``) a run is finished when
    its latest checkpoint met the rule, or reached ``steps`` (the cap) without meeting it;
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalCell, EvalConfig
@@ -29,22 +30,24 @@ from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
 from attnlab.train.config import TrainConfig
 
+if TYPE_CHECKING:
+    from attnlab.results import ResultsStore
+
 
 @dataclass
 class StudyContext:
-    """What every trial of a study shares, built once by the study driver (picklable: it goes to trials)."""
+    """What every trial of a study shares, built and validated once by the study driver. Its values travel as
+    the objects they are (they pickle: Tune hands the context to every trial), never as strings re-parsed."""
 
-    spec: dict  # the StudySpec as JSON
-    state: str  # <storage>/<study> location
-    store: str  # results store location
+    spec: StudySpec
+    state: StudyState  # <runs>/<study>
+    store: ResultsStore
     data: str | dict  # resolved: an absolute path or URI, or a probe mapping
     data_fingerprint: str
     vocab_size: int
     data_label: str
     env: dict = field(default_factory=dict)  # attnlab's and the object store's settings, for every process
-
-    def study(self) -> StudySpec:
-        return StudySpec.model_validate(self.spec)
+    launched: float = 0.0  # when this `study run` started: a status written since is this run's
 
 
 @dataclass
@@ -71,11 +74,10 @@ def plan_trial(spec: StudySpec, ctx: StudyContext, point: dict, cfg: TrainConfig
 
     cfg = cfg or spec.train_config(point, data=ctx.data)
     key = cfg.train_key(ctx.data_fingerprint, ctx.vocab_size)
-    state = StudyState(Location.parse(ctx.state).parent, spec.name)
     cells = [(cell, cell.key(key, cfg.steps, ctx.data_fingerprint)) for cell in spec.eval.cells(cfg.seq_length)]
     row_context = {"study": spec.name, "trial": key, "seed": cfg.seed, "config_hash": key,
                    "git_sha": git_info()["sha"], "data": ctx.data_label, "knobs": knob_label(spec, point)}
-    return TrialPlan(point, cfg, key, state.run(key), cells, row_context)
+    return TrialPlan(point, cfg, key, ctx.state.run(key), cells, row_context)
 
 
 # ------------------------------------------------------------------------------------------ step 2: train
@@ -93,7 +95,7 @@ def train_step(plan: TrialPlan, state: StudyState, callbacks=()):
 
 
 # ------------------------------------------------------------------------------------------ step 3: evaluate
-def _evaluate_task(run_uri: str, eval_config: dict, data, row_context: dict, store_uri: str, skip: list[str],
+def _evaluate_task(run: Location, eval_config: EvalConfig, data, row_context: dict, store, skip: list[str],
                    threads: int | None, env: dict) -> list[dict]:
     """Runs inside a Ray task with one training worker's resources (a GPU when the workers had one)."""
     import torch
@@ -103,8 +105,7 @@ def _evaluate_task(run_uri: str, eval_config: dict, data, row_context: dict, sto
     os.environ.update(env)
     if threads:
         torch.set_num_threads(threads)
-    return evaluate_checkpoint(run_uri, EvalConfig.model_validate(eval_config), data=data, context=row_context,
-                               store=store_uri, skip=set(skip))
+    return evaluate_checkpoint(run, eval_config, data=data, context=row_context, store=store, skip=set(skip))
 
 
 def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bool = False) -> int:
@@ -112,7 +113,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bo
     tables show it and nothing retries a deterministic failure). Returns the number of cells evaluated."""
     from attnlab.evaluate.rows import nan_rows
 
-    stored = store.stored_eval_keys(ctx.study().name, plan.train_key)
+    stored = store.stored_eval_keys(ctx.spec.name, plan.train_key)
     missing = [(cell, key) for cell, key in cell_keys(plan, ctx, outcome) if key not in stored]
     if not missing:
         return 0
@@ -129,9 +130,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bo
     if outcome.status != "finished":
         raise UserError(f"trial {plan.train_key}: the run at {plan.run.uri} has not finished ({outcome.status}); "
                         "nothing to evaluate")
-    spec = ctx.study()
-    args = (plan.run.uri, spec.eval.model_dump(mode="json"), ctx.data, {**plan.row_context, **stop_columns(plan, outcome)},
-            store.uri,
+    args = (plan.run, ctx.spec.eval, ctx.data, {**plan.row_context, **stop_columns(plan, outcome)}, store,
             sorted(stored), plan.cfg.threads_per_worker, ctx.env)
     if inline:
         _evaluate_task(*args)
@@ -239,20 +238,42 @@ def point_of(config: dict) -> dict:
     return {k: v for k, v in config.items() if not k.startswith("__")}
 
 
+def wait_for_twin(state: StudyState, train_key: str, launched: float, me: str, poll: float = 5.0,
+                  stale: float = 1800.0) -> dict:
+    """A search may propose the same point twice (TPE does on a small categorical space). When another trial of
+    this ``study run`` is training the same key, wait until it is done, so that this trial reuses its run instead
+    of training the same run folder at the same time. A twin whose status and metrics have not changed for
+    ``stale`` seconds (its process died without a word) is no longer waited for: this trial then resumes the run
+    from its latest checkpoint. Returns the key's status record as this trial found it."""
+    from attnlab.runfolder import read_metrics
+
+    seen, since = None, time.monotonic()
+    while True:
+        record = state.status(train_key) or {}
+        if record.get("status") != "running" or record.get("trial") == me or record.get("started", 0) < launched:
+            return record
+        try:
+            mark = (record.get("updated"), len(read_metrics(state.run(train_key))))
+        except (OSError, ValueError):
+            mark = (record.get("updated"), None)
+        if mark != seen:
+            seen, since = mark, time.monotonic()
+        elif time.monotonic() - since > stale:
+            return record
+        time.sleep(poll)
+
+
 def study_trial(config: dict, context: StudyContext) -> None:
     """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives."""
     from ray import tune
 
-    from attnlab.results import ResultsStore
-
     os.environ.update(context.env)
-    spec = context.study()
-    state = StudyState(Location.parse(context.state).parent, spec.name)
-    store = ResultsStore(context.store)
+    spec, state, store = context.spec, context.state, context.store
     point = point_of(config)
     plan = plan_trial(spec, context, point)
     status = {"point": point, "trial": tune.get_context().get_trial_name(), "run_dir": plan.run.uri,
               "config": plan.cfg.model_dump(mode="json"), "steps": plan.cfg.steps}
+    before = wait_for_twin(state, plan.train_key, context.launched, status["trial"])
     state.write_status(plan.train_key, **status, status="running", started=time.time(), reason=None)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
@@ -274,6 +295,8 @@ def study_trial(config: dict, context: StudyContext) -> None:
             tune.report({**base, **{k: float("nan") for k in objectives}, "diverged": 1})
             return
         done = "cached" if not trained and not evaluated else "complete"
+        if done == "cached" and before.get("status") == "complete" and before.get("finished", 0) >= context.launched:
+            done = "complete"  # another trial of this `study run` trained it: a search may propose a point twice
         stop = {"stopped": outcome.stopped} if plan.cfg.stop_when is not None else {}
         state.write_status(plan.train_key, status=done, objectives=objectives, trained=trained,
                            evaluated_cells=evaluated, step=steps, finished=time.time(), **stop)
@@ -311,4 +334,4 @@ def evaluate_missing(spec: StudySpec, ctx: StudyContext, state: StudyState, stor
 
 
 __all__ = ["StudyContext", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason", "knob_label",
-           "objective_values", "plan_trial", "cell_keys", "stop_columns", "study_trial", "train_step"]
+           "objective_values", "plan_trial", "cell_keys", "stop_columns", "study_trial", "train_step", "wait_for_twin"]
