@@ -28,8 +28,8 @@ LAYERS = {
     "train": 5, "evaluate": 5, "cluster": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
 }
 # Modules that may import Ray (the thin layer); everything else must import and test without it.
-RAY_MODULES = {"attnlab.ray_runtime", "attnlab.train.ray_train", "attnlab.data.parallel", "attnlab.study.runner",
-               "attnlab.study.trial", "attnlab.study.trackers", "attnlab.study.submit", "attnlab.cluster.validate"}
+RAY_MODULES = {"attnlab.ray_runtime", "attnlab.train.ray_train", "attnlab.data.pipeline.parallel",
+               "attnlab.study.runner", "attnlab.study.trial", "attnlab.study.trackers", "attnlab.study.submit", "attnlab.cluster.validate"}
 
 
 def _modules() -> dict[str, Path]:
