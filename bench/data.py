@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 
 def build_corpus(folder: Path, repeat: int, files: int = 8, doc_chars: int = 4000) -> list[str]:
-    from attnlab.data.demo_corpus import ensure_demo_corpus
+    from attnlab.data.pipeline.demo_corpus import ensure_demo_corpus
 
     docs = []
     for f in sorted(ensure_demo_corpus().glob("*.txt")):
@@ -51,7 +51,7 @@ def first_batch_from_bucket(local: Path, bucket: str, tmp: Path) -> None:
     (ranged reads), and bucket once the shards are in the cache (memory-mapped)."""
     import torch  # noqa: F401  (imported before timing: the first batch builds tensors)
 
-    from attnlab.data.reader import TokenShards, TrainSampler
+    from attnlab.data.readers.tokens import TokenShards, TrainSampler
     from attnlab.location import Location
 
     target = Location.parse(bucket).child(f"attnlab-bench-{os.getpid()}")

@@ -23,7 +23,7 @@ def demo_data_dir(tmp_path_factory):
 
 
 def _small_docs() -> list[str]:
-    from attnlab.data.demo_corpus import ensure_demo_corpus
+    from attnlab.data.pipeline.demo_corpus import ensure_demo_corpus
 
     texts = sorted(ensure_demo_corpus().glob("*.txt"))
     docs = [

@@ -28,8 +28,9 @@ LAYERS = {
     "train": 5, "evaluate": 5, "cluster": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
 }
 # Modules that may import Ray (the thin layer); everything else must import and test without it.
-RAY_MODULES = {"attnlab.ray_runtime", "attnlab.train.ray_train", "attnlab.data.parallel", "attnlab.study.runner",
-               "attnlab.study.trial", "attnlab.study.trackers", "attnlab.study.submit", "attnlab.cluster.validate"}
+RAY_MODULES = {"attnlab.ray_runtime", "attnlab.train.ray_train", "attnlab.data.pipeline.parallel",
+               "attnlab.study.runner", "attnlab.study.trial", "attnlab.study.trackers", "attnlab.study.submit",
+               "attnlab.cluster.validate"}
 
 
 def _modules() -> dict[str, Path]:
@@ -101,6 +102,14 @@ def test_dependencies_point_down():
 def test_training_and_evaluation_never_import_each_other():
     bad = [f"{s} -> {t}" for s, t, _ in _edges()
            if {s.split(".")[1], t.split(".")[1]} == {"train", "evaluate"} and not s.endswith(".cli")]
+    assert not bad, bad
+
+
+def test_study_depends_on_cluster_never_the_other_way():
+    """Whether a study fits a config is the study's question (study/fit.py asks cluster/fit.py); the cluster
+    package, its command included, knows configs and resource requests, never a study."""
+    bad = [f"{s}:{line} imports {t}" for s, t, line in _edges()
+           if s.split(".")[1] == "cluster" and t.split(".")[1] == "study"]
     assert not bad, bad
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from attnlab.cluster import fit as cf
 from attnlab.cluster import validate as cv
 from attnlab.errors import UserError
 from conftest import without_api_server_env
@@ -120,7 +121,7 @@ def test_aws_resources_come_from_instance_table():
 
 def test_missing_config_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        cv.check_fits({"workers": 1}, tmp_path / "nope.yaml")
+        cf.check_fits({"workers": 1}, tmp_path / "nope.yaml")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,29 +240,29 @@ PAPER_TRIAL = {"workers": 8, "gpus_per_worker": 1, "cpus_per_worker": 8, "max_co
 
 @pytest.mark.parametrize("config", CLOUD_CONFIGS, ids=lambda p: p.name)
 def test_eight_gpu_trial_fits_one_node(config):
-    cv.check_fits(PAPER_TRIAL, config)
-    fit = cv.plan_fit(PAPER_TRIAL, config)
+    cf.check_fits(PAPER_TRIAL, config)
+    fit = cf.plan_fit(PAPER_TRIAL, config)
     assert list(fit.nodes_per_trial.values()) == [1] and not fit.spans_nodes
     assert fit.gpus_per_trial == 8
     assert fit.concurrent_trials == 4  # 4 A100 nodes x 8 GPUs / 8 GPUs per trial
 
 
 def test_trial_spans_nodes_when_allowed():
-    fit = cv.plan_fit({"workers": 16, "gpus_per_worker": 1, "cpus_per_worker": 8}, CLUSTER / "aws.yaml")
+    fit = cf.plan_fit({"workers": 16, "gpus_per_worker": 1, "cpus_per_worker": 8}, CLUSTER / "aws.yaml")
     assert fit.nodes_per_trial == {"gpu.a100": 2} and fit.spans_nodes
     assert fit.concurrent_trials == 2  # 32 GPUs / 16
-    fit = cv.plan_fit({"workers": 32, "gpus_per_worker": 0.5, "cpus_per_worker": 2}, CLUSTER / "gcp.yaml")
+    fit = cf.plan_fit({"workers": 32, "gpus_per_worker": 0.5, "cpus_per_worker": 2}, CLUSTER / "gcp.yaml")
     assert fit.workers_per_node["gpu.a100"] == 16 and fit.nodes_per_trial == {"gpu.a100": 2}
 
 
 def test_cpu_only_trial_prefers_a_cpu_node():
-    fit = cv.plan_fit({"workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}, CLUSTER / "aws.yaml")
+    fit = cf.plan_fit({"workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}, CLUSTER / "aws.yaml")
     assert fit.nodes_per_trial == {"head.cpu": 1}
 
 
 def test_worker_too_big_for_any_node_is_refused():
     with pytest.raises(UserError) as err:
-        cv.check_fits({"workers": 1, "gpus_per_worker": 16, "cpus_per_worker": 8}, CLUSTER / "aws.yaml")
+        cf.check_fits({"workers": 1, "gpus_per_worker": 16, "cpus_per_worker": 8}, CLUSTER / "aws.yaml")
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("resources: one worker needs 16 GPU + 8 CPU but no node type in aws.yaml has that")
@@ -270,17 +271,17 @@ def test_worker_too_big_for_any_node_is_refused():
 
 def test_too_many_workers_is_refused():
     with pytest.raises(UserError, match=r"64 workers .* need 64 GPUs/512 CPUs at once but raycluster\.yaml can place at most 32"):
-        cv.check_fits({"workers": 64, "gpus_per_worker": 1, "cpus_per_worker": 8}, CLUSTER / "kuberay" / "raycluster.yaml")
+        cf.check_fits({"workers": 64, "gpus_per_worker": 1, "cpus_per_worker": 8}, CLUSTER / "kuberay" / "raycluster.yaml")
     # CPUs per worker can be the limit too: 88 CPUs per pod / 12 = 7 workers per node.
     with pytest.raises(UserError, match="at most 28 such workers"):
-        cv.check_fits({"workers": 32, "gpus_per_worker": 1, "cpus_per_worker": 12}, CLUSTER / "kuberay" / "raycluster.yaml")
+        cf.check_fits({"workers": 32, "gpus_per_worker": 1, "cpus_per_worker": 12}, CLUSTER / "kuberay" / "raycluster.yaml")
 
 
 def test_global_max_workers_caps_the_span(tmp_path):
     capped = _write_variant(tmp_path, CLUSTER / "aws.yaml", "max_workers: 8                 #", "max_workers: 1                 #")
-    cv.check_fits(PAPER_TRIAL, capped)
+    cf.check_fits(PAPER_TRIAL, capped)
     with pytest.raises(UserError, match="at most 8 such workers"):
-        cv.check_fits({"workers": 16, "gpus_per_worker": 1, "cpus_per_worker": 8}, capped)
+        cf.check_fits({"workers": 16, "gpus_per_worker": 1, "cpus_per_worker": 8}, capped)
 
 
 @pytest.mark.parametrize(
@@ -294,7 +295,7 @@ def test_global_max_workers_caps_the_span(tmp_path):
 )
 def test_malformed_request_is_a_user_error(request_, message):
     with pytest.raises(UserError, match=message):
-        cv.check_fits(request_, CLUSTER / "aws.yaml")
+        cf.check_fits(request_, CLUSTER / "aws.yaml")
 
 
 def test_the_shipped_studies_are_there():
@@ -307,7 +308,7 @@ def test_the_shipped_studies_are_there():
 def test_every_study_fits_each_cloud_config(study, config):
     from attnlab.study.spec import load_spec
 
-    cv.check_fits(load_spec(study).resource_request(), config)
+    cf.check_fits(load_spec(study).resource_request(), config)
 
 
 def test_a_study_resource_request_is_the_one_request_shape(tmp_path):
@@ -316,14 +317,14 @@ def test_a_study_resource_request_is_the_one_request_shape(tmp_path):
     study = tmp_path / "s.yaml"
     study.write_text("name: x\ntrain: {preset: tiny, data: demo, tokens_per_step: 8192, workers: 8, gpus_per_worker: 1}\nresources: {trial_cpus: 0.5}\n")
     request = load_spec(study).resource_request()
-    assert request == cv.normalise_request(request)
+    assert request == cf.normalise_request(request)
     assert request == {"workers": 8, "gpus_per_worker": 1.0, "cpus_per_worker": 1.0, "max_concurrent_trials": 1,
                        "trial_cpus": 0.5}
 
 
 def test_a_trial_driver_bigger_than_every_node_is_refused():
     with pytest.raises(UserError, match=r"trial driver needs 500 CPU"):
-        cv.check_fits({"workers": 1, "trial_cpus": 500}, CLUSTER / "aws.yaml")
+        cf.check_fits({"workers": 1, "trial_cpus": 500}, CLUSTER / "aws.yaml")
 
 
 def test_cli_exit_codes(tmp_path, capsys):
@@ -333,7 +334,14 @@ def test_cli_exit_codes(tmp_path, capsys):
     bad = _write_variant(tmp_path, CLUSTER / "kuberay" / "rayjob.yaml", "submissionMode:", "submisionMode:")
     assert main(["cluster", "validate", str(bad)]) == 2
     assert capsys.readouterr().err.startswith("attnlab: error: ")
-    assert main(["cluster", "fits", "--config", str(CLUSTER / "aws.yaml"), str(ROOT / "studies" / "smoke.yaml")]) == 0
+    capsys.readouterr()
+    assert main(["study", "validate", "--cluster", str(CLUSTER / "aws.yaml"), str(ROOT / "studies" / "smoke.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "fits aws.yaml: nodes per trial" in out and "GPU memory" in out, out
+    # a study's fit is one command: its earlier place says where it went, in one line
+    assert main(["cluster", "fits", "--config", str(CLUSTER / "aws.yaml"), "studies/smoke.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == ("attnlab: error: cluster fits: a study's fit is checked by `attnlab "
+                                               f"study validate --cluster {CLUSTER / 'aws.yaml'} studies/smoke.yaml`")
 
 
 def test_no_credentials_in_cluster_files():
@@ -528,7 +536,9 @@ def test_attnlab_cluster_cli_validates_and_refuses_unschedulable_studies():
 
     ok = cli("validate", "cluster/aws.yaml", "cluster/kuberay/rayjob.yaml")
     assert ok.returncode == 0 and "ok: cluster/aws.yaml" in ok.stdout, ok.stderr
-    refused = cli("fits", "--config", "cluster/local-fake.yaml", "studies/paper_table4.yaml")
+    refused = subprocess.run([sys.executable, "-m", "attnlab.cli", "study", "validate", "--cluster",
+                              "cluster/local-fake.yaml", "studies/paper_table4.yaml"], cwd=root, capture_output=True,
+                             text=True, timeout=120)
     assert refused.returncode == 2
     errors = [line for line in refused.stderr.splitlines() if line.startswith("attnlab: error:")]
     assert len(errors) == 1 and "no node type in local-fake.yaml" in errors[0] and "Traceback" not in refused.stderr

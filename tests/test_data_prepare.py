@@ -300,7 +300,7 @@ def test_cli_prepare_and_verify(tmp_path, small_text_corpus, capsys):  # noqa: F
 
 
 def test_split_and_shard_plan_by_hand():
-    from attnlab.data.prepare import plan_shards, split_documents
+    from attnlab.data.pipeline.prepare import plan_shards, split_documents
 
     lengths = np.array([5, 3, 8, 2, 6], dtype=np.int64)
     order = np.random.Generator(np.random.PCG64(0)).permutation(5).tolist()
@@ -327,7 +327,7 @@ def test_split_and_shard_plan_by_hand():
 def test_byte_tokens_are_the_documents_utf8_bytes_in_the_recorded_order(tmp_path, small_text_corpus):  # noqa: F811
     """``--tokenizer bytes``: every document is 256 + its UTF-8 bytes, the same shuffle and split as GPT-2 data,
     and the manifest (so the data fingerprint) names the tokeniser."""
-    from attnlab.data.reader import TextData
+    from attnlab.data.readers.tokens import TextData
     from attnlab.data.tokenizer import decode_bytes
 
     folder, docs = small_text_corpus

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnlab.data import EOT_ID, TokenShards, TrainSampler, get_encoding, prepare
-from attnlab.data.reader import ConcatTokens
+from attnlab.data.readers.tokens import ConcatTokens
 from attnlab.errors import UserError
 from conftest_data import demo_data_dir, small_text_corpus  # noqa: F401  (fixtures)
 

@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 import pytest
 
-from attnlab.data.prepare import _entry
+from attnlab.data.pipeline.prepare import _entry
 from attnlab.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, encode_shard, manifest_bytes, sha256_hex, shard_name
 from attnlab.data.tokenizer import EOT_ID, GPT2_VOCAB, TOKENIZER_NAME
 from attnlab.location import Location
@@ -249,8 +249,8 @@ class WorkerRss:
 def test_opening_reads_the_manifest_only_and_windows_match_the_shards(datasets, proxy, tmp_path, monkeypatch):
     """Opening a bucket folder GETs only the manifest; windows served by ranged reads equal those read from the
     cached, memory-mapped copy; a split is read when first used."""
-    from attnlab.data.reader import TokenShards, TrainSampler
-    from attnlab.data.shard_cache import cached_path
+    from attnlab.data.readers.tokens import TokenShards, TrainSampler
+    from attnlab.data.readers.shard_cache import cached_path
 
     big, _, manifest, size = datasets
     monkeypatch.setenv("ATTNLAB_DATA_CACHE", str(tmp_path / "cache"))
@@ -283,7 +283,7 @@ def test_opening_reads_the_manifest_only_and_windows_match_the_shards(datasets, 
 
 def test_a_changed_shard_is_refused_not_cached(s3_bucket, proxy, tmp_path):
     """A shard whose bytes do not match the manifest's sha256 never lands in the cache."""
-    from attnlab.data.shard_cache import fetch
+    from attnlab.data.readers.shard_cache import fetch
     from attnlab.errors import UserError
 
     loc = Location.parse(f"{s3_bucket}/tiny")
@@ -376,7 +376,7 @@ def test_prepare_into_a_bucket_reads_no_intermediate_file_back_and_resumes(s3_bu
     shards and run again, it downloads less than the dataset's size in all, uploads only the shards and the
     manifest, and writes the same bytes as a local run."""
     from attnlab.data import prepare, verify
-    from attnlab.data.prepare import local_work_dir
+    from attnlab.data.pipeline.prepare import local_work_dir
     from conftest import s3_keys
 
     kw = dict(shard_tokens=300_000, val_tokens=150_000, seed=7)

@@ -45,7 +45,7 @@ def trained(demo_data_dir, tmp_path_factory):
 
 
 def _passages(n: int, words: int, offset: int = 0) -> list[str]:
-    from attnlab.data.demo_corpus import ensure_demo_corpus
+    from attnlab.data.pipeline.demo_corpus import ensure_demo_corpus
 
     texts = sorted(ensure_demo_corpus().glob("*.txt"))
     out = []

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnlab.cluster import fit as cf
 from attnlab.cluster import validate as cv
 from attnlab.errors import UserError
 from attnlab.model import GPT, preset
 from attnlab.model.memory import (estimate_eval, estimate_train_step, largest_eval_batch, largest_micro_batch,
                                   num_params)
+from attnlab.study.fit import check_study_memory
 from attnlab.train.config import CPU_AUTO_MICRO_BATCH, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,10 +142,10 @@ def test_largest_micro_batch_is_the_last_that_fits():
 
 def test_gpu_types_come_from_one_table():
     request = {"workers": 8, "gpus_per_worker": 1, "cpus_per_worker": 8}
-    aws, gcp = cv.trial_gpu(request, CLUSTER / "aws.yaml"), cv.trial_gpu(request, CLUSTER / "gcp.yaml")
+    aws, gcp = cf.trial_gpu(request, CLUSTER / "aws.yaml"), cf.trial_gpu(request, CLUSTER / "gcp.yaml")
     assert (aws.gpu_type, gcp.gpu_type) == ("A100-40GB", "A100-80GB")
     assert aws.memory_bytes == cv.GPU_MEMORY["A100-40GB"] and "p4d.24xlarge" in aws.note
-    assert cv.trial_gpu({"workers": 1}, CLUSTER / "aws.yaml") is None  # a CPU trial
+    assert cf.trial_gpu({"workers": 1}, CLUSTER / "aws.yaml") is None  # a CPU trial
     assert [cv.gpu_of_machine(m) for m in ("p4de.24xlarge", "p5.48xlarge", "a2-highgpu-8g", "a3-highgpu-8g",
                                            "nvidia-a100-80gb", "m6i.2xlarge")] == \
         ["A100-80GB", "H100-80GB", "A100-40GB", "H100-80GB", "A100-80GB", None]
@@ -153,14 +155,14 @@ def test_gpu_types_come_from_one_table():
 
 def test_kuberay_gpu_type_is_read_from_the_node_selector_or_skipped(tmp_path):
     request = {"workers": 8, "gpus_per_worker": 1, "cpus_per_worker": 8}
-    shipped = cv.trial_gpu(request, CLUSTER / "kuberay" / "raycluster.yaml")
+    shipped = cf.trial_gpu(request, CLUSTER / "kuberay" / "raycluster.yaml")
     assert shipped.gpu_type is None and "GPU type unknown" in shipped.note and "check skipped" in shipped.note
     text = (CLUSTER / "kuberay" / "raycluster.yaml").read_text()
     old = "          # nodeSelector: {cloud.google.com/gke-accelerator: nvidia-a100-80gb}"
     assert old in text
     pinned = tmp_path / "raycluster.yaml"
     pinned.write_text(text.replace(old, old.replace("# ", "", 1)))
-    assert cv.trial_gpu(request, pinned).gpu_type == "A100-80GB"
+    assert cf.trial_gpu(request, pinned).gpu_type == "A100-80GB"
 
 
 def _study(tmp_path: Path, train: str, eval_: str = "{multiples: [1, 16]}") -> Path:
@@ -238,7 +240,7 @@ def test_every_shipped_study_fits_the_gpu_of_its_cluster_files(config):
     checked = []
     for study in STUDIES:
         spec = load_spec(study)
-        note = cv.check_study_memory(spec, str(config))
+        note = check_study_memory(spec, str(config))
         gpu = spec.train.gpus_per_worker > 0
         assert note.startswith("GPU memory on " if gpu else "GPU memory: CPU workers"), (study.name, note)
         checked += [study.name] if gpu else []

@@ -428,7 +428,7 @@ def test_the_run_book_works_against_an_s3_compatible_server(cluster, tmp_path):
     # 0. Check the configs offline.
     for command in ("attnlab cluster validate cluster/aws.yaml cluster/gcp.yaml cluster/kuberay/raycluster.yaml "
                     "cluster/kuberay/rayjob.yaml",
-                    "attnlab cluster fits --config cluster/aws.yaml studies/*.yaml"):
+                    "attnlab study validate --cluster cluster/aws.yaml studies/*.yaml"):
         proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=laptop, capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, command + "\n" + proc.stdout + proc.stderr

@@ -363,7 +363,8 @@ def test_serve_is_registered_and_documented():
 def test_an_orbit_study_shows_the_recovered_laws(local):
     """Force-probe rows (as attnlab.evaluate.rows.force_rows writes them) add the recovered-law table: the same
     reports.laws as `attnlab results laws`, on the page and in its markdown."""
-    from attnlab.evaluate.force_probe import EXPRESSION_METRIC, FORCE_METRICS
+    from attnlab.evaluate.force_probe import FORCE_METRICS
+    from attnlab.results import LAW_METRIC
     from serve_util import _row
 
     sources, _ = local
@@ -374,7 +375,7 @@ def test_an_orbit_study_shows_the_recovered_laws(local):
         for metric in FORCE_METRICS:
             rows.append({**_row("probe", key, point, 40, None, "none", 64), "window_mode": "force_finetune",
                          "metric": metric, "value": 1.0 if metric == "force_is_newton" and "m1" in expression else 0.5,
-                         **({"expression": expression} if metric == EXPRESSION_METRIC else {})})
+                         **({"expression": expression} if metric == LAW_METRIC else {})})
     ResultsStore(sources.store.uri).write(rows, key=("eval", "force"))
     res = data.results(sources, "probe")
     expected = reports.laws_to_markdown(reports.laws(ResultsStore(sources.store.uri).read(study="probe")))

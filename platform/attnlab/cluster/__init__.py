@@ -1,6 +1,7 @@
-"""Cluster configs: offline validation of the files in ``cluster/`` and the resource-fit check.
+"""Cluster configs: offline validation of the files in ``cluster/`` (``validate``) and whether a trial fits them
+(``fit``).
 
-``check_fits(request, config_path)`` refuses, before anything is submitted, a study whose trials no
+``check_fits(request, config_path)`` refuses, before anything is submitted, a request whose trials no
 node type (or allowed multi-node span) of a cluster config can ever schedule. ``validate_config(path)``
 checks a Ray cluster-launcher YAML or a KubeRay manifest the way ``ray up`` / ``kubectl
 --validate=strict`` would, without a cloud account, a Kubernetes cluster or a running Ray.
@@ -20,10 +21,13 @@ __all__ = [
 ]
 
 
+_FIT = {"TrialFit", "check_fits", "plan_fit"}
+
+
 def __getattr__(name: str):
     # Lazy: importing the package does not load the schemas' helpers (yaml, jsonschema).
     if name in __all__:
-        from attnlab.cluster import validate
+        from attnlab.cluster import fit, validate
 
-        return getattr(validate, name)
+        return getattr(fit if name in _FIT else validate, name)
     raise AttributeError(f"module 'attnlab.cluster' has no attribute {name!r}")

@@ -1,7 +1,7 @@
-"""``attnlab cluster validate|fits|extract-crd``: offline checks of the cluster configs in ``cluster/``.
+"""``attnlab cluster validate|extract-crd``: offline checks of the cluster configs in ``cluster/``.
 
-Thin argument handling over :mod:`attnlab.cluster.validate`; ``fits`` reads each study with the study spec and
-also checks its GPU memory (as ``attnlab study validate --cluster``).
+Thin argument handling over :mod:`attnlab.cluster.validate`. Whether a study fits a config is one command,
+``attnlab study validate --cluster CONFIG`` (``fits``, its earlier place here, says so in one line).
 Bad input raises ``UserError`` (one line, exit 2).
 """
 
@@ -13,7 +13,7 @@ import argparse
 def add_parser(subparsers) -> None:
     from attnlab.cluster.validate import KUBERAY_SCHEMA_DIR
 
-    p = subparsers.add_parser("cluster", help="validate cluster configs offline; check that studies fit them",
+    p = subparsers.add_parser("cluster", help="validate cluster configs offline",
                               description="Offline checks of the Ray cluster configs and KubeRay manifests.")
     sub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
     sub.required = True
@@ -22,11 +22,9 @@ def add_parser(subparsers) -> None:
                        "wheel, and KubeRay manifests against the vendored v1.7.0 CRD schemas.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="cluster launcher YAMLs (cluster/*.yaml) or KubeRay manifests")
     p.set_defaults(func=_validate)
-    p = sub.add_parser("fits", help="check that each study's resources fit a cluster config",
-                       description="Refuse, before submission, a study that no node type of the config can host, "
-                       "or whose training step or evaluation does not fit that node's GPU memory.")
-    p.add_argument("--config", required=True, help="a cluster YAML (cluster/aws.yaml, gcp.yaml, kuberay/...)")
-    p.add_argument("studies", nargs="+", metavar="STUDY.yaml", help="study files whose trials must fit the cluster")
+    p = sub.add_parser("fits", help="moved: attnlab study validate --cluster CONFIG STUDY.yaml")
+    p.add_argument("--config", help="the cluster YAML, now given to `attnlab study validate --cluster`")
+    p.add_argument("studies", nargs="*", metavar="STUDY.yaml", help="the studies, now given to `attnlab study validate`")
     p.set_defaults(func=_fits)
     p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into platform/attnlab/cluster/kuberay_schemas/",
                        description="Extract the v1 openAPIV3Schema of KubeRay CRD files (e.g. ray.io_rayclusters.yaml "
@@ -48,18 +46,11 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _fits(args: argparse.Namespace) -> int:
-    from attnlab.cluster.validate import plan_fit
-    from attnlab.study.spec import load_spec
+    from attnlab.errors import UserError
 
-    from attnlab.cluster.validate import check_study_memory
-
-    for study in args.studies:
-        spec = load_spec(study)
-        fit = plan_fit(spec.resource_request(), args.config)
-        note = check_study_memory(spec, args.config)
-        print(f"ok: {study} on {args.config}: nodes per trial {fit.nodes_per_trial}, "
-              f"{fit.concurrent_trials} trial(s) at once; {note}")
-    return 0
+    shown = " ".join(args.studies) or "STUDY.yaml"
+    raise UserError(f"cluster fits: a study's fit is checked by `attnlab study validate --cluster "
+                    f"{args.config or 'CONFIG'} {shown}`")
 
 
 def _extract(args: argparse.Namespace) -> int:

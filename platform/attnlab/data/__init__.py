@@ -1,4 +1,10 @@
-"""Data pipeline: GPT-2 tokeniser, document sources, Arrow token shards, and the readers the trainer uses.
+"""Data: what training and evaluation read, in three places and the pieces they share.
+
+- ``pipeline/``: the prepare pipeline (document sources in, token shards out);
+- ``readers/``: batches from a prepared folder, local or in a bucket;
+- ``generated/``: sources made on the fly (synthetic probes, simulated orbits);
+- shared: ``source`` (``open_data``, the one entry to any of them), ``shards`` (the prepared format both sides
+  agree on), ``tokenizer`` (GPT-2 and bytes), ``batching`` (one rule for cutting batches); ``cli``.
 
 Public API (no Ray needed to import any of it; only ``prepare(..., workers>1)`` starts Ray tasks):
 
@@ -11,12 +17,12 @@ Public API (no Ray needed to import any of it; only ``prepare(..., workers>1)`` 
 - ``make_source(kind, ...)``, ``SOURCE_KINDS``; ``ensure_demo_corpus()`` (the offline demo texts).
 """
 
-from attnlab.data.demo_corpus import ensure_demo_corpus
-from attnlab.data.prepare import prepare
-from attnlab.data.reader import TokenShards, TrainSampler
+from attnlab.data.pipeline.corpora import SOURCE_KINDS, make_source
+from attnlab.data.pipeline.demo_corpus import ensure_demo_corpus
+from attnlab.data.pipeline.prepare import prepare
+from attnlab.data.readers.tokens import TokenShards, TrainSampler
 from attnlab.data.shards import verify
 from attnlab.data.source import DataSource, open_data
-from attnlab.data.corpora import SOURCE_KINDS, make_source
 from attnlab.data.tokenizer import EOT_ID, GPT2_VOCAB, encode_document, get_encoding, seed_tiktoken_cache
 
 __all__ = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from attnlab.data.corpora import SOURCE_KINDS
+from attnlab.data.pipeline.corpora import SOURCE_KINDS
 from attnlab.data.tokenizer import DEFAULT_TOKENIZER, TOKENIZERS
 
 
@@ -67,7 +67,7 @@ def add_parser(subparsers) -> None:
 
 
 def _prepare(args) -> int:
-    from attnlab.data.prepare import prepare
+    from attnlab.data.pipeline.prepare import prepare
 
     result = prepare(
         args.source, args.path, args.out, name=args.name, text_column=args.text_column,

@@ -1,8 +1,9 @@
 """What training and evaluation need from a data source, and ``open_data``: the one way to get one.
 
 A data source is either real text (a folder made by ``attnlab data prepare``: :class:`TextData`), a
-generated probe task (``{synthetic: TASK, ...}``: :class:`attnlab.data.synthetic.SyntheticData`) or simulated
-orbits (``{synthetic: orbits, ...}``: :class:`attnlab.data.orbits.OrbitData`, whose tokens are (x, y) bin pairs).
+generated probe task (``{synthetic: TASK, ...}``: :class:`attnlab.data.generated.synthetic.SyntheticData`) or
+simulated orbits (``{synthetic: orbits, ...}``: :class:`attnlab.data.generated.orbits.OrbitData`, whose tokens
+are (x, y) bin pairs).
 All implement :class:`DataSource`, so training, validation and evaluation never ask which kind they hold; a
 source's ``model_kind`` (default ``gpt``) says which model reads its tokens (``orbit``: two coordinates per token).
 
@@ -46,7 +47,7 @@ DEMO = "demo"  # the offline demo corpus, prepared once into the attnlab cache (
 DEMO_BYTES = "demo-bytes"  # the same corpus as UTF-8 bytes (the real-text CPU proxy's data)
 # what `data: demo` / `data: demo-bytes` prepare: folder name, tokeniser, validation budget (~10% of the corpus)
 _DEMO_DATA = {DEMO: ("demo-v1", "gpt2", 200_000), DEMO_BYTES: ("demo-bytes-v1", "bytes", 800_000)}
-ORBITS = "orbits"  # {synthetic: orbits, ...}: simulated planetary orbits (attnlab.data.orbits)
+ORBITS = "orbits"  # {synthetic: orbits, ...}: simulated planetary orbits (attnlab.data.generated.orbits)
 
 
 def model_kind(source) -> str:
@@ -73,7 +74,7 @@ def resolve_data(spec: str | dict[str, Any], *, log=print) -> str | dict[str, An
         from attnlab.location import Location
 
         if not Location.parse(out).exists("manifest.json"):
-            from attnlab.data.prepare import prepare
+            from attnlab.data.pipeline.prepare import prepare
 
             log(f"attnlab: building the demo corpus ({tokenizer} tokens) into {out} (once)")
             prepare("demo", out=out, val_tokens=val_tokens, seed=0, workers=1, progress=False, tokenizer=tokenizer)
@@ -109,13 +110,13 @@ def open_data(spec: str | dict[str, Any]) -> DataSource:
     """A prepared folder (path or URI) -> :class:`TextData`; ``{synthetic: TASK, ...}`` -> the probe task."""
     if isinstance(spec, dict):
         if spec.get("synthetic") == ORBITS:
-            from attnlab.data.orbits import open_orbits
+            from attnlab.data.generated.orbits import open_orbits
 
             return open_orbits(spec)
-        from attnlab.data.synthetic import open_task
+        from attnlab.data.generated.synthetic import open_task
 
         return open_task(spec)
-    from attnlab.data.reader import TextData
+    from attnlab.data.readers.tokens import TextData
 
     if not isinstance(spec, str) or not spec:
         raise UserError(f"data={spec!r} is not allowed: use a folder made by `attnlab data prepare` or "

@@ -169,7 +169,7 @@ def _eval(args) -> int:
     from attnlab.errors import UserError
     from attnlab.evaluate.extrapolation import evaluate_checkpoint
     from attnlab.location import Location
-    from attnlab.results import reports
+    from attnlab.results import LAW_METRIC, reports
 
     if args.format not in ("markdown", "csv"):
         raise UserError(f"--format {args.format!r} is not allowed: use markdown or csv")
@@ -199,7 +199,7 @@ def _eval(args) -> int:
             sys.stdout.write(f"# {metric}\n" + reports.to_csv(result))
         else:
             sys.stdout.write(f"## {metric}\n\n{reports.to_markdown(result)}\n\n")
-    if "force_newton_dist" in set(frame["metric"]):
+    if LAW_METRIC in set(frame["metric"]):
         laws = reports.laws(frame)
         sys.stdout.write(reports.laws_to_csv(laws) if args.format == "csv" else
                          f"## recovered force law\n\n{reports.laws_to_markdown(laws)}\n")

@@ -37,6 +37,7 @@ import torch.nn as nn
 from attnlab.errors import UserError
 from attnlab.model.scoring import autocast_context
 from attnlab.names import check_int
+from attnlab.results.schema import LAW_METRIC
 from attnlab.evaluate.symbolic import ForceLaw, fit_force_law
 
 KINDS = ("finetune", "linear")
@@ -236,9 +237,8 @@ def linear_force_probe(model, source, *, seq_len: int | None = None, n_train: in
 
 # ---------------------------------------------------------------------------------------- what is reported
 FORCE_METRICS = ("force_probe_err", "force_probe_r2", "force_sr_err", "force_exp_r", "force_exp_m1", "force_exp_m2",
-                 "force_exp_spread", "force_newton_dist", "force_is_newton", "force_pl_exp_r", "force_pl_exp_m1",
+                 "force_exp_spread", LAW_METRIC, "force_is_newton", "force_pl_exp_r", "force_pl_exp_m1",
                  "force_pl_exp_m2", "force_pl_rmse", "force_pl_newton_dist")  # registered in attnlab.results.schema
-EXPRESSION_METRIC = "force_newton_dist"  # its row carries the recovered expression
 
 
 def force_values(result: ForceProbeResult) -> dict[str, tuple[float, int]]:
@@ -252,7 +252,7 @@ def force_values(result: ForceProbeResult) -> dict[str, tuple[float, int]]:
         "force_exp_m1": (law.sr_exp_m1, law.n_points),
         "force_exp_m2": (law.sr_exp_m2, law.n_points),
         "force_exp_spread": (law.sr_exp_spread, law.n_points),
-        "force_newton_dist": (law.newton_distance, law.n_points),
+        LAW_METRIC: (law.newton_distance, law.n_points),
         "force_is_newton": (float(law.is_newton), law.n_points),
         "force_pl_exp_r": (pl.exp_r, law.n_points),
         "force_pl_exp_m1": (pl.exp_m1, law.n_points),
@@ -263,5 +263,5 @@ def force_values(result: ForceProbeResult) -> dict[str, tuple[float, int]]:
     return {name: values[name] for name in FORCE_METRICS}
 
 
-__all__ = ["EXPRESSION_METRIC", "FORCE_METRICS", "ForceHead", "ForceProbeResult", "KINDS", "ProbeData",
+__all__ = ["FORCE_METRICS", "ForceHead", "ForceProbeResult", "KINDS", "ProbeData",
            "finetune_force_probe", "force_values", "linear_force_probe", "probe_data"]

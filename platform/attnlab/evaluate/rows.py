@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from attnlab.evaluate.measure import BUCKETS, WindowScores, bits_per_byte
 from attnlab.evaluate.plan import EvalCell
+from attnlab.results.schema import LAW_METRIC
 
 
 def _row(base: dict, cell: EvalCell, eval_key: str, *, metric: str, value: float, n_tokens: int, bucket=None,
@@ -79,10 +80,10 @@ def diagnostic_rows(base: dict, cell: EvalCell, eval_key: str, layers: list[dict
 
 def force_rows(base: dict, cell: EvalCell, eval_key: str, result) -> list[dict]:
     """A force probe's rows (``result``: :class:`attnlab.evaluate.force_probe.ForceProbeResult`)."""
-    from attnlab.evaluate.force_probe import EXPRESSION_METRIC, force_values
+    from attnlab.evaluate.force_probe import force_values
 
     return [_row(base, cell, eval_key, metric=metric, value=value, n_tokens=n,
-                 expression=result.law.expression if metric == EXPRESSION_METRIC else None)
+                 expression=result.law.expression if metric == LAW_METRIC else None)
             for metric, (value, n) in force_values(result).items()]
 
 
@@ -106,9 +107,9 @@ def rows_for(base: dict, cell: EvalCell, eval_key: str, scores, gpt2_text: bool 
 
 
 def nan_rows(base: dict, cell: EvalCell, eval_key: str) -> list[dict]:
-    """A diverged training run's cell: NaN ``val_loss`` (a force cell: NaN ``force_newton_dist``), so tables show
+    """A diverged training run's cell: NaN ``val_loss`` (a force cell: NaN :data:`~attnlab.results.schema.LAW_METRIC`), so tables show
     it and the cell is not retried (a downstream cell: NaN ``acc`` of its task)."""
     if cell.kind == "downstream":
         return [_row(base, cell, eval_key, metric="acc", value=float("nan"), n_tokens=0, task=cell.extra[0])]
-    metric = "force_newton_dist" if cell.kind == "force" else "val_loss"
+    metric = LAW_METRIC if cell.kind == "force" else "val_loss"
     return [_row(base, cell, eval_key, metric=metric, value=float("nan"), n_tokens=0)]

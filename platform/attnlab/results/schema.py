@@ -38,6 +38,9 @@ SCHEMA_VERSION = 5
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
+# The orbit study's law row: the recovered force law's distance from Newton's; it carries the expression, and a
+# store with rows of it is an orbit study's (reports, the page and ``attnlab eval`` show its laws table).
+LAW_METRIC = "force_newton_dist"
 STOPPED_VALUES = ("reached", "cap")  # the stopped column: how a run with a stopping rule ended
 
 
@@ -148,7 +151,7 @@ for _name, _higher, _doc in (
     ("passkey_rank", False, "mean rank of the true passkey among distractors (0 = first)"),
     ("entropy", False, "mean attention-row entropy (nats), per layer"),
     ("sink_mass", False, "mean attention weight on the first token, per layer"),
-    # orbit tokens (attnlab.data.orbits): how far the predicted (x, y) bins land from the true ones
+    # orbit tokens (attnlab.data.generated.orbits): how far the predicted (x, y) bins land from the true ones
     ("coord_err", False, "orbit tokens: mean distance between the argmax (x, y) bins and the target bins (bins)"),
     ("coord_err_au", False, "orbit tokens: the same distance in AU (bins x the source's bin width)"),
     # the orbit study's force probe (attnlab.evaluate.force_probe) and the law recovered from its forces
@@ -159,7 +162,7 @@ for _name, _higher, _doc in (
     ("force_exp_m1", True, "local exponent of the recovered law in the planet mass (Newton: 1)"),
     ("force_exp_m2", True, "local exponent of the recovered law in the star mass (Newton: 1)"),
     ("force_exp_spread", False, "largest interquartile range of the local exponents (0 = a power law)"),
-    ("force_newton_dist", False, "max |exponent - Newton's| of the recovered law over r, m1, m2 (row carries the "
+    (LAW_METRIC, False, "max |exponent - Newton's| of the recovered law over r, m1, m2 (row carries the "
                                  "expression)"),
     ("force_is_newton", True, "1 if the recovered law is Newton's within tolerance (exponents and spread)"),
     ("force_pl_exp_r", False, "power-law fit of the probe's forces: exponent of r (Newton: -2)"),

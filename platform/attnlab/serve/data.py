@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.names import STUDY_NAME
-from attnlab.results import COMPLETE_METRIC, METRICS, ResultsStore, reports
+from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, reports
 from attnlab.study.state import SPEC_FILE, STATUSES, StudyState
 from attnlab.runfolder import METRICS_FILE, read_metrics
 
@@ -383,7 +383,7 @@ def results(sources: Sources, name: str, metric: str | None = None, at: str | No
     elif metric not in present:
         raise UserError(f"metric={metric!r}: study {name!r} has no rows of it; metrics present: {', '.join(present)}")
     out["metric"] = metric
-    if "force_newton_dist" in present:  # an orbit study: the law each trial's force probe recovered
+    if LAW_METRIC in present:  # an orbit study: the law each trial's force probe recovered
         text = reports.laws_to_markdown(reports.laws(df))
         l_header, l_body = _markdown_cells(text)
         out["laws"] = {"header": l_header, "body": [[c.strip("`") for c in row] for row in l_body],

@@ -72,7 +72,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     for path in args.study:
         spec = load_spec(path)
-        note = None
+        notes = []
         if not args.cluster:  # a trial would fail on it: the prepared folder must be where the study runs
             from attnlab.data.source import check_prepared
 
@@ -81,15 +81,12 @@ def _validate(args: argparse.Namespace) -> int:
             except UserError as exc:
                 raise UserError(f"{path}: {exc}") from None
         if args.cluster:
-            from attnlab.cluster.validate import check_fits
+            from attnlab.study.fit import check_study_fits
 
-            check_fits(spec.resource_request(), args.cluster)
-            from attnlab.cluster.validate import check_study_memory
-
-            note = check_study_memory(spec, args.cluster)
+            notes = check_study_fits(spec, args.cluster)
         print(f"{path}: ok")
         print("  " + spec.describe().replace("\n", "\n  "))
-        if note:
+        for note in notes:
             print("  " + note)
     return 0
 

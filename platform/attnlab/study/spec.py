@@ -536,8 +536,8 @@ class StudySpec(_Strict):
         return [self.train.attention or "softmax"]
 
     def resource_request(self) -> dict:
-        """The request :func:`attnlab.cluster.validate.check_fits` takes (its one shape)."""
-        from attnlab.cluster.validate import normalise_request
+        """The request :func:`attnlab.cluster.fit.check_fits` takes (its one shape)."""
+        from attnlab.cluster.fit import normalise_request
 
         t, r = self.train, self.resources
         return normalise_request({"workers": t.workers, "gpus_per_worker": t.gpus_per_worker,

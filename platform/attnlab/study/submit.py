@@ -63,9 +63,9 @@ def submit_study(study: str, address: str, *, working_dir: str = ".", store: str
         raise UserError("--address is required (the head's dashboard, e.g. http://127.0.0.1:8265), or set RAY_ADDRESS")
     spec = load_spec(study)
     if cluster:
-        from attnlab.cluster.validate import check_fits
+        from attnlab.study.fit import check_study_fits
 
-        check_fits(spec.resource_request(), cluster)
+        check_study_fits(spec, cluster)  # its trials' resources and GPU memory
     wd = Path(working_dir).resolve()
     if not wd.is_dir():
         raise UserError(f"--working-dir {working_dir!r} is not a folder")

@@ -14,13 +14,14 @@ from attnlab.errors import UserError
 from attnlab.names import is_missing
 from attnlab.results.reports.rows import MISSING_CELL, _sort_key, format_value, select
 from attnlab.results.reports.table import _markdown, _number
+from attnlab.results.schema import LAW_METRIC
 
 
 # ---------------------------------------------------------------------------------------- curves
 # ---------------------------------------------------------------------------------------- recovered laws
 # (column, metric): what `attnlab results laws` shows of each trial's force probe, in this order.
 LAW_COLUMNS = (("exp_r", "force_exp_r"), ("exp_m1", "force_exp_m1"), ("exp_m2", "force_exp_m2"),
-               ("newton_dist", "force_newton_dist"), ("newton", "force_is_newton"), ("sr_err", "force_sr_err"),
+               ("newton_dist", LAW_METRIC), ("newton", "force_is_newton"), ("sr_err", "force_sr_err"),
                ("probe_err", "force_probe_err"), ("probe_r2", "force_probe_r2"), ("pl_exp_r", "force_pl_exp_r"),
                ("pl_exp_m1", "force_pl_exp_m1"), ("pl_exp_m2", "force_pl_exp_m2"))
 
@@ -32,7 +33,7 @@ def laws(df: pd.DataFrame, step="final") -> pd.DataFrame:
     """One row per trial and force probe: ``attention, scale, p_train, knobs, seed, probe`` (finetune or linear),
     ``expression`` (the recovered law, in r, m1, m2), then :data:`LAW_COLUMNS` (``newton``: 1 when the law is
     Newton's within the probe's tolerance). Sorted by attention, p_train, seed."""
-    rows = select(df, "force_newton_dist", step)
+    rows = select(df, LAW_METRIC, step)
     if len(rows) == 0:
         raise UserError("no force-probe rows: evaluate an orbit model with eval.force_probe (studies/orbits.yaml)")
     # every force metric of each probe, keyed like the law rows (which ``select`` already put at the right step)

@@ -13,7 +13,7 @@ Sources (``make_source(kind, ...)``):
   (``README.md`` with the ``configs:`` YAML + the parquet files) goes through the same call.
 - ``parquet`` / ``jsonl``: local files, folders or globs with a ``text`` column (another can be named).
 - ``text``: a folder of ``.txt`` / ``.md`` files (recursive), one document per file.
-- ``demo``: the offline demo corpus (see :mod:`attnlab.data.demo_corpus`).
+- ``demo``: the offline demo corpus (see :mod:`attnlab.data.pipeline.demo_corpus`).
 
 Bad input (missing path, no files, missing text column, hub unreachable, unknown config) raises a one-line
 ``UserError`` *before* anything is written. ``datasets`` is imported lazily, only by the fineweb source.
@@ -29,7 +29,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from attnlab.data.demo_corpus import CORPUS_VERSION, LICENSE, SDIST_NAME, SDIST_SHA256, ensure_demo_corpus
+from attnlab.data.pipeline.demo_corpus import CORPUS_VERSION, LICENSE, SDIST_NAME, SDIST_SHA256, ensure_demo_corpus
 from attnlab.errors import UserError
 
 SOURCE_KINDS = ("fineweb", "parquet", "jsonl", "text", "demo")

@@ -2,7 +2,7 @@
 
 - :class:`TokenShards` opens a folder by its manifest alone and a split when it is first used: local shards
   are memory-mapped (zero copy); shards on object storage are served by ranged reads until this node's
-  cache holds them, then memory-mapped from there (:mod:`attnlab.data.shard_cache`), never read whole into
+  cache holds them, then memory-mapped from there (:mod:`attnlab.data.readers.shard_cache`), never read whole into
   memory. It exposes each split as one token stream, its document start offsets, and
   :meth:`TokenShards.eval_windows` (non-overlapping evaluation windows).
 - :class:`TrainSampler` draws the training windows of optimizer step ``s`` from ``(seed, s)`` alone, and
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from attnlab.data.batching import micro_batch_rows
-from attnlab.data.shard_cache import Prefetcher, RemoteShard, prefetch_enabled
+from attnlab.data.readers.shard_cache import Prefetcher, RemoteShard, prefetch_enabled
 from attnlab.data.shards import SPLITS, read_manifest, read_shard, sha256_hex
 from attnlab.errors import UserError
 from attnlab.location import Location

@@ -1,7 +1,7 @@
 """``prepare()``: a document source -> shuffled, tokenised, verified token shards (``attnlab data prepare``).
 
 Two phases, each a list of independent work items run serially (``workers=1``) or as Ray tasks
-(:mod:`attnlab.data.parallel`, the only Ray code here):
+(:mod:`attnlab.data.pipeline.parallel`, the only Ray code here):
 
 1. **tokenise**: one item per source partition. Each document becomes ``[EOT] + tokens`` (GPT-2 BPE by default,
    or UTF-8 bytes: :mod:`attnlab.data.tokenizer`);
@@ -56,7 +56,7 @@ from attnlab.data.shards import (
     sha256_hex,
     shard_name,
 )
-from attnlab.data.corpora import Partition, Source, make_source
+from attnlab.data.pipeline.corpora import Partition, Source, make_source
 from attnlab.data.tokenizer import DEFAULT_TOKENIZER, Tokenizer, get_tokenizer
 from attnlab.errors import UserError
 from attnlab.location import Location
@@ -296,7 +296,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 class _Runner:
     """Runs a phase's work items: in this process when ``workers == 1`` or there is at most one item,
-    else as Ray tasks through one :class:`attnlab.data.parallel.RayPool` kept for both phases."""
+    else as Ray tasks through one :class:`attnlab.data.pipeline.parallel.RayPool` kept for both phases."""
 
     def __init__(self, workers: int | None):
         self.workers = workers
@@ -315,7 +315,7 @@ class _Runner:
                 yield i, fn(item)
             return
         if self._pool is None:
-            from attnlab.data.parallel import RayPool
+            from attnlab.data.pipeline.parallel import RayPool
 
             self._pool = RayPool(self.workers).__enter__()
             self.workers = self._pool.workers
@@ -329,7 +329,7 @@ def resolve_workers(workers: int | None) -> int | None:
         if int(workers) < 1:
             raise UserError(f"--workers must be >= 1, got {workers}")
         return int(workers)
-    from attnlab.data.parallel import cluster_cpus
+    from attnlab.data.pipeline.parallel import cluster_cpus
 
     connected = cluster_cpus()
     if connected is not None:
@@ -577,7 +577,7 @@ def prepare(
 ) -> dict:
     """Tokenise ``source`` into shards under ``out`` (local folder or pyarrow URI); return a summary.
 
-    ``source``: a kind of :data:`attnlab.data.corpora.SOURCE_KINDS` (with ``path``, ``name``,
+    ``source``: a kind of :data:`attnlab.data.pipeline.corpora.SOURCE_KINDS` (with ``path``, ``name``,
     ``text_column``) or a :class:`Source`. ``val_tokens=None`` means 100M tokens capped at 10% of the
     corpus; 0 means no validation split. ``workers``: parallel tasks (1 = in this process, no Ray;
     None = every CPU). ``tokenizer``: ``gpt2`` or ``bytes`` (:data:`attnlab.data.tokenizer.TOKENIZERS`).
