@@ -273,7 +273,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     summary.trained = state.trainings_started() - trained_before
     summary.trials = state.statuses()
     summary.searched = len(grid)
-    _report(spec, summary, state, curves_dir)
+    _report(spec, summary, state, results, curves_dir)
     return summary
 
 
@@ -293,11 +293,11 @@ def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
                                       f"({spec.scheduler.metric}={metrics.get(spec.scheduler.metric)})")
 
 
-def _report(spec: StudySpec, summary: StudySummary, state: StudyState, curves_dir: str | None) -> None:
+def _report(spec: StudySpec, summary: StudySummary, state: StudyState, results, curves_dir: str | None) -> None:
     """Print the results table, the trials that did not complete, and write the curves."""
-    from attnlab.results import ResultsStore, reports
+    from attnlab.results import reports
 
-    df = ResultsStore(summary.store).read(study=spec.name)
+    df = results.read(study=spec.name)
     statuses = {}
     for t in summary.trials:
         statuses[t.get("status")] = statuses.get(t.get("status"), 0) + 1
