@@ -12,7 +12,7 @@ from attnlab.location import Location
 from attnlab.results import ResultsStore
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
-from attnlab.study.trial import StudyContext, plan_trial, wait_for_twin
+from attnlab.study.trial import StudyContext, claim_point, plan_trial, wait_for_twin
 
 
 def _spec() -> StudySpec:
@@ -83,3 +83,26 @@ def test_a_twin_that_went_silent_is_no_longer_waited_for(tmp_path):
     record = wait_for_twin(state, "k1", launched, "trial_b", poll=0.05, stale=0.4)
     assert 0.4 <= time.monotonic() - t0 < 3.0
     assert record["status"] == "running"  # as found: this trial resumes the run from its checkpoint
+
+
+def test_twins_that_start_together_train_once(tmp_path):
+    """Two trials of one point claim it at the same moment: one trains, the other waits for it and finds it done."""
+    state = StudyState(tmp_path / "runs", "twins")
+    launched = time.time()
+    order, found, gate = [], {}, threading.Barrier(2)
+
+    def trial(name: str):
+        gate.wait()  # both read the key as free before either claims it
+        found[name] = claim_point(state, "k1", launched, {"trial": name, "point": {}}, settle=0.3)
+        order.append(name)  # "training"
+        time.sleep(0.5)
+        state.write_status("k1", status="complete", trial=name, finished=time.time())
+
+    threads = [threading.Thread(target=trial, args=(name,)) for name in ("trial_a", "trial_b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    first, second = order
+    assert found[first] == {}  # the winner found the key free
+    assert found[second]["status"] == "complete" and found[second]["trial"] == first  # the other found it done

@@ -263,6 +263,20 @@ def wait_for_twin(state: StudyState, train_key: str, launched: float, me: str, p
         time.sleep(poll)
 
 
+def claim_point(state: StudyState, train_key: str, launched: float, status: dict, settle: float = 0.3) -> dict:
+    """Mark the key running for this trial (``status["trial"]``) once no twin trains it (:func:`wait_for_twin`),
+    and return its record as found. Two twins that start together may both find it free: each writes its claim,
+    waits ``settle`` seconds (longer than a status write takes) and reads it back; the one whose claim was
+    overwritten waits for the other. Returns the record as this trial found it before its claim."""
+    me = status["trial"]
+    while True:
+        before = wait_for_twin(state, train_key, launched, me)
+        state.write_status(train_key, **status, status="running", started=time.time(), reason=None)
+        time.sleep(settle)
+        if (state.status(train_key) or {}).get("trial") == me:
+            return before
+
+
 def study_trial(config: dict, context: StudyContext) -> None:
     """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives."""
     from ray import tune
@@ -273,8 +287,7 @@ def study_trial(config: dict, context: StudyContext) -> None:
     plan = plan_trial(spec, context, point)
     status = {"point": point, "trial": tune.get_context().get_trial_name(), "run_dir": plan.run.uri,
               "config": plan.cfg.model_dump(mode="json"), "steps": plan.cfg.steps}
-    before = wait_for_twin(state, plan.train_key, context.launched, status["trial"])
-    state.write_status(plan.train_key, **status, status="running", started=time.time(), reason=None)
+    before = claim_point(state, plan.train_key, context.launched, status)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
             from attnlab.evaluate.downstream import check_tasks
@@ -334,4 +347,5 @@ def evaluate_missing(spec: StudySpec, ctx: StudyContext, state: StudyState, stor
 
 
 __all__ = ["StudyContext", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason", "knob_label",
-           "objective_values", "plan_trial", "cell_keys", "stop_columns", "study_trial", "train_step", "wait_for_twin"]
+           "objective_values", "plan_trial", "cell_keys", "claim_point", "stop_columns", "study_trial", "train_step",
+           "wait_for_twin"]
