@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from attnlab.data.generated.orbits import open_orbits
+    from attnlab.data.generators.orbits import open_orbits
     from attnlab.model.orbit import OrbitGPT, OrbitGPTConfig
     from attnlab.evaluate.extrapolation import evaluate_checkpoint
     from attnlab.evaluate.force_probe import finetune_force_probe, linear_force_probe

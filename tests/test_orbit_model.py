@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.data.generated.orbits import open_orbits
+from attnlab.data.generators.orbits import open_orbits
 from attnlab.errors import UserError
 from attnlab.model.scoring import mean_window_loss
 from attnlab.evaluate.diagnostics import attention_diagnostics

@@ -11,7 +11,7 @@ import pytest
 import sympy
 import torch
 
-from attnlab.data.generated.orbits import open_orbits
+from attnlab.data.generators.orbits import open_orbits
 from attnlab.errors import UserError
 from attnlab.model.orbit import OrbitGPT, OrbitGPTConfig
 from attnlab.evaluate.extrapolation import evaluate_checkpoint
@@ -179,7 +179,7 @@ def test_evaluating_an_orbit_model_scores_every_length_and_runs_the_force_probe(
 
 
 def test_the_force_probe_needs_orbit_data():
-    from attnlab.data.generated.synthetic import open_task
+    from attnlab.data.generators.synthetic import open_task
     from attnlab.model import GPT, GPTConfig
 
     copy = {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 4}

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from attnlab.data.generated import orbit_sim as sim
-from attnlab.data.generated.orbits import OrbitData, from_bins, open_orbits, simulate_params, to_bins
+from attnlab.data.generators import orbit_sim as sim
+from attnlab.data.generators.orbits import OrbitData, from_bins, open_orbits, simulate_params, to_bins
 from attnlab.errors import UserError
 
 SMALL = {"synthetic": "orbits", "size": "cpu", "block_systems": 10, "n_train_systems": 40, "n_val_systems": 20}

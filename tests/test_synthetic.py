@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.data.generated.synthetic import EVAL_STREAM, SYNTHETIC_TASKS, PasskeyTokens, open_task
+from attnlab.data.generators.synthetic import EVAL_STREAM, SYNTHETIC_TASKS, PasskeyTokens, open_task
 from attnlab.errors import UserError
 from attnlab.model.scoring import mean_window_loss
 from attnlab.model import GPT, preset

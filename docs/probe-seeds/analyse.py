@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnlab.data.generated.synthetic import open_task
+from attnlab.data.generators.synthetic import open_task
 from attnlab.evaluate.diagnostics import offset_profile
 from attnlab.evaluate.measure import score_windows
 from attnlab.model.checkpoint import META_FILE, STATE_FILE, load_model

@@ -2,7 +2,7 @@
 
 - ``pipeline/``: the prepare pipeline (document sources in, token shards out);
 - ``readers/``: batches from a prepared folder, local or in a bucket;
-- ``generated/``: sources made on the fly (synthetic probes, simulated orbits);
+- ``generators/``: sources that make their tokens on the fly (synthetic probes, simulated orbits);
 - shared: ``source`` (``open_data``, the one entry to any of them), ``shards`` (the prepared format both sides
   agree on), ``tokenizer`` (GPT-2 and bytes), ``batching`` (one rule for cutting batches); ``cli``.
 

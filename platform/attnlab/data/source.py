@@ -1,8 +1,8 @@
 """What training and evaluation need from a data source, and ``open_data``: the one way to get one.
 
 A data source is either real text (a folder made by ``attnlab data prepare``: :class:`TextData`), a
-generated probe task (``{synthetic: TASK, ...}``: :class:`attnlab.data.generated.synthetic.SyntheticData`) or
-simulated orbits (``{synthetic: orbits, ...}``: :class:`attnlab.data.generated.orbits.OrbitData`, whose tokens
+generated probe task (``{synthetic: TASK, ...}``: :class:`attnlab.data.generators.synthetic.SyntheticData`) or
+simulated orbits (``{synthetic: orbits, ...}``: :class:`attnlab.data.generators.orbits.OrbitData`, whose tokens
 are (x, y) bin pairs).
 All implement :class:`DataSource`, so training, validation and evaluation never ask which kind they hold; a
 source's ``model_kind`` (default ``gpt``) says which model reads its tokens (``orbit``: two coordinates per token).
@@ -47,7 +47,7 @@ DEMO = "demo"  # the offline demo corpus, prepared once into the attnlab cache (
 DEMO_BYTES = "demo-bytes"  # the same corpus as UTF-8 bytes (the real-text CPU proxy's data)
 # what `data: demo` / `data: demo-bytes` prepare: folder name, tokeniser, validation budget (~10% of the corpus)
 _DEMO_DATA = {DEMO: ("demo-v1", "gpt2", 200_000), DEMO_BYTES: ("demo-bytes-v1", "bytes", 800_000)}
-ORBITS = "orbits"  # {synthetic: orbits, ...}: simulated planetary orbits (attnlab.data.generated.orbits)
+ORBITS = "orbits"  # {synthetic: orbits, ...}: simulated planetary orbits (attnlab.data.generators.orbits)
 
 
 def model_kind(source) -> str:
@@ -110,10 +110,10 @@ def open_data(spec: str | dict[str, Any]) -> DataSource:
     """A prepared folder (path or URI) -> :class:`TextData`; ``{synthetic: TASK, ...}`` -> the probe task."""
     if isinstance(spec, dict):
         if spec.get("synthetic") == ORBITS:
-            from attnlab.data.generated.orbits import open_orbits
+            from attnlab.data.generators.orbits import open_orbits
 
             return open_orbits(spec)
-        from attnlab.data.generated.synthetic import open_task
+        from attnlab.data.generators.synthetic import open_task
 
         return open_task(spec)
     from attnlab.data.readers.tokens import TextData

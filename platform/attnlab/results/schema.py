@@ -151,7 +151,7 @@ for _name, _higher, _doc in (
     ("passkey_rank", False, "mean rank of the true passkey among distractors (0 = first)"),
     ("entropy", False, "mean attention-row entropy (nats), per layer"),
     ("sink_mass", False, "mean attention weight on the first token, per layer"),
-    # orbit tokens (attnlab.data.generated.orbits): how far the predicted (x, y) bins land from the true ones
+    # orbit tokens (attnlab.data.generators.orbits): how far the predicted (x, y) bins land from the true ones
     ("coord_err", False, "orbit tokens: mean distance between the argmax (x, y) bins and the target bins (bins)"),
     ("coord_err_au", False, "orbit tokens: the same distance in AU (bins x the source's bin width)"),
     # the orbit study's force probe (attnlab.evaluate.force_probe) and the law recovered from its forces

@@ -2,7 +2,7 @@
 model found?"), for training GPTs on trajectories and probing whether they learned Newton's law.
 
 A study or training config names it ``data: {synthetic: orbits, size: cpu, ...}``; :func:`open_orbits`
-returns an :class:`OrbitData` with the interface of ``attnlab.data.generated.synthetic.SyntheticData`` and of text data
+returns an :class:`OrbitData` with the interface of ``attnlab.data.generators.synthetic.SyntheticData`` and of text data
 (``vocab_size``, ``fingerprint``, ``describe()``, ``min_tokens()``, ``train_batch(...)``, ``eval_set(...)``).
 
 **Systems.** One star and ``min_planets..max_planets`` planets (drawn uniformly), with exoplanet-like
@@ -13,7 +13,7 @@ AU, periapsis angle and mean anomaly uniform, all orbits prograde in one plane; 
 Gaussian offset (``0.02 * coord_max`` AU per axis) and is at rest. Vafa et al. used the same distributions
 (their fits to the same archive table); unlike them (every planet on its own Kepler ellipse around a fixed
 star), the bodies here pull on each other and the star moves: a real N-body integration
-(:mod:`attnlab.data.generated.orbit_sim`). So that the integration stays faithful, a planet is only placed if its orbit
+(:mod:`attnlab.data.generators.orbit_sim`). So that the integration stays faithful, a planet is only placed if its orbit
 keeps ``hill_spacing`` mutual Hill radii from every other planet's (the gap between one's apoapsis and the
 next one's periapsis) and stays inside the coordinate box; a planet that cannot be placed in 100 draws is
 dropped, so systems with many planets are rarer than the uniform count (see :meth:`OrbitData.planet_counts`).
@@ -63,7 +63,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-import attnlab.data.generated.orbit_sim as orbit_sim
+import attnlab.data.generators.orbit_sim as orbit_sim
 from attnlab.data.batching import micro_batch_rows
 from attnlab.errors import UserError
 from attnlab.validation import parse
@@ -390,7 +390,7 @@ class ProbeSet:
 
 
 class OrbitData:
-    """Simulated orbits as a data source (the interface of ``attnlab.data.generated.synthetic.SyntheticData``)."""
+    """Simulated orbits as a data source (the interface of ``attnlab.data.generators.synthetic.SyntheticData``)."""
 
     token_channels = 2  # each token is an (x bin, y bin) pair: windows are (n, L + 1, 2)
     model_kind = "orbit"  # the model that reads these tokens: attnlab.model.orbit.OrbitGPT

@@ -19,7 +19,7 @@ ordered by semi-major axis (the Jacobi hierarchy), padding bodies are massless a
 the system, and act on nothing). Sums over bodies run in a fixed order, so the same system gives the same bytes
 in any batch of the same ``N`` on one machine.
 
-It must never: touch tokens, bins or torch (that is :mod:`attnlab.data.generated.orbits`), draw random numbers (initial
+It must never: touch tokens, bins or torch (that is :mod:`attnlab.data.generators.orbits`), draw random numbers (initial
 conditions come in as arrays), or import Ray.
 """
 
@@ -258,7 +258,7 @@ def simulate(systems: Systems, n_obs) -> Trajectories:
     its own count stay zero).
 
     A system in which some Jacobi orbit stops being bound (an ejection: never seen with the spacing
-    :mod:`attnlab.data.generated.orbits` enforces) keeps going on straight lines for that body and is flagged in
+    :mod:`attnlab.data.generators.orbits` enforces) keeps going on straight lines for that body and is flagged in
     ``Trajectories.bound``.
     """
     masses = systems.masses
