@@ -40,7 +40,7 @@ def test_a_uri_never_becomes_a_local_folder(s3_bucket):
 ])
 def test_bad_locations_are_one_line_errors(text, message):
     with pytest.raises(UserError, match=message) as info:
-        Location.parse(text, field="--storage")
+        Location.parse(text, field="--runs")
     assert "\n" not in str(info.value)
 
 
@@ -111,9 +111,9 @@ def test_a_ray_job_working_dir_refuses_relative_outputs(tmp_path, monkeypatch):
     monkeypatch.delenv("ATTNLAB_STORAGE", raising=False)
     with pytest.raises(UserError, match=r"--store 'results' is relative inside a Ray job.*ATTNLAB_STORAGE"):
         user_location(None, flag="--store", default="results")
-    with pytest.raises(UserError, match="--storage 'runs' is relative inside a Ray job"):
-        user_location("runs", flag="--storage", default="runs")
-    assert user_location(str(tmp_path / "abs"), flag="--storage", default="runs").uri == str(tmp_path / "abs")
+    with pytest.raises(UserError, match="--runs 'runs' is relative inside a Ray job"):
+        user_location("runs", flag="--runs", default="runs")
+    assert user_location(str(tmp_path / "abs"), flag="--runs", default="runs").uri == str(tmp_path / "abs")
     monkeypatch.setenv("ATTNLAB_STORAGE", "s3://bucket/attnlab")
     assert user_location(None, flag="--store", default="results").uri == "s3://bucket/attnlab/results"
 

@@ -441,7 +441,7 @@ def test_the_run_book_works_against_an_s3_compatible_server(cluster, tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("ok: "), proc.stdout + proc.stderr
     assert Location.parse(f"{storage}/data/demo").exists("manifest.json")
 
-    # 4. Submit with no --storage / --store: the cluster's ATTNLAB_STORAGE decides, for the data too.
+    # 4. Submit with no --runs / --store: the cluster's ATTNLAB_STORAGE decides, for the data too.
     work = tmp_path / "repo"
     (work / "studies").mkdir(parents=True)
     # train.data is relative, as in studies/paper_table4.yaml: inside the job it is read below ATTNLAB_STORAGE.
