@@ -1,6 +1,6 @@
 """``attnlab serve`` in a real browser: headless Chromium (Debian's package, driven by Playwright) watches a study run.
 
-A small probe study (tiny preset, a copy task with a 64-token vocabulary, 2 variants x 2 seeds, one trial at a time)
+A small probe study (tiny preset, a copy task with a 64-token vocabulary, 2 variants x 2 seeds, two trials at a time)
 runs as an ``attnlab study run`` subprocess on the session's Ray cluster; ``attnlab serve`` runs as another
 subprocess on a free loopback port. The browser opens the study page while a trial trains and sees it running (its
 status, its progress bar moving, its live training curve), follows the page's "Ray dashboard" link to the dashboard
@@ -39,7 +39,7 @@ STUDY = {
               "steps": 160, "tokens_per_step": 256, "micro_batch": 4, "lr": 3.0e-3, "warmup_steps": 5,
               "log_every": 4, "val_every": 80, "val_tokens": 1024, "checkpoint_every": 160, "keep_checkpoints": 1,
               "max_failures": 0, "cpus_per_worker": 0.5, "threads_per_worker": 1},
-    "resources": {"trial_cpus": 0.5, "max_concurrent_trials": 1},
+    "resources": {"trial_cpus": 0.5, "max_concurrent_trials": 2},
     "search": {"engine": "grid"},
     "space": {"attention": ["softmax", "lssar"], "seeds": [0, 1]},
     "objective": {"metric": "acc@4x,rope=none", "mode": "max"},
