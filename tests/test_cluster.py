@@ -335,7 +335,8 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main(["cluster", "validate", str(bad)]) == 2
     assert capsys.readouterr().err.startswith("attnlab: error: ")
     capsys.readouterr()
-    assert main(["study", "validate", "--cluster", str(CLUSTER / "aws.yaml"), str(ROOT / "studies" / "smoke.yaml")]) == 0
+    smoke = str(ROOT / "studies" / "smoke.yaml")
+    assert main(["study", "validate", "--cluster", str(CLUSTER / "aws.yaml"), smoke]) == 0
     out = capsys.readouterr().out
     assert "fits aws.yaml: nodes per trial" in out and "GPU memory" in out, out
     # a study's fit is one command: its earlier place says where it went, in one line

@@ -89,7 +89,7 @@ def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp
     for t in ot.trials:
         if t.state.name == "COMPLETE":
             assert len(t.values) == 2 and all(v > 0 for v in t.values)
-    assert list(Path(state.tune.path).rglob("events.out.tfevents.*")), "TensorBoard event files in the Tune storage path"
+    assert list(Path(state.tune.path).rglob("events.out.tfevents.*")), "TensorBoard event files in Tune's folder"
     assert Path(summary.curves["png"]).stat().st_size > 0
 
     rows_before = len(store.read(study="optuna-asha"))

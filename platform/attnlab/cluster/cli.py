@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=_validate)
     p = sub.add_parser("fits", help="moved: attnlab study validate --cluster CONFIG STUDY.yaml")
     p.add_argument("--config", help="the cluster YAML, now given to `attnlab study validate --cluster`")
-    p.add_argument("studies", nargs="*", metavar="STUDY.yaml", help="the studies, now given to `attnlab study validate`")
+    p.add_argument("studies", nargs="*", metavar="STUDY.yaml",
+                   help="the studies, now given to `attnlab study validate`")
     p.set_defaults(func=_fits)
     p = sub.add_parser("extract-crd", help="vendor a CRD's v1 schema into platform/attnlab/cluster/kuberay_schemas/",
                        description="Extract the v1 openAPIV3Schema of KubeRay CRD files (e.g. ray.io_rayclusters.yaml "

@@ -107,8 +107,9 @@ def rows_for(base: dict, cell: EvalCell, eval_key: str, scores, gpt2_text: bool 
 
 
 def nan_rows(base: dict, cell: EvalCell, eval_key: str) -> list[dict]:
-    """A diverged training run's cell: NaN ``val_loss`` (a force cell: NaN :data:`~attnlab.results.schema.LAW_METRIC`), so tables show
-    it and the cell is not retried (a downstream cell: NaN ``acc`` of its task)."""
+    """A diverged training run's cell: NaN ``val_loss`` (a force cell: NaN
+    :data:`~attnlab.results.schema.LAW_METRIC`), so tables show it and the cell is not retried (a downstream cell:
+    NaN ``acc`` of its task)."""
     if cell.kind == "downstream":
         return [_row(base, cell, eval_key, metric="acc", value=float("nan"), n_tokens=0, task=cell.extra[0])]
     metric = LAW_METRIC if cell.kind == "force" else "val_loss"

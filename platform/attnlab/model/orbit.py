@@ -1,12 +1,12 @@
 """The GPT for coordinate-pair tokens (simulated orbits): the same blocks, attention variants and RoPE/NTK as
 :class:`attnlab.model.gpt.GPT`, with a pair embedding in and one next-bin head per coordinate out.
 
-What it is for: training and evaluating on ``attnlab.data.generators.orbits`` windows, whose tokens are
-``(x bin, y bin)`` pairs (int64 ``(B, T, 2)``). As in Vafa et al. 2025, each coordinate has its own embedding table; the two
-embeddings are concatenated and linearly projected to one ``n_embd`` input vector per token. The residual
-stream, blocks, final LayerNorm, RoPE (no position table) and attention specs are exactly the GPT's, so every
-attention variant, ``p_eval``, NTK scaling and the attention diagnostics work unchanged. The output is one
-linear head producing ``channels x vocab_size`` logits (untied: there are two input tables).
+What it is for: training and evaluating on ``attnlab.data.generators.orbits`` windows, whose tokens are ``(x bin, y
+bin)`` pairs (int64 ``(B, T, 2)``). As in Vafa et al. 2025, each coordinate has its own embedding table; the two
+embeddings are concatenated and linearly projected to one ``n_embd`` input vector per token. The residual stream,
+blocks, final LayerNorm, RoPE (no position table) and attention specs are exactly the GPT's, so every attention
+variant, ``p_eval``, NTK scaling and the attention diagnostics work unchanged. The output is one linear head
+producing ``channels x vocab_size`` logits (untied: there are two input tables).
 
 Loss: the mean over target positions of the **mean of the per-coordinate cross-entropies** (nats per
 coordinate, as Vafa et al.'s training loss). ``token_stats`` reports that per token, and "correct" = every

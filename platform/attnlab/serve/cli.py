@@ -24,10 +24,10 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="a web page over the results store and the studies: trials, live curves, Table 4",
         description="Serve a page that lists every study in the runs folder (--runs) with its trials (status, reason, "
-                    "point, progress), the live training curves of running trials, the extrapolation curves (mean ± std "
-                    "over seeds, p_eval and RoPE scaling selectable), the Table-4 layout and the best configuration "
-                    "from --store, and links to the Ray dashboard, TensorBoard and optuna-dashboard. Read-only; "
-                    "works offline (nothing loaded from the internet).")
+                    "point, progress), the live training curves of running trials, the extrapolation curves (mean ± "
+                    "std over seeds, p_eval and RoPE scaling selectable), the Table-4 layout and the best "
+                    "configuration from --store, and links to the Ray dashboard, TensorBoard and optuna-dashboard. "
+                    "Read-only; works offline (nothing loaded from the internet).")
     p.add_argument("--store", metavar="URI",
                    help="results store, a path or an s3://, gs:// URI (default: $ATTNLAB_STORAGE/results, else "
                         "./results: the default of `attnlab study run`)")
