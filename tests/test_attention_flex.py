@@ -112,20 +112,23 @@ def test_uniform_rows_keep_the_unsharpened_row(name, p):
 def test_relu_rows_with_no_positive_score_give_zero(p):
     # Every key is +u; rows with q = -u have only negative scores: relu(S) is all zero, l1norm keeps the zero
     # row, and sharpening keeps it too. Rows with q = +u see equal positive scores: the running mean of v.
+    # Over 200 seeded draws: with p, about 1 in 100 once gave a row its rounding noise sharpened (flex only;
+    # draw 88 of these), until a uniform row's excess within rounding no longer counted as mass.
     T, D = 8, 16
-    u = torch.randn(D, dtype=torch.float64)
-    k = u.expand(1, 1, T, D).clone()
-    sign = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
-    q = sign[:, None] * u
-    q = q.expand(1, 1, T, D).clone()
-    v = torch.randn(1, 1, T, D, dtype=torch.float64)
-    running_mean = torch.cumsum(v, dim=-2) / torch.arange(1, T + 1, dtype=torch.float64)[:, None]
-    expected = torch.where(sign[:, None] > 0, running_mean, torch.zeros(()))
     spec = get_variant("relu_l1", p=p)
-    out = attend_flex(q, k, v, spec)
-    assert torch.isfinite(out).all()
-    assert _max_err(out, expected) <= 1e-12
-    assert _max_err(out, attend_dense(q, k, v, spec)) <= 1e-12
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    for draw in range(200):
+        u = torch.randn(D, dtype=torch.float64, generator=generator)
+        k = u.expand(1, 1, T, D).clone()
+        q = (sign[:, None] * u).expand(1, 1, T, D).clone()
+        v = torch.randn(1, 1, T, D, dtype=torch.float64, generator=generator)
+        running_mean = torch.cumsum(v, dim=-2) / torch.arange(1, T + 1, dtype=torch.float64)[:, None]
+        expected = torch.where(sign[:, None] > 0, running_mean, torch.zeros(()))
+        out = attend_flex(q, k, v, spec)
+        assert torch.isfinite(out).all()
+        assert _max_err(out, expected) <= 1e-12, draw
+        assert _max_err(out, attend_dense(q, k, v, spec)) <= 1e-12, draw
 
 
 def test_rows_with_mass_from_lse_and_row_max():

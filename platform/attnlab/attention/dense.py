@@ -102,18 +102,28 @@ def l1norm(x: torch.Tensor) -> torch.Tensor:
     return x / total.clamp_min(torch.finfo(x.dtype).tiny)
 
 
+def sharpen_tolerance(dtype: torch.dtype) -> float:
+    """How far ``max_j N_i A_ij`` must exceed ``O_i`` for row ``i`` to have mass: 256 ulps of 1 in ``dtype``.
+
+    A (nearly) uniform row has ``N_i A_ij = 1`` up to rounding; within this margin its excess is rounding noise,
+    and sharpening it would give all the weight to whichever keys the noise favoured (FlexAttention's pass 2
+    recomputes ``A_ij = exp(log f - log Z)``, whose error is a few ulps of the log-scores). Such a row keeps ``A``
+    like an exactly uniform one. A row whose true excess is larger is sharpened as the formula says."""
+    return 256 * torch.finfo(dtype).eps
+
+
 def sharpen(a: torch.Tensor, n: torch.Tensor, rows: torch.Tensor, p: float) -> torch.Tensor:
     """Re-weighting (docs/attention.md#sharpening): ``l1norm(relu(N_i * A_ij - O_i) ** p)``.
 
     ``O_i = 1`` for rows ``i >= 3`` and 0 for the first three rows. Each row of ``relu(...)`` is divided by
     its maximum before the power (exact after the second normalisation; avoids fp32 overflow of (N*A)^p).
-    Fallback: a row whose ``relu(...)`` is all zero (e.g. a perfectly uniform row at ``i >= 3``) keeps the
-    un-sharpened row ``A`` rather than becoming 0/0.
+    Fallback: a row whose ``relu(...)`` is all zero (e.g. a perfectly uniform row at ``i >= 3``), or no larger
+    than rounding (:func:`sharpen_tolerance`), keeps the un-sharpened row ``A`` rather than becoming 0/0 or noise.
     """
     offset = (rows >= SHARPEN_EXEMPT_ROWS).to(a.dtype)
     x = F.relu(n * a - offset)
     row_max = x.amax(dim=-1, keepdim=True)
-    has_mass = row_max > 0
+    has_mass = row_max > sharpen_tolerance(a.dtype)
     x = (x / torch.where(has_mass, row_max, torch.ones_like(row_max))) ** p
     sharpened = x / x.sum(dim=-1, keepdim=True).clamp_min(1.0)  # the row max is 1, so the sum is >= 1
     return torch.where(has_mass, sharpened, a)

@@ -59,7 +59,8 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from attnlab.attention.dense import EXP_CLAMP, attend_dense, check_qk_gain, compute_dtype, gain_factor, length_scale
+from attnlab.attention.dense import (EXP_CLAMP, attend_dense, check_qk_gain, compute_dtype, gain_factor, length_scale,
+                                    sharpen_tolerance)
 from attnlab.attention.masks import alibi_bias, causal_block_mask, visible_keys
 from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
 
@@ -257,10 +258,11 @@ def _sharpen_fn(spec: AttentionSpec, sizes: Sizes) -> Callable:
 
 
 def sharpen_rows_with_mass(log_z: torch.Tensor, max_log_score: torch.Tensor) -> torch.Tensor:
-    """``(B, H, T)`` booleans: does ``relu(N_i * A_ij - O_i)`` have a non-zero entry in row ``i``?
+    """``(B, H, T)`` booleans: does ``relu(N_i * A_ij - O_i)`` have an entry above rounding in row ``i``?
 
     From pass 1's LSE and row maximum: ``max_j A_ij = exp(max_j log f_ij - log Z_i)``. A row with no visible
-    weight at all (LSE ``-inf``) has none.
+    weight at all (LSE ``-inf``) has none; nor has a (nearly) uniform row, whose excess is within
+    :func:`attnlab.attention.dense.sharpen_tolerance` (pass 2 would otherwise sharpen its rounding noise).
     """
     T = log_z.shape[-1]
     rows = torch.arange(T, device=log_z.device)
@@ -268,7 +270,7 @@ def sharpen_rows_with_mass(log_z: torch.Tensor, max_log_score: torch.Tensor) -> 
     offset = (rows >= SHARPEN_EXEMPT_ROWS).to(log_z.dtype)
     finite = torch.isfinite(log_z) & torch.isfinite(max_log_score)
     max_a = torch.exp(torch.where(finite, max_log_score - log_z, torch.full_like(log_z, float("-inf"))))
-    return finite & (n * max_a > offset)
+    return finite & (n * max_a > offset + sharpen_tolerance(log_z.dtype))
 
 
 class RadialGradientRemoved(torch.autograd.Function):
