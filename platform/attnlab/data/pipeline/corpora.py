@@ -28,6 +28,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from attnlab.data.pipeline.demo_corpus import CORPUS_VERSION, LICENSE, SDIST_NAME, SDIST_SHA256, ensure_demo_corpus
 from attnlab.errors import UserError
@@ -99,18 +100,26 @@ def _missing_column(column: str, where: str, columns: list[str]) -> UserError:
     )
 
 
-# ----------------------------------------------------------------------------------------------- parquet
 @dataclass
-class ParquetSource(Source):
+class RecordFilesSource(Source):
+    """Files of records with a text column (Parquet, JSONL): the files under ``path`` with one of ``SUFFIXES``."""
+
     path: str
     text_column: str = "text"
-    kind: str = "parquet"
+    SUFFIXES: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
-        self.files = expand_files(self.path, (".parquet",), "parquet")
+        self.files = expand_files(self.path, self.SUFFIXES, self.kind)
 
     def describe(self) -> dict:
         return {"kind": self.kind, "path": os.path.abspath(os.path.expanduser(self.path)), "text_column": self.text_column}
+
+
+# ----------------------------------------------------------------------------------------------- parquet
+@dataclass
+class ParquetSource(RecordFilesSource):
+    kind: str = "parquet"
+    SUFFIXES: ClassVar[tuple[str, ...]] = (".parquet",)
 
     def partitions(self) -> list[Partition]:
         import pyarrow.parquet as pq
@@ -155,16 +164,9 @@ def _open_text(path: str):
 
 
 @dataclass
-class JsonlSource(Source):
-    path: str
-    text_column: str = "text"
+class JsonlSource(RecordFilesSource):
     kind: str = "jsonl"
-
-    def __post_init__(self):
-        self.files = expand_files(self.path, (".jsonl", ".jsonl.gz", ".json", ".ndjson"), "jsonl")
-
-    def describe(self) -> dict:
-        return {"kind": self.kind, "path": os.path.abspath(os.path.expanduser(self.path)), "text_column": self.text_column}
+    SUFFIXES: ClassVar[tuple[str, ...]] = (".jsonl", ".jsonl.gz", ".json", ".ndjson")
 
     def _records(self, f: str) -> Iterator[tuple[int, dict]]:
         with _open_text(f) as fh:
