@@ -23,14 +23,13 @@ from attnlab.results.schema import (
     register_metric,
     validate_row,
 )
-from attnlab.results.store import DEFAULT_STORE_URI, ResultsStore, file_name_for_key
+from attnlab.results.store import ResultsStore, file_name_for_key
 
 __all__ = [
     "COLUMN_NAMES",
     "COMPLETE_METRIC",
     "Comparison",
     "CONFIG_COLUMNS",
-    "DEFAULT_STORE_URI",
     "LAW_METRIC",
     "METRICS",
     "SCHEMA_VERSION",

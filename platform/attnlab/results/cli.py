@@ -11,9 +11,10 @@ import os
 import sys
 
 from attnlab.errors import UserError
+from attnlab.location import DEFAULT_STORE
 from attnlab.results import reports
 from attnlab.results.schema import COLUMNS, describe_schema
-from attnlab.results.store import DEFAULT_STORE_URI, ResultsStore
+from attnlab.results.store import ResultsStore
 
 _COLUMN_KINDS = {c.name: c for c in COLUMNS}
 
@@ -134,7 +135,7 @@ def _schema(args) -> int:
 
 
 def _store_options(parser: argparse.ArgumentParser, selection: bool = True) -> None:
-    default = os.environ.get("ATTNLAB_STORE", DEFAULT_STORE_URI)
+    default = os.environ.get("ATTNLAB_STORE", DEFAULT_STORE)
     parser.add_argument("--store", default=default, metavar="URI",
                         help=f"results store: a folder or a pyarrow URI (file://, s3://, gs://); default {default!r} "
                              "(env ATTNLAB_STORE)")

@@ -45,7 +45,6 @@ from attnlab.results.schema import (
     rows_to_table,
 )
 
-DEFAULT_STORE_URI = DEFAULT_STORE
 _STUDY_PREFIX = "study="
 _NULLABLE_INT_COLUMNS = ("layer", "n_tokens")
 _SORT_COLUMNS = ("study", "trial", "step", "metric", "eval_len", "p_eval", "layer", "bucket", "task")
@@ -113,7 +112,7 @@ class ResultsStore:
     >>> df = store.read(study="table4", metric="val_loss", eval_len=[1024, 2048])
     """
 
-    def __init__(self, uri: str | os.PathLike | Location = DEFAULT_STORE_URI):
+    def __init__(self, uri: str | os.PathLike | Location = DEFAULT_STORE):
         self.location = Location.parse(uri, field="store")
         self.uri = self.location.uri
         self.filesystem, self.root = self.location.fs, self.location.path.rstrip("/") or "/"
