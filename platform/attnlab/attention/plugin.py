@@ -249,6 +249,11 @@ def _state_for(spec: PluginSpec, q: torch.Tensor, state: PluginState | None) -> 
     return state
 
 
+def _autocast_off(device: torch.device):
+    """Autocast switched off (forms compute in float32 or float64); meta tensors (the memory plan) as CPU ones."""
+    return torch.autocast(device_type="cpu" if device.type == "meta" else device.type, enabled=False)
+
+
 def _context(spec: PluginSpec, state: PluginState, seq_len: int, dtype: torch.dtype) -> Context:
     prepared = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.prepared.items()}
     return Context(state.shape, seq_len, prepared, state.params, spec.position_bias, dtype)
@@ -261,7 +266,7 @@ def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_st
     """The variant's weights ``(B, H, R, K)`` of query rows ``row_start ..`` over keys ``0 .. K - 1``, sharpened
     when ``spec.p`` is set, in the compute dtype (autocast off inside). ``seq_len``: T (default K)."""
     state = _state_for(spec, q, state)
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with _autocast_off(q.device):
         dtype = compute_dtype(q.dtype)
         q, k = q.to(dtype), k.to(dtype)
         R, K = q.shape[-2], k.shape[-2]
@@ -306,7 +311,7 @@ def attend_reference(q, k, v, spec: PluginSpec, state: PluginState | None = None
 def _attend_reference(q, k, v, spec: PluginSpec, state: PluginState, chunk_bytes: int) -> torch.Tensor:
     T = q.shape[-2]
     chunk = _chunk_rows(q, chunk_bytes)
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with _autocast_off(q.device):
         vv = v.to(compute_dtype(q.dtype))
         outs = []
         for r0 in range(0, T, chunk):
@@ -333,7 +338,7 @@ def attend_plugin(q, k, v, spec: PluginSpec, backend: str, state: PluginState | 
     if variant.log_score is not None:
         return _attend_log_score(q, k, v, spec, state)
     T = q.shape[-2]
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with _autocast_off(q.device):
         ctx = _context(spec, state, T, compute_dtype(q.dtype))
         out = variant.fused(q, k, v, ctx)
     expected = (*q.shape[:-1], v.shape[-1])
@@ -354,7 +359,9 @@ def _attend_log_score(q, k, v, spec: PluginSpec, state: PluginState) -> torch.Te
     names = tuple(sorted(ctx.state))
     fn = _uncached_if_compiling(_score_fn)(spec.variant, state.shape, T, spec.position_bias, dtype, names)
     score_mod = ScoreMod(fn, tuple(ctx.state[name] for name in names))
-    out = _run_flex(q, k, v, score_mod, causal_block_mask(T, q.device))
+    if _kernel_stand_in:  # a memory measurement: what the CUDA kernel allocates (its block mask is built once)
+        return _FlexKernelStandIn.apply(q, k, v, *score_mod.buffers).to(out_dtype)
+    out, _, _ = _flex(q, k, v, score_mod, causal_block_mask(T, q.device), with_stats=False)
     return out.to(out_dtype)
 
 
@@ -368,13 +375,6 @@ def _score_fn(variant: Variant, shape: Shape, seq_len: int, position_bias: str, 
         ctx = Context(shape, seq_len, dict(zip(names, buffers)), None, position_bias, dtype)
         return log_score(score.to(dtype), b, h, q_idx, kv_idx, ctx)
     return score_mod
-
-
-def _run_flex(q, k, v, score_mod: ScoreMod, block_mask) -> torch.Tensor:
-    if _kernel_stand_in:
-        return _FlexKernelStandIn.apply(q, k, v, *score_mod.buffers)
-    out, _, _ = _flex(q, k, v, score_mod, block_mask, with_stats=False)
-    return out
 
 
 # Memory measurement only (the check, the GPU memory plan): see flex_calls_as_kernels.
