@@ -16,6 +16,7 @@ from attnlab.errors import UserError
 # Modules that contribute sub-commands, in the order they appear in --help.
 _COMMAND_MODULES = (
     "attnlab.data.cli",
+    "attnlab.attention.cli",
     "attnlab.train.cli",
     "attnlab.evaluate.cli",
     "attnlab.study.cli",

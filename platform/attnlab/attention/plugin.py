@@ -358,7 +358,7 @@ def _attend_log_score(q, k, v, spec: PluginSpec, state: PluginState) -> torch.Te
     ctx = _context(spec, state, T, dtype)
     names = tuple(sorted(ctx.state))
     fn = _uncached_if_compiling(_score_fn)(spec.variant, state.shape, T, spec.position_bias, dtype, names)
-    score_mod = ScoreMod(fn, tuple(ctx.state[name] for name in names))
+    score_mod = ScoreMod(fn, tuple(ctx.state[name].contiguous() for name in names))  # (expanded views: copied)
     if _kernel_stand_in:  # a memory measurement: what the CUDA kernel allocates (its block mask is built once)
         return _FlexKernelStandIn.apply(q, k, v, *score_mod.buffers).to(out_dtype)
     out, _, _ = _flex(q, k, v, score_mod, causal_block_mask(T, q.device), with_stats=False)
