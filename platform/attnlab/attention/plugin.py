@@ -29,6 +29,7 @@ import functools
 import hashlib
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import keyword
 import linecache
@@ -501,8 +502,8 @@ def read_source(ref: str) -> PluginSource:
     if not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
         raise PluginError(f"plugin {target!r} is neither a file nor a module name: give a path to a .py file or "
                           "an importable module name (e.g. mypackage.attention)")
-    try:
-        top = importlib.util.find_spec(parts[0])
+    try:  # sys.path only: not a package this process already serves from a plugin's bytes
+        top = importlib.machinery.PathFinder.find_spec(parts[0])
     except (ImportError, ValueError) as exc:
         top, cause = None, exc
     else:
@@ -590,12 +591,23 @@ def load_source(source: PluginSource) -> LoadedPlugin:
 
 
 def unload_plugin(loaded: LoadedPlugin) -> None:
-    """Forget a loaded plugin's variants (tests, and a check that loads a plugin for itself)."""
+    """Forget a loaded plugin: its variants, and the modules its bytes became (for tests)."""
     for name in loaded.names:
         registered = plugin_spec(name)
         if registered is not None and registered.sha256 == loaded.source.sha256:
             unregister_plugin_spec(name)
     _LOADED.pop(loaded.source.sha256, None)
+    source = loaded.source
+    if source.kind == "file":
+        sys.modules.pop(_file_module_name(source), None)
+        return
+    top = source.entry.split(".")[0]
+    finder = _FINDERS.get(top)
+    if finder is not None and finder.source.sha256 == source.sha256:
+        del _FINDERS[top]
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not finder]
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+            del sys.modules[name]
 
 
 def spec_from_source(source: PluginSource, name: str, p=None, position_bias: str = "none") -> PluginSpec:
@@ -620,6 +632,11 @@ def _filename(source: PluginSource, rel: str) -> str:
     return source.origin if source.kind == "file" else rel
 
 
+def _file_module_name(source: PluginSource) -> str:
+    """The module a file plugin's bytes become: ``attnlab_plugin_<stem>_<sha12>`` (the same in every process)."""
+    return f"attnlab_plugin_{re.sub(r'[^A-Za-z0-9_]', '_', Path(source.entry).stem)}_{source.short_hash}"
+
+
 def _execute(source: PluginSource) -> types.ModuleType:
     filenames = {_filename(source, rel): rel for rel in source.files}
     for name, rel in filenames.items():  # tracebacks show the plugin's lines even where its files are not
@@ -627,8 +644,7 @@ def _execute(source: PluginSource) -> types.ModuleType:
         linecache.cache[name] = (len(text), None, text.splitlines(True), name)
     try:
         if source.kind == "file":
-            module_name = f"attnlab_plugin_{re.sub(r'[^A-Za-z0-9_]', '_', Path(source.entry).stem)}_" \
-                          f"{source.short_hash}"
+            module_name = _file_module_name(source)
             module = types.ModuleType(module_name)
             module.__file__ = source.origin
             sys.modules[module_name] = module  # functions defined in it pickle by reference
