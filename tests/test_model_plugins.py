@@ -229,3 +229,32 @@ def test_the_documented_example_checks_trains_and_evaluates_at_16x(tmp_path, dem
     assert set(loss) == {(64, None), (1024, None), (64, 3.0), (1024, 3.0)} and all(np.isfinite(list(loss.values())))
     assert {r["attention"] for r in rows} == {"recency"} and {r["scale"] for r in rows} == {"plugin"}
     assert {r["metric"] for r in rows} >= {"val_loss", "entropy", "sink_mass"}
+
+
+@pytest.mark.cuda_proxy
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU node lowering does not stop where this test expects")
+def test_a_compiled_plugin_model_lowers_its_training_graph_up_to_the_gpu():
+    """The whole compiled GPT with FoX on its fused path (bf16 autocast, as training runs on CUDA): the forget gates'
+    projection and cumulative sum, and one FlexAttention call per layer reading them, forward and backward."""
+    import torch._dynamo
+
+    from attnlab.attention.flex import cuda_code_path
+    from attnlab.attention.inductor_proxy import LoweredUpToCodegen, flex_lowering_up_to_the_gpu, lowering_backend
+    from attnlab.model import compile_model
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", attention="fox", vocab_size=128, position="nope", attn_impl="flex"))
+    lowered, stops = [], []
+    compile_model(model, True, backend=lowering_backend(lowered))
+    idx = torch.randint(0, 128, (2, 129), generator=torch.Generator().manual_seed(1))
+    try:
+        with cuda_code_path(), flex_lowering_up_to_the_gpu(stops):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+            with pytest.raises(LoweredUpToCodegen):
+                loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert lowered == ["forward", "backward"]
+    assert stops == ["fw"] * len(model.blocks) + ["bw"] * len(model.blocks)

@@ -128,14 +128,17 @@ def lowering_backend(lowered: list[str]) -> Callable:
     """A ``torch.compile`` backend: inductor as ``torch.compile`` runs it, each graph lowered and stopped before
     code generation (``lowered`` records ``forward``/``backward``). The forward graph then runs eagerly (the
     backward needs its outputs); the backward raises :class:`LoweredUpToCodegen` after lowering."""
+    import torch._inductor.config
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.output_code import MockFXGraphCacheOutput
 
     def inner_compile(gm, example_inputs, **kwargs):
         which = "backward" if kwargs.get("is_backward") else "forward"
-        try:
-            compile_fx_inner(gm, example_inputs, **kwargs)
+        try:  # no FX graph cache: a graph compiled for real before (here or on disk) would skip lowering
+            with _stop_before_codegen(), torch._inductor.config.patch(fx_graph_cache=False,
+                                                                       fx_graph_remote_cache=False):
+                compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as exc:
             if not any(isinstance(e, LoweredUpToCodegen) for e in _chain(exc)):
                 raise
@@ -160,7 +163,7 @@ def lowered_training_graph(fn: Callable, args: tuple) -> tuple[list[str], list[s
     torch._dynamo.reset()
     try:
         compiled = torch.compile(fn, backend=lowering_backend(graphs), fullgraph=True, dynamic=False)
-        with cuda_code_path(), flex_lowering_up_to_the_gpu(stops), _stop_before_codegen():
+        with cuda_code_path(), flex_lowering_up_to_the_gpu(stops):
             out = compiled(*args)
             try:
                 out.float().sum().backward()

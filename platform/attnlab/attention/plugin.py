@@ -23,6 +23,7 @@ plugin change a built-in variant (a name means one thing).
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import dataclasses
 import functools
@@ -382,19 +383,18 @@ def _score_fn(variant: Variant, shape: Shape, seq_len: int, position_bias: str, 
 _kernel_stand_in = False
 
 
-class flex_calls_as_kernels:
+@contextlib.contextmanager
+def flex_calls_as_kernels():
     """Within this context a plugin's FlexAttention call allocates what the CUDA kernel does instead of running: its
     output and log-sum-exp, what it saves (q, k, v, output, LSE, the buffers) and its gradients. For measuring the
     memory of the code around the call (on CPU, FlexAttention's unfused implementation materialises the scores);
     the values are zeros. Never use it for results."""
-
-    def __enter__(self):
-        global _kernel_stand_in
-        self._previous, _kernel_stand_in = _kernel_stand_in, True
-
-    def __exit__(self, *exc):
-        global _kernel_stand_in
-        _kernel_stand_in = self._previous
+    global _kernel_stand_in
+    previous, _kernel_stand_in = _kernel_stand_in, True
+    try:
+        yield
+    finally:
+        _kernel_stand_in = previous
 
 
 class _FlexKernelStandIn(torch.autograd.Function):

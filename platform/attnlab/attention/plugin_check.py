@@ -35,8 +35,8 @@ import torch
 
 from attnlab.attention import attend
 from attnlab.attention.flex import cuda_code_path
-from attnlab.attention.plugin import LoadedPlugin, PluginSpec, Shape, build_params, flex_calls_as_kernels, \
-    prepare_state
+from attnlab.attention.plugin import (LoadedPlugin, PluginSpec, Shape, build_params, flex_calls_as_kernels,
+                                     prepare_state)
 from attnlab.attention.variants import get_variant
 
 # The inputs of the float64 comparisons: odd length past the first three rows, two heads, two sequences.
