@@ -115,8 +115,8 @@ def test_a_plugin_variant_is_a_spec_the_platform_accepts(plugins, monkeypatch):
         GPTConfig(attention="fox", attn_impl="sdpa")
     # on CUDA: the fused form; a reference-only variant, or a sharpened one, runs its reference after one warning
     assert resolve_backend(get_variant("fox"), "cuda") is Backend.FLEX
-    with pytest.warns(UserWarning, match=r"'stickbreaking' has no fused form \(the plugin gives a reference form only\): using "
-                                         "the dense reference"):
+    with pytest.warns(UserWarning, match=r"'stickbreaking' has no fused form \(the plugin gives a reference form "
+                                         r"only\): using the dense reference"):
         assert resolve_backend(get_variant("stickbreaking"), "cuda") is Backend.DENSE
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -16,9 +16,9 @@ from attnlab.errors import UserError
 # Modules that contribute sub-commands, in the order they appear in --help.
 _COMMAND_MODULES = (
     "attnlab.data.cli",
-    "attnlab.attention.cli",
     "attnlab.train.cli",
     "attnlab.evaluate.cli",
+    "attnlab.attention.cli",
     "attnlab.study.cli",
     "attnlab.results.cli",
     "attnlab.cluster.cli",

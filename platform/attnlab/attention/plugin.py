@@ -3,8 +3,8 @@
 A plugin is one Python file, or an importable module, that defines ``VARIANTS = [Variant(...), ...]``. Each
 :class:`Variant` gives its **reference** form (the dense oracle: the weights of a block of query rows) and at most
 one fused form (``log_score``: a FlexAttention score_mod in log space; or ``fused``: any O(T)-memory function),
-optionally the learned **params** a model layer holds and the per-token tensors it **prepare**\\ s from the
-layer's input. Loaded, a variant is a :class:`attnlab.attention.spec.PluginSpec` that ``get_variant``, ``attend``,
+optionally the learned **params** a model layer holds and the per-token tensors it computes from the layer's
+input (**prepare**). Loaded, a variant is a :class:`attnlab.attention.spec.PluginSpec` that ``get_variant``, ``attend``,
 ``GPTConfig(attention=name)``, evaluation's ``p_eval``, diagnostics and the memory plan accept like a built-in.
 
 What it is for, in three parts:
@@ -289,10 +289,14 @@ def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_st
         return a
 
 
+def _row_bytes(q: torch.Tensor) -> int:
+    """Bytes of one query row's weights and a plugin's temporaries (all heads and batch entries)."""
+    return max(1, math.prod(q.shape[:-2]) * q.shape[-2] * torch.finfo(compute_dtype(q.dtype)).bits // 8
+               * PLUGIN_TEMPORARIES)
+
+
 def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
-    per_row = max(1, math.prod(q.shape[:-2]) * q.shape[-2] * torch.finfo(compute_dtype(q.dtype)).bits // 8
-                  * PLUGIN_TEMPORARIES)
-    return max(1, min(q.shape[-2], chunk_bytes // per_row))
+    return max(1, min(q.shape[-2], chunk_bytes // _row_bytes(q)))
 
 
 def attend_reference(q, k, v, spec: PluginSpec, state: PluginState | None = None,
@@ -304,7 +308,7 @@ def attend_reference(q, k, v, spec: PluginSpec, state: PluginState | None = None
     state = _state_for(spec, q, state)
     if torch.compiler.is_compiling():
         if torch.is_grad_enabled():
-            chunk_bytes = max(chunk_bytes, (chunk_bytes + 1) * q.shape[-2])
+            chunk_bytes = max(chunk_bytes, _row_bytes(q) * q.shape[-2])
         elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
             return _attend_reference_eager(q, k, v, spec, state, chunk_bytes)
     return _attend_reference(q, k, v, spec, state, chunk_bytes)

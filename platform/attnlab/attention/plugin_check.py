@@ -288,7 +288,8 @@ def _bf16(spec: PluginSpec):
             bad.append(f"the {form} output is {out.dtype}, not v's bf16")
         if not torch.isfinite(out).all():
             bad.append(f"the {form} output is not finite")
-        bad += [f"the {form} gradient of {n} is not finite" for n, g in zip(names, grads) if not torch.isfinite(g).all()]
+        bad += [f"the {form} gradient of {n} is not finite" for n, g in zip(names, grads)
+                if not torch.isfinite(g).all()]
     if bad:
         return "bf16 autocast", False, "; ".join(bad)
     return "bf16 autocast", True, f"finite outputs and gradients ({' and '.join(f for f, _ in forms)})"

@@ -7,8 +7,9 @@ biases, final RMSNorm; the same embeddings, init and attention). ``cfg.position`
 ``nope`` (no position signal: the causal mask only) or ``alibi`` (no rotation; the attention spec carries
 ALiBi's bias, added by the attention backends). A variant from a plugin (docs/plugins.md) gets its learned
 parameters as the attention layer's ``plugin`` module (``blocks.N.attn.plugin.*``, initialised by the plugin, not
-by the model) and its prepared tensors from the layer's input on every call. Per forward call one can choose the RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another
-attention spec (e.g. a different sharpening power ``p_eval``) without touching the weights.
+by the model) and its prepared tensors from the layer's input on every call. Per forward call one can choose the
+RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another attention spec (e.g. a different
+sharpening power ``p_eval``) without touching the weights.
 No Ray imports here.
 """
 

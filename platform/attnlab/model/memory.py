@@ -150,13 +150,19 @@ def plugin_layer_params(cfg: GPTConfig) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
-@functools.lru_cache(maxsize=64)
 def plugin_attention_bytes(cfg: GPTConfig, batch: int, seq_len: int, precision: str, backend: str,
                            grad: bool) -> int:
     """One layer of a plugin variant on meta tensors of the planned size: with ``grad`` the bytes its ``prepare``
     and attention save for the backward (q, k, v included; the layer input ``x`` and the parameters excluded, the
     block counts them), without it the peak of their working set (q, k, v not included). A declared
     ``saved_bytes(shape, seq_len, batch)`` of a fused form replaces the traced figure with gradients."""
+    return _plugin_attention_bytes(cfg, _plugin(cfg).sha256, batch, seq_len, precision, backend, grad)
+
+
+@functools.lru_cache(maxsize=64)
+def _plugin_attention_bytes(cfg: GPTConfig, sha256: str, batch: int, seq_len: int, precision: str, backend: str,
+                            grad: bool) -> int:
+    # Cached per plugin source too: a name may come back from edited code in the same process.
     import torch
 
     from attnlab.attention import attend
@@ -266,7 +272,8 @@ def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backe
         saved["q, k, v"] = 3 * 4 * C
     else:  # the fused kernels save q and k after RoPE, v as a view of the qkv projection, output + logsumexp
         saved["q, k, v"] = 5 * a * C + a * C + 4 * cfg.n_head
-    if backend == "flex" and _plugin(cfg) is None:  # FlexAttention calls beyond the first (attention/flex.py): each saves its output + LSE
+    if backend == "flex" and _plugin(cfg) is None:  # FlexAttention calls beyond the first (attention/flex.py): each
+        # saves its output + LSE
         from attnlab.attention.flex import parts_of
 
         spec = cfg.attention_spec()
