@@ -488,7 +488,8 @@ def parse_ref(ref: str) -> tuple[str, str | None]:
 
 
 def _is_file_ref(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target or Path(target).exists()
+    """A path (ends in .py or names a folder) rather than a dotted module name (looked up on sys.path)."""
+    return target.endswith(".py") or "/" in target or "\\" in target
 
 
 def read_source(ref: str) -> PluginSource:
