@@ -1,16 +1,32 @@
 """The fused path: every registered variant, and sharpening, with FlexAttention in O(T) memory.
 
+Entry points: :func:`attend_flex` (a variant, as ``attend(impl="flex")`` calls it) and, in the package,
+:func:`attend_log_scores` ``(q, k, v, first_stage: ScoreMod, sizes: Sizes, block_mask=None, p=None) -> out``:
+rows that are ``softmax(first stage)`` over the causal keys, times v, and given ``p`` (a float or a 0-d tensor)
+the sharpened form of those rows, with the deterministic backward below. Any first stage whose rows are a
+softmax of log-scores reuses it (the built-in variants pass :func:`first_stage_score_mod`); a
+:class:`ScoreMod` is ``fn(score, b, h, q_idx, kv_idx, *buffers)`` returning the log-score in float32 (float64
+for float64 inputs), ``-inf`` for a zero weight, with ``fn`` the same object from call to call (compiled
+kernels are keyed on it), and :class:`Sizes` the head dimension, T and the number of heads.
+
 The idea (docs/attention.md#the-identity): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
 the visible keys, so the first stage is one FlexAttention call whose ``score_mod`` returns ``log f(scale_i * s
 + bias_i)`` (``-inf`` where ``f`` is 0; the plain score for softmax), and its log-sum-exp is ``log Z_i``.
-Sharpening (docs/attention.md#the-two-pass-sharpening) is a second call whose ``score_mod`` reads that captured LSE, rebuilds
-``A_ij = exp(log f - log Z_i)`` and returns ``p * log relu(N_i * A_ij - O_i)``: FlexAttention's softmax of it is
-``relu(.)^p / sum relu(.)^p``, the row-max rescaling of the dense form is not needed in log space. The
+Sharpening (docs/attention.md#the-two-pass-sharpening) is a second call whose ``score_mod`` reads that LSE,
+rebuilds ``A_ij = exp(log f - log Z_i)`` and returns ``p * log relu(N_i * A_ij - O_i)``: FlexAttention's softmax
+of it is ``relu(.)^p / sum relu(.)^p``, the row-max rescaling of the dense form is not needed in log space. The
 all-zero-row fallback of the dense reference (such a row keeps the un-sharpened ``A``) is decided before the
 second call from pass 1's row maximum: ``row i has mass <=> N_i * max_j A_ij > O_i``; for rows without mass the
 second ``score_mod`` returns pass 1's log-score, so FlexAttention itself yields ``A @ v`` there and no row of
-pass 2 is ever all ``-inf``. Gradients flow through both passes, pass 1's LSE included (a captured tensor that
-requires grad; on CPU this file runs FlexAttention's own unfused implementation, which supports that too).
+pass 2 is ever all ``-inf``.
+
+The backward (docs/attention.md#the-backward-of-the-two-passes): pass 2 reads ``log Z`` as a constant, so no
+FlexAttention call differentiates a captured buffer (inductor would scatter that gradient with ``atomic_add``
+inside the backward kernel: non-deterministic on a GPU). The gradient of ``log Z_i`` through pass 2 is
+``dO_i . w_i``; one more call without gradient gives ``w`` (``score_mod`` pass 2's score plus the log of its
+derivative), and ``out + (log Z - log Z.detach()) * w`` hands pass 1 that gradient as an LSE gradient, which
+FlexAttention's own backward takes. ``recentre_l1``'s second call is handled alike, through its LSE. The power
+``p`` may be a 0-d tensor (a captured buffer without gradient): one compiled graph serves every power.
 
 Scores are upcast to float32 (float64 for float64 inputs) inside every ``score_mod``; bf16 inputs are
 allowed. QK-norm is done inside the ``score_mod`` too: FlexAttention gets the raw q and k, and the score is
@@ -34,13 +50,15 @@ that over N_i (a row with no visible weight: LSE ``-inf``, output exactly 0). An
 split, ``f = f+ - f-`` (docs/attention.md#sign-changing-f): two calls with ``log f+`` and ``log f-`` give
 ``U_i = Z+ out+ - Z- out-``, divided by ``Z+ + Z-`` for l1. ``negate`` is ``-out``, ``recentre`` subtracts
 ``[i >= 3]`` times the causal mean of v, ``recentre_l1`` divides that by ``sum_j |A_ij - c_i|`` from a second
-call reading pass 1's LSE. What remains (overrides only: sharpening of anything but normalised non-negative
+call reading pass 1's LSE (as a constant, its gradient handed to pass 1 as above). What remains (overrides only: sharpening of anything but normalised non-negative
 rows, ``recentre_l1`` of other rows) uses the dense reference and says so once per variant name. The causal mask and N_i come
 from ``masks.py`` (the one place for them).
 
-On CUDA the compiled FlexAttention kernels are used. On CPU, compiled FlexAttention has no backward and no
-LSE, so the CPU path calls FlexAttention's unfused implementation: it materialises ``(B, H, T, T)`` scores
-and exists for equivalence tests; ``attend(impl="auto")`` uses the dense reference on CPU.
+On CUDA the compiled FlexAttention kernels are used; should dynamo give up on a call and run it eagerly
+(FlexAttention's unfused implementation, ``(B, H, T, T)`` scores), it is refused past
+:data:`UNFUSED_MAX_TOKENS` with the reason (:func:`unfused_refusal`). On CPU, compiled FlexAttention has no
+backward and no LSE, so the CPU path calls FlexAttention's unfused implementation: it materialises
+``(B, H, T, T)`` scores and exists for equivalence tests; ``attend(impl="auto")`` uses the dense reference on CPU.
 
 Never change the math here without the dense reference (``dense.py`` is the oracle); no Ray, no model code.
 """
