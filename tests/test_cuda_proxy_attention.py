@@ -421,6 +421,23 @@ def test_compiled_model_training_graph_lowers_up_to_the_gpu(fresh_dynamo):
     assert stops == ["fw"] * (3 * layers) + ["bw"] * (2 * layers)
 
 
+@_CPU_ONLY
+def test_evaluation_graph_with_the_power_as_an_input_lowers_up_to_the_gpu(fresh_dynamo):
+    # An evaluation forward (no gradient) of a compiled LSSAR model at a p_eval: the power is an input of the block
+    # graph (a 0-d tensor read by pass 2's score_mod), lowered with both FlexAttention calls of each layer.
+    from attnlab.evaluate.measure import attention_spec_for
+    from attnlab.model import GPT, compile_model, preset
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", attention="lssar", vocab_size=128, n_layer=1, attn_impl="flex")).eval()
+    lowered, stops, scatters = [], [], []
+    compile_model(model, True, backend=_lowering_backend(lowered))
+    idx = torch.randint(0, 128, (1, 129), generator=torch.Generator().manual_seed(1))
+    with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops, scatters), torch.no_grad():
+        model.token_stats(idx[:, :-1], idx[:, 1:], attention=attention_spec_for(model, 3.0))
+    assert lowered == ["fw"] and stops == ["fw", "fw"] and scatters == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor's Triton kernels)")
 @pytest.mark.parametrize("name", ["lssar", "lssa", "softmax", "relu_wortsman", "gelu", "softmax_recentred_l1"])
