@@ -5,11 +5,12 @@ Public API (a contract: tests and docs rely on it):
 - :func:`variant_names`, :func:`get_variant` -> :class:`AttentionSpec` (the registry is ``variants.py``).
 - :func:`attention_weights` ``(q, k, spec, qk_gain=None) -> (B, H, T, T)`` dense causal weights (float32 or
   better).
-- :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None) -> (B, H, T, D)``; ``impl`` is a
+- :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None, p=None) -> (B, H, T, D)``; ``impl`` is a
   :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by
   :func:`resolve_backend`. ``qk_gain``: for a spec with ``qk_norm_gain='learned'`` (``softmax_qknorm``,
   ``softmax_qknorm_logn``) the model's learned QK-norm gains ``(gain_q, gain_k)``, each ``(D,)`` or ``(H, D)``
-  (docs/attention.md#modern-softmax-baselines); None for every other spec.
+  (docs/attention.md#modern-softmax-baselines); None for every other spec. ``p``: a sharpened spec's power
+  given as a number or a 0-d tensor instead of ``spec.p`` (one compiled graph for every power).
 
 ``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
 reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``);
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from attnlab.attention.backends import Backend, resolve_backend
-from attnlab.attention.dense import attend_dense, weights_for_rows
+from attnlab.attention.dense import attend_dense, check_power, weights_for_rows
 from attnlab.attention.flex import attend_flex
 from attnlab.attention.sdpa import attend_sdpa
 from attnlab.attention.spec import AttentionSpec, parse_scale
@@ -63,7 +64,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, qk_
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-           impl: Backend | str = Backend.AUTO, qk_gain=None) -> torch.Tensor:
+           impl: Backend | str = Backend.AUTO, qk_gain=None, p=None) -> torch.Tensor:
     """Causal attention output ``(B, H, T, D)`` in v's dtype.
 
     ``impl`` (a :class:`Backend` or its value): ``dense`` (the reference, chunked over query rows for long
@@ -72,12 +73,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     ValueError for the others) or ``auto``: on CUDA the fastest exact one of these for ``spec``, elsewhere
     ``dense`` (see :mod:`attnlab.attention.backends`). ``qk_gain``: the model's ``(gain_q, gain_k)`` for a
     spec with ``qk_norm_gain='learned'``, else None (ValueError, one line, when it does not fit the spec).
+    ``p``: for a sharpened spec, the power to use instead of ``spec.p``: a number >= 1 or a 0-d tensor (a
+    tensor does not specialise a compiled graph, so one graph serves every power: the model passes ``p_eval``
+    this way); None: ``spec.p``.
     """
     check_qkv(q, k, v)
     _check_spec(spec)
+    check_power(spec, p)
     backend = resolve_backend(spec, q.device, impl)
     if backend is Backend.SDPA:
         return attend_sdpa(q, k, v, spec, qk_gain=qk_gain)
     if backend is Backend.FLEX:
-        return attend_flex(q, k, v, spec, qk_gain=qk_gain)
-    return attend_dense(q, k, v, spec, qk_gain=qk_gain)
+        return attend_flex(q, k, v, spec, qk_gain=qk_gain, p=p)
+    return attend_dense(q, k, v, spec, qk_gain=qk_gain, p=p)

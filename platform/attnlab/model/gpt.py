@@ -6,8 +6,9 @@ by RoPE. ``cfg.block = "llama"`` swaps in Llama's block (pre-RMSNorm with a lear
 biases, final RMSNorm; the same embeddings, init and attention). ``cfg.position``: ``rope`` (rotate q and k),
 ``nope`` (no position signal: the causal mask only) or ``alibi`` (no rotation; the attention spec carries
 ALiBi's bias, added by the attention backends). Per forward call one can choose the RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another
-attention spec (e.g. a different sharpening power ``p_eval``) without touching the weights.
-No Ray imports here.
+attention spec (e.g. a different sharpening power ``p_eval``) without touching the weights; the power reaches
+the attention as a tensor (:func:`power_as_tensor`), so a compiled block has one graph per length for every
+``p_eval``. No Ray imports here.
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, "tuple | None"], 
 LayerObserver = Callable[[torch.Tensor, torch.Tensor, "tuple | None"], None]
 
 
+# The power every sharpened spec carries into the blocks: the power itself goes as a 0-d tensor beside it
+# (:func:`power_as_tensor`), so the graph a compiled block builds for one p_eval serves every other.
+GRAPH_POWER = 1.0
+
+
+def power_as_tensor(spec: AttentionSpec, device) -> tuple[AttentionSpec, torch.Tensor | None]:
+    """``(spec the blocks see, p)``: a sharpened spec as the same spec with ``p = GRAPH_POWER`` and its power as a
+    0-d float64 tensor on ``device`` (a tensor's value does not specialise a compiled graph; a float would, one
+    graph per ``p_eval``); an unsharpened spec as itself and None (a second graph: one pass, not two)."""
+    if spec.p is None:
+        return spec, None
+    return spec.replace(p=GRAPH_POWER), torch.tensor(spec.p, dtype=torch.float64, device=device)
+
+
 def make_norm(cfg: GPTConfig) -> nn.Module:
     """The block's normalisation: LayerNorm (gpt2; with bias when ``cfg.bias``) or RMSNorm with a gain (llama)."""
     if cfg.block == "llama":
@@ -56,7 +71,8 @@ class CausalSelfAttention(nn.Module):
             self.q_gain = nn.Parameter(torch.ones(cfg.head_dim))
             self.k_gain = nn.Parameter(torch.ones(cfg.head_dim))
 
-    def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, observe: LayerObserver | None = None):
+    def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, p: torch.Tensor | None = None,
+                observe: LayerObserver | None = None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -65,7 +81,7 @@ class CausalSelfAttention(nn.Module):
         gain = (self.q_gain, self.k_gain) if getattr(spec, "learned_qk_gain", False) else None
         if observe is not None:
             observe(q.detach(), k.detach(), None if gain is None else tuple(g.detach() for g in gain))
-        y = attend(q, k, v, spec, impl=impl) if gain is None else attend(q, k, v, spec, impl=impl, qk_gain=gain)
+        y = attend(q, k, v, spec, impl=impl, qk_gain=gain, p=p)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -106,8 +122,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg)
         self.mlp = SwiGLU(cfg) if cfg.block == "llama" else MLP(cfg)
 
-    def forward(self, x, cos, sin, spec, impl, observe: LayerObserver | None = None):
-        x = x + self.attn(self.ln_1(x), cos, sin, spec, impl, observe)
+    def forward(self, x, cos, sin, spec, impl, p: torch.Tensor | None = None, observe: LayerObserver | None = None):
+        x = x + self.attn(self.ln_1(x), cos, sin, spec, impl, p, observe)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -173,18 +189,19 @@ class GPT(nn.Module):
             if any(getattr(spec, k) != v for k, v in override.items()):
                 spec = spec.replace(**override)
         impl = impl or c.attn_impl
+        spec, p = power_as_tensor(spec, x.device)
         if on_attention is not None:
-            return self._observed_blocks(x, cos, sin, spec, impl, on_attention)
+            return self._observed_blocks(x, cos, sin, spec, impl, p, on_attention)
         for block in self.blocks:
-            x = block(x, cos, sin, spec, impl)
+            x = block(x, cos, sin, spec, impl, p)
         return self.ln_f(x)
 
     @torch.compiler.disable
-    def _observed_blocks(self, x, cos, sin, spec, impl, on_attention: AttentionObserver) -> torch.Tensor:
+    def _observed_blocks(self, x, cos, sin, spec, impl, p, on_attention: AttentionObserver) -> torch.Tensor:
         # block.forward, not block(...): a compiled block's __call__ would trace the observer (a new closure
         # per call, so a recompile per call); diagnostics run eagerly.
         for i, block in enumerate(self.blocks):
-            x = block.forward(x, cos, sin, spec, impl, functools.partial(on_attention, i))
+            x = block.forward(x, cos, sin, spec, impl, p, functools.partial(on_attention, i))
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,

@@ -195,6 +195,10 @@ def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backe
         full = len(parts_of(spec)) - 1  # f = f+ - f-: a second full-width call, combined in float32
         narrow = int(spec.p is not None) + int(spec.post == "recentre_l1")  # statistics passes (16-wide values)
         saved["more FlexAttention calls"] = full * (4 * C + 4 * cfg.n_head) + narrow * cfg.n_head * (16 * a + 4)
+        # the direction of pass 1's LSE gradient (docs/attention.md#the-backward-of-the-two-passes): float32 w_i
+        # (B, H, T, d) for sharpening, a float32 c_i per row for recentre_l1
+        saved["LSE gradient direction"] = 4 * C * int(spec.p is not None) + 4 * cfg.n_head * int(
+            spec.post == "recentre_l1")
     if compiled:  # inductor recomputes the cheap pointwise GELU / SiLU in the backward instead of saving it
         saved.pop("silu output" if _llama(cfg) else "gelu output")
     return sum(saved.values())
