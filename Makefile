@@ -2,7 +2,8 @@
 #   make demo   set up, build the offline demo corpus, run studies/smoke.yaml on a local Ray, print the table
 #   make test   set up (Debian's chromium included, for the browser test) and run the test suite
 # Each creates or reuses .venv and installs the project into it. Without a GPU (no nvidia-smi) the
-# CPU build of torch 2.13.0 is installed first, so no multi-GB CUDA wheels are pulled.
+# CPU build of torch 2.13.0 is installed first, so no multi-GB CUDA wheels are pulled; with one, its CUDA 12.6
+# build (the version the tests run, as the cluster images pin it: cluster/README.md#torch-and-the-nvidia-driver).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,7 +19,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "GPU found: installing the default (CUDA) torch"; \
+		echo "GPU found: installing torch==2.13.0, CUDA 12.6 build (NVIDIA driver >= 525: cluster/README.md)"; \
+		$(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126; \
 	else \
 		echo "no GPU: installing the CPU build torch==2.13.0"; \
 		$(PY) -m pip install -q torch==2.13.0; \

@@ -29,6 +29,16 @@ Parts, in order (each has a time allotment; an item that would start past it is 
 5. ``variants``: a few bf16 training steps (eager model; FlexAttention compiled as always) of every distinct
    registered variant plus sharpened softmax, on a 2-layer gpt2-small at T = 1024: finite loss and gradients,
    or the variant's expected failure (:data:`EXPECTED_FAILURES`, with the reason).
+6. ``determinism``: LSSAR run twice from the same state, bit for bit: one FlexAttention call's dq, dk, dv at
+   T = 4K, then a few compiled bf16 training steps of the 2-layer model (losses and gradients). The sharpened
+   backward scatters into no captured buffer (docs/attention.md#the-backward-of-the-two-passes); a difference
+   names the tensors that differ.
+7. ``recompiles``: the graphs a compiled model builds for studies/p_sweep.yaml's grid as an evaluation-time sweep
+   (11 p_eval x 5 lengths, a tiny softmax model trained at 256 tokens): at most one per length and sharpening
+   mode (the power reaches the attention as a tensor). Counted with dynamo's ``eager`` backend.
+
+LSSAR's training step against softmax's is printed under ``train`` and in its summary line (per token: the ratio
+of their tokens/s).
 
 Then the targets beside the figures, as met / not met (measured, never asserted), and a summary of what
 passed and what did not, one line per part.
@@ -38,7 +48,8 @@ graphs), float32, on CPU without CUDA (or on the GPU if there is one), no append
 it so this script cannot rot. Without CUDA and without ``--smoke`` it exits 2.
 ``--json PATH`` writes every figure as JSON too. Budget: under 20 minutes on one H100.
 
-Run: ``python bench/gpu.py [--smoke] [--parts proxy,plan,tests,attention,train,eval,variants] [--no-append]
+Run: ``python bench/gpu.py [--smoke] [--parts proxy,plan,tests,attention,train,eval,variants,determinism,recompiles]
+[--no-append]
 [--json PATH]``
 (or ``make bench-gpu``).
 """
@@ -67,7 +78,10 @@ sys.path.insert(0, str(ROOT / "platform"))
 
 import torch  # noqa: E402
 
-PARTS = ("proxy", "plan", "tests", "attention", "train", "eval", "variants")
+PARTS = ("proxy", "plan", "tests", "attention", "train", "eval", "variants", "determinism", "recompiles")
+# studies/p_sweep.yaml's grid as an evaluation-time sweep (none = as trained, and ten powers) at its five multiples.
+SWEEP_P_EVAL = (None, 1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0, 31.0, 63.0)
+SWEEP_MULTIPLES = (1, 2, 4, 8, 16)
 VARIANTS = (("softmax", None), ("lssa", None), ("lssar", 15.0))  # the three the issue measures
 LLMC_TOKENS_PER_S = {"H100": 468e3, "A100": 218e3}  # llm.c GPT-2 124M training, per GPU
 TARGETS = {
@@ -109,19 +123,24 @@ class Sizes:
     dtype: str
     vocab_size: int | None = None  # None: GPT-2's
     budgets_s: dict = field(default_factory=dict)
+    determinism_len: int = 4096  # the attention-level check: one LSSAR call, forward and backward, run twice
+    sweep_train_len: int = 256  # the p_eval sweep's tiny model is trained at this length, evaluated at 1..16x
 
 
 GPU = Sizes(att_lengths=(1024, 4096, 16384), att_batch=1, att_heads=16, head_dim=64, att_repeats=10, att_warmup=2,
             preset="gpt2-small", train_len=1024, max_micro_batch=64, train_warmup=3, train_steps=10,
             eval_multiples=(1, 16), eval_batch_at_1x=8, eval_calls=3,
             check_layers=2, check_len=1024, check_batch=4, check_steps=4, dtype="bfloat16",
-            budgets_s=dict(proxy=300, plan=60, tests=300, attention=150, train=390, eval=150, variants=150))
+            budgets_s=dict(proxy=300, plan=60, tests=270, attention=150, train=330, eval=150, variants=150,
+                           determinism=60, recompiles=60))
 # The smoke run checks that every step runs, not how fast: no time allotments (a loaded machine must not skip).
 SMOKE = Sizes(att_lengths=(32,), att_batch=1, att_heads=2, head_dim=64, att_repeats=1, att_warmup=1,
               preset="tiny", train_len=32, max_micro_batch=4, train_warmup=1, train_steps=1,
               eval_multiples=(1, 2), eval_batch_at_1x=2, eval_calls=1,
               check_layers=1, check_len=16, check_batch=2, check_steps=2, dtype="float32", vocab_size=512,
-              budgets_s=dict(proxy=1200, plan=1e9, tests=600, attention=1e9, train=1e9, eval=1e9, variants=1e9))
+              budgets_s=dict(proxy=1200, plan=1e9, tests=600, attention=1e9, train=1e9, eval=1e9, variants=1e9,
+                             determinism=1e9, recompiles=1e9),
+              determinism_len=32, sweep_train_len=16)
 TOTAL_BUDGET_S = 24 * 60  # no new item starts after this (GPU run): under 25 minutes in all
 
 
@@ -535,6 +554,12 @@ def bench_train(sizes: Sizes, device: torch.device, clock: Clock, compile_backen
             say(f"| {name}{'' if p is None else f' p={p:g}'} | {row['micro_batch']} | {row['tokens_per_s']:,.0f} | "
                 f"{row['step_ms']:.1f} | {fmt(row['mfu'], '.1%', 'unknown')} | {fmt(row['peak_gib'])} | "
                 f"{fmt(row['estimate_gib'])} | {fmt(row['peak_vs_estimate'])} | {row['first_step_s']:.1f} |")
+    ratio = lssar_step_ratio(rows)
+    if ratio is not None:
+        lssar = next(r for r in rows if r["variant"] == "lssar")
+        softmax_row = next(r for r in rows if r["variant"] == "softmax")
+        say(f"\nlssar: {lssar['step_ms']:.1f} ms per step at micro-batch {lssar['micro_batch']} against softmax's "
+            f"{softmax_row['step_ms']:.1f} ms at {softmax_row['micro_batch']}: {ratio:.2f}x softmax's time per token")
     ref = llmc_reference(device)
     softmax = next((r for r in rows if r["variant"] == "softmax" and "tokens_per_s" in r), None)
     if ref and softmax:
@@ -699,6 +724,161 @@ def bench_variants(sizes: Sizes, device: torch.device, clock: Clock) -> list[dic
     return rows
 
 
+# --- 6. determinism: the same steps twice ------------------------------------------------------------------
+
+def _differences(first: dict, second: dict) -> list[str]:
+    """Names whose tensors are not bit for bit equal, with the largest difference."""
+    out = []
+    for name, a in first.items():
+        b = second[name]
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                out.append(f"{name} (missing once)")
+        elif not torch.equal(a, b):
+            out.append(f"{name} (max |diff| {(a.float() - b.float()).abs().max().item():.1e})")
+    return out
+
+
+def lssar_attention_gradients(sizes: Sizes, device: torch.device) -> dict:
+    """dq, dk, dv of one LSSAR FlexAttention call (the fused path, compiled on CUDA) for fixed inputs."""
+    from attnlab.attention import attend, get_variant
+
+    dtype = getattr(torch, sizes.dtype)
+    gen = torch.Generator(device=device).manual_seed(7)
+    shape = (sizes.att_batch, sizes.att_heads, sizes.determinism_len, sizes.head_dim)
+    q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_() for _ in range(3))
+    grad_out = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    attend(q, k, v, get_variant("lssar"), impl="flex").backward(grad_out)
+    return {"dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def lssar_training_run(sizes: Sizes, device: torch.device, compile_backend: str | None) -> tuple[list[float], dict]:
+    """Losses and final gradients of ``check_steps`` LSSAR training steps from a fixed seed and fixed batches."""
+    from attnlab.model import GPT, compile_model, preset
+    from attnlab.train.config import TrainConfig
+    from attnlab.train.recipe import build_optimizer
+
+    torch.manual_seed(0)
+    cfg = preset(sizes.preset, attention="lssar", train_len=sizes.check_len, n_layer=sizes.check_layers,
+                 **vocab(sizes))
+    model = GPT(cfg).to(device)
+    if compile_backend:
+        compile_model(model, True, backend=compile_backend)
+    optimizer = build_optimizer(model, TrainConfig(preset=sizes.preset), device)
+    gen = torch.Generator(device=device).manual_seed(3)
+    batches = [torch.randint(0, cfg.vocab_size, (sizes.check_batch, sizes.check_len + 1), device=device,
+                             generator=gen) for _ in range(sizes.check_steps)]
+    losses, grads = [], {}
+    dtype = getattr(torch, sizes.dtype)
+    try:
+        for step, idx in enumerate(batches):
+            with autocast(device, dtype):
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            losses.append(loss.item())
+            if step == len(batches) - 1:
+                grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        del model, optimizer
+        free_memory(device)
+    return losses, grads
+
+
+def bench_determinism(sizes: Sizes, device: torch.device, clock: Clock, compile_backend: str | None) -> list[dict]:
+    """LSSAR run twice from the same state: its attention gradients, then a few training steps, bit for bit.
+
+    Pass 2 of the sharpened form used to differentiate pass 1's LSE as a captured buffer, which inductor computes
+    with atomic adds (non-deterministic on a GPU); now it does not (docs/attention.md#the-backward-of-the-two-passes).
+    The model-level check also covers every other op's backward (e.g. the embedding's).
+    """
+    say(f"LSSAR, {precision_label(sizes)}: (1) one FlexAttention call (B*H = {sizes.att_batch * sizes.att_heads}, "
+        f"T = {sizes.determinism_len}, d = {sizes.head_dim}) forward + backward, twice; (2) {sizes.check_steps} "
+        f"training steps of {sizes.preset} with {sizes.check_layers} layer(s) at T = {sizes.check_len}, "
+        f"{'compiled (' + compile_backend + ')' if compile_backend else 'eager'}, twice from the same seed\n")
+    say("| check | runs | result |")
+    say("|---|---|---|")
+    rows = []
+    for check in ("attention", "training"):
+        row = {"check": check}
+        if clock.expired():
+            row["skipped"] = "time budget"
+            say(f"| {check} | 2 | skipped (time budget) |")
+            rows.append(row)
+            continue
+        try:
+            if check == "attention":
+                first, second = (lssar_attention_gradients(sizes, device) for _ in range(2))
+                row["differences"] = _differences(first, second)
+            else:
+                reset_dynamo()
+                (l1, g1), (l2, g2) = (lssar_training_run(sizes, device, compile_backend) for _ in range(2))
+                row["losses"] = l1
+                row["differences"] = (["losses"] if l1 != l2 else []) + _differences(g1, g2)
+                reset_dynamo()
+            row["identical"] = not row["differences"]
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        free_memory(device)
+        result = row.get("error") or ("bit-identical" if row.get("identical") else
+                                      "DIFFER: " + ", ".join(row["differences"][:4]))
+        say(f"| {check} | 2 | {result} |")
+        rows.append(row)
+    return rows
+
+
+# --- 7. recompiles of an evaluation sweep over p_eval ------------------------------------------------------
+
+def bench_recompiles(sizes: Sizes, device: torch.device, clock: Clock) -> list[dict]:
+    """Graphs compiled by the p_eval sweep of studies/p_sweep.yaml (11 p_eval x 5 lengths) on a compiled 2-layer
+    model (attn_impl auto: FlexAttention on CUDA) trained without sharpening: at most one per length and
+    sharpening mode (none, and every number), the batch being the same at every length.
+
+    Compiled with dynamo's ``eager`` backend and counted (what recompiles is decided by dynamo's guards, whatever
+    the backend; inductor would spend minutes generating kernels here)."""
+    import numpy as np
+    from torch._dynamo.testing import CompileCounter
+
+    from attnlab.evaluate.measure import attention_spec_for, score_windows
+    from attnlab.model import GPT, compile_model, preset
+
+    lengths = [m * sizes.sweep_train_len for m in SWEEP_MULTIPLES]
+    say(f"tiny (2 layers, head dim 64) trained at T = {sizes.sweep_train_len}, softmax (p_train off); p_eval "
+        f"{', '.join('none' if p is None else f'{p:g}' for p in SWEEP_P_EVAL)} at T = "
+        f"{', '.join(str(L) for L in lengths)}; one window per call, {precision_label(sizes)}\n")
+    reset_dynamo()
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", attention="softmax", train_len=sizes.sweep_train_len, vocab_size=512)).to(device)
+    counter = CompileCounter()
+    compile_model(model, True, backend=counter)
+    rng = np.random.default_rng(0)
+    row = {"lengths": lengths, "p_eval": list(SWEEP_P_EVAL), "limit": 2 * len(lengths)}
+    try:
+        for L in lengths:
+            windows = rng.integers(0, 512, size=(1, L + 1))
+            for p in SWEEP_P_EVAL:
+                if clock.expired():
+                    row["skipped"] = "time budget"
+                    break
+                score_windows(model, windows, batch_size=1, device=device,
+                              precision="bf16" if sizes.dtype == "bfloat16" else "fp32",
+                              attention=attention_spec_for(model, p))
+        row["graphs"] = counter.frame_count
+    except Exception as exc:  # noqa: BLE001
+        row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    finally:
+        del model
+        reset_dynamo()
+        free_memory(device)
+    say("| sweep | graphs compiled | at most (lengths x 2 modes) | before the power was a tensor |")
+    say("|---|---|---|---|")
+    say(f"| {len(SWEEP_P_EVAL)} p_eval x {len(lengths)} lengths | {row.get('error') or row.get('skipped') or row['graphs']} | "
+        f"{row['limit']} | {len(SWEEP_P_EVAL) * len(lengths)} |")
+    return [row]
+
+
 # --- targets -------------------------------------------------------------------------------------------------
 
 def targets(results: dict, device: torch.device) -> list[dict]:
@@ -731,6 +911,14 @@ def targets(results: dict, device: torch.device) -> list[dict]:
     return out
 
 
+def lssar_step_ratio(train_rows: list[dict]) -> float | None:
+    """LSSAR's training step time per token over softmax's (the ratio of their tokens/s), or None."""
+    done = {r["variant"]: r for r in train_rows if r.get("tokens_per_s")}
+    if "softmax" not in done or "lssar" not in done:
+        return None
+    return done["softmax"]["tokens_per_s"] / done["lssar"]["tokens_per_s"]
+
+
 def summary(results: dict) -> list[dict]:
     """One line per part that ran: PASSED, FAILED or INCOMPLETE (skipped for time), with what failed."""
     out = []
@@ -755,8 +943,10 @@ def summary(results: dict) -> list[dict]:
             failures = [f"{r['variant']}{' ' + str(r['T']) if 'T' in r else ''}: {r['error']}" for r in rows
                         if r.get("error")]
             ratios = [r["peak_vs_estimate"] for r in rows if r.get("peak_vs_estimate")]
-            detail = f"measured peak / estimate {min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
-            add(part, failures, sum(1 for r in rows if r.get("skipped")), detail)
+            details = [f"measured peak / estimate {min(ratios):.2f}-{max(ratios):.2f}"] if ratios else []
+            if part == "train" and lssar_step_ratio(rows) is not None:
+                details.insert(0, f"lssar step {lssar_step_ratio(rows):.2f}x softmax's (per token)")
+            add(part, failures, sum(1 for r in rows if r.get("skipped")), "; ".join(details))
     if "variants" in results:
         rows = results["variants"]
         failures = [f"{variant_label(r['variant'], r['p'])}: {r['failure']}" for r in rows
@@ -765,6 +955,22 @@ def summary(results: dict) -> list[dict]:
         add("variants", failures, sum(1 for r in rows if r.get("skipped")),
             f"{len(rows)} variants finite" + (f"; on the dense reference: {', '.join(dense)}" if dense else
                                               "; none on the dense reference"))
+    if "determinism" in results:
+        rows = results["determinism"]
+        failures = [f"{r['check']}: {r['error']}" for r in rows if r.get("error")]
+        failures += [f"{r['check']} differs ({', '.join(r['differences'][:3])})" for r in rows
+                     if r.get("differences")]
+        add("determinism", failures, sum(1 for r in rows if r.get("skipped")),
+            "lssar attention and training gradients bit-identical over 2 runs")
+    if "recompiles" in results:
+        (r,) = results["recompiles"]
+        failures = [r["error"]] if r.get("error") else []
+        if r.get("graphs") is not None and r["graphs"] > r["limit"]:
+            failures.append(f"{r['graphs']} graphs for {len(r['p_eval'])} p_eval x {len(r['lengths'])} lengths "
+                            f"(at most {r['limit']}: one per length and sharpening mode)")
+        add("recompiles", failures, 1 if r.get("skipped") else 0,
+            f"{r.get('graphs')} graphs for {len(r['p_eval'])} p_eval x {len(r['lengths'])} lengths "
+            f"(at most {r['limit']})")
     return out
 
 
@@ -851,11 +1057,15 @@ def main(argv: list[str] | None = None) -> int:
             "train": lambda: bench_train(sizes, device, clock, backend),
             "eval": lambda: bench_eval(sizes, device, clock, backend),
             "variants": lambda: bench_variants(sizes, device, clock),
+            "determinism": lambda: bench_determinism(sizes, device, clock, backend),
+            "recompiles": lambda: bench_recompiles(sizes, device, clock),
         }
         titles = {"proxy": "CPU tests of the CUDA paths (`pytest -m cuda_proxy`)", "plan": "Memory plan",
                   "tests": "CUDA tests (`pytest -m gpu`)", "attention": "Attention forward + backward",
                   "train": "Training throughput", "eval": "Evaluation throughput",
-                  "variants": f"Every variant: a few {sizes.dtype} training steps"}
+                  "variants": f"Every variant: a few {sizes.dtype} training steps",
+                  "determinism": "LSSAR run twice: bit-identical gradients?",
+                  "recompiles": "Graphs compiled by a p_eval sweep (studies/p_sweep.yaml's grid)"}
         for part in PARTS:
             if part not in parts:
                 continue

@@ -217,9 +217,57 @@ def test_backward_matches_dense_in_float64(name, p, T):
         assert _max_err(a, b) <= 1e-9 * max(1.0, b.abs().max().item()), f"d{label}: {_max_err(a, b):.2e}"
 
 
+# Every sharpened form: each distinct normalised non-negative variant at p = 3, LSSAR with ALiBi, a learned QK-norm
+# gain (softmax_qknorm) sharpened with and without ALiBi, and recentre_l1 of softmax, relu_l1 and lssa.
+SHARPENED_GRADIENT_CASES = ([(name, dict(p=3)) for name in FORWARD_VARIANTS]
+                            + [("lssar", dict(position_bias="alibi")), ("softmax_qknorm", dict(p=5)),
+                               ("softmax_qknorm_logn", dict(p=15, position_bias="alibi")),
+                               ("softmax_recentred_l1", {}), ("relu_l1", dict(post="recentre_l1")),
+                               ("lssa", dict(post="recentre_l1", position_bias="alibi"))])
+
+
+@pytest.mark.parametrize("name, overrides", SHARPENED_GRADIENT_CASES,
+                         ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}={v}" for k, v in x.items()))
+def test_two_pass_gradients_match_dense_in_float64(name, overrides):
+    # The backward of the two passes (docs/attention.md#the-backward-of-the-two-passes): pass 2 reads log Z as a
+    # constant and pass 1 gets dL/dlog Z as an LSE gradient, from one more call. q, k, v and the learned gains.
+    spec = get_variant(name, **overrides)
+    worst = 0.0
+    for T in (4, 17, 130):
+        q, k, v = _qkv(T, 16, seed=T, B=2, requires_grad=True)
+        gen = torch.Generator().manual_seed(T)
+        w = torch.randn(2, 2, T, 16, dtype=torch.float64, generator=gen)
+        gains = None
+        if spec.learned_qk_gain:
+            gains = ((1 + 0.1 * torch.randn(2, 16, generator=gen, dtype=torch.float64)).requires_grad_(),
+                     (1 + 0.1 * torch.randn(16, generator=gen, dtype=torch.float64)).requires_grad_())
+        inputs = (q, k, v, *(gains or ()))
+        got = torch.autograd.grad((attend_flex(q, k, v, spec, qk_gain=gains) * w).sum(), inputs)
+        want = torch.autograd.grad((attend_dense(q, k, v, spec, qk_gain=gains) * w).sum(), inputs)
+        worst = max(worst, *(_max_err(a, b) / max(1.0, b.abs().max().item()) for a, b in zip(got, want)))
+    assert worst <= 1e-9, f"{name} {overrides}: {worst:.2e}"
+
+
+def test_a_tensor_power_is_the_power_of_the_spec():
+    # attend(..., p=tensor) (how the model passes p_eval) equals the spec with that power, forward and backward, on
+    # the fused path and the dense one; the tensor's value is read, not the spec's.
+    q, k, v = _qkv(17, 16, requires_grad=True)
+    for impl in ("flex", "dense"):
+        for p in (1.0, 3.0, 31.0):
+            got = attend(q, k, v, get_variant("lssar"), impl=impl, p=torch.tensor(p, dtype=torch.float64))
+            want = attend(q, k, v, get_variant("lssar", p=p), impl=impl)
+            assert _max_err(got, want) <= 1e-13
+            g = torch.autograd.grad(got.sum(), q)[0]
+            assert _max_err(g, torch.autograd.grad(want.sum(), q)[0]) <= 1e-12
+    with pytest.raises(ValueError, match="p=.* is given but attention 'lssa' is not sharpened"):
+        attend(q, k, v, get_variant("lssa"), impl="flex", p=3.0)
+    with pytest.raises(ValueError, match="0-d floating-point tensor"):
+        attend(q, k, v, get_variant("lssar"), impl="flex", p=torch.tensor([3.0]))
+
+
 def test_backward_needs_the_gradient_of_pass_one_normaliser():
-    # The same two passes with pass 1's LSE detached give a visibly wrong dq: the captured-LSE gradient path
-    # is what makes test_backward_matches_dense_in_float64 pass.
+    # The same two passes with nothing handed to pass 1's LSE (pass 2 reads it detached) give a visibly wrong dq:
+    # the LSE gradient attend_log_scores adds is what makes test_backward_matches_dense_in_float64 pass.
     spec = get_variant("softmax", p=3)
     T, D = 17, 16
     q, k, v = _qkv(T, D, requires_grad=True)
@@ -227,7 +275,7 @@ def test_backward_needs_the_gradient_of_pass_one_normaliser():
     first = first_stage_score_mod(spec, sizes)
     _, log_z, max_log = flex._flex_unfused(q, k, q.new_zeros(1, 2, T, 16), first, block_mask, with_stats=True)
     has_mass = sharpen_rows_with_mass(log_z.detach(), max_log.detach())
-    second = sharpen_score_mod(spec, sizes, log_z.detach(), has_mass)
+    second = sharpen_score_mod(first, log_z.detach(), has_mass, torch.tensor(3.0, dtype=torch.float64))
     out, _, _ = flex._flex_unfused(q, k, v, second, block_mask, with_stats=False)
     (dq_detached,) = torch.autograd.grad(out.sum(), q)
     (dq_dense,) = torch.autograd.grad(attend_dense(q, k, v, spec).sum(), q)

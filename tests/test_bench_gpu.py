@@ -53,8 +53,8 @@ def test_smoke_run_end_to_end(bench, tmp_path, capsys):
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# Benchmark results\n")
     out_json = tmp_path / "gpu.json"
-    rc = bench.main(["--smoke", "--parts", "plan,attention,train,eval,variants", "--append", "--results",
-                     str(results_md), "--json", str(out_json)])
+    rc = bench.main(["--smoke", "--parts", "plan,attention,train,eval,variants,determinism,recompiles", "--append",
+                     "--results", str(results_md), "--json", str(out_json)])
     assert rc == 0
     printed = capsys.readouterr().out
     data = json.loads(out_json.read_text())
@@ -87,7 +87,13 @@ def test_smoke_run_end_to_end(bench, tmp_path, capsys):
     assert isinstance(met[1], bool) and isinstance(met[3], bool)  # the ratios are measured, whatever they are
     text = results_md.read_text()
     assert text.startswith("# Benchmark results\n") and "## GPU path" in text and "### Targets" in text
-    assert [r["part"] for r in data["summary"]] == ["plan", "attention", "train", "eval", "variants"]
+    # LSSAR run twice: bit-identical attention gradients and training steps; the p_eval sweep's graphs counted
+    assert [(r["check"], r["identical"]) for r in data["determinism"]] == [("attention", True), ("training", True)]
+    (sweep,) = data["recompiles"]
+    assert sweep["graphs"] == sweep["limit"] == 2 * len(bench.SWEEP_MULTIPLES) and len(sweep["p_eval"]) == 11
+    assert [r["part"] for r in data["summary"]] == ["plan", "attention", "train", "eval", "variants", "determinism",
+                                                    "recompiles"]
+    assert "lssar step" in next(r["detail"] for r in data["summary"] if r["part"] == "train")
     assert all(r["verdict"] == "PASSED" for r in data["summary"]), data["summary"]
     assert "### What passed and what did not" in text and "- train: **PASSED**" in text
     assert "| lssar p=15 | flex |" in text and text.strip().endswith("min.")
@@ -149,6 +155,9 @@ def test_summary_names_what_failed(bench):
         "variants": [{"variant": "relu_l1", "p": None, "backend": "flex", "verdict": "as expected", "failure": None},
                      {"variant": "softmax", "p": 15.0, "backend": "flex", "verdict": "UNEXPECTED failure",
                       "failure": "loss nan at step 2"}],
+        "determinism": [{"check": "attention", "differences": ["dq (max |diff| 3.0e-03)"], "identical": False},
+                        {"check": "training", "differences": [], "identical": True}],
+        "recompiles": [{"lengths": [1, 2, 3, 4, 5], "p_eval": [None] * 11, "limit": 10, "graphs": 55}],
     }
     rows = {r["part"]: r for r in bench.summary(results)}
     assert rows["proxy"] == {"part": "proxy", "verdict": "FAILED", "detail": "1 failed, 20 passed"}
@@ -156,6 +165,9 @@ def test_summary_names_what_failed(bench):
     assert rows["train"]["verdict"] == "FAILED" and rows["train"]["detail"] == "lssar: OOM at micro-batch 1"
     assert rows["eval"]["verdict"] == "INCOMPLETE"
     assert rows["variants"]["verdict"] == "FAILED" and rows["variants"]["detail"] == "softmax p=15: loss nan at step 2"
+    assert rows["determinism"] == {"part": "determinism", "verdict": "FAILED",
+                                   "detail": "attention differs (dq (max |diff| 3.0e-03))"}
+    assert rows["recompiles"]["verdict"] == "FAILED" and "55 graphs for 11 p_eval x 5 lengths" in rows["recompiles"]["detail"]
 
 
 def test_targets_are_judged_from_the_figures(bench):

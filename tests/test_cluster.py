@@ -57,6 +57,38 @@ def test_launcher_config_validates(path):
     assert head["resources"].get("GPU", 0) == 0  # the head never trains
 
 
+# The CUDA build the GPU nodes install (cluster/README.md#torch-and-the-nvidia-driver: NVIDIA driver >= 525).
+TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu126"
+
+
+def test_gpu_nodes_install_the_torch_the_tests_run():
+    # An unpinned torch>=2.9 took PyPI's newest CUDA wheel on the nodes: a version the tests never ran, possibly
+    # built for a CUDA newer than the nodes' driver. Every place that installs torch on a GPU pins this one.
+    import torch
+
+    pin = f"torch=={torch.__version__.split('+')[0]}"
+
+    def pinned(line: str) -> bool:
+        return "pip install" in line and pin in line.split() and f"--index-url {TORCH_CUDA_INDEX}" in line
+
+    for path in (CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml"):
+        commands = yaml.safe_load(path.read_text())["setup_commands"]
+        first = next(i for i, c in enumerate(commands) if "pip install" in c and "torch" in c.split("#")[0])
+        attnlab = next(i for i, c in enumerate(commands) if "-e ~/attnlab" in c)
+        assert pinned(commands[first]) and first < attnlab, (path.name, commands[first])
+    runs = [line for line in (CLUSTER / "kuberay" / "Dockerfile").read_text().splitlines() if line.startswith("RUN")]
+    assert pinned(runs[0]) and "-e ." in runs[-1], runs
+    tag = f"ray2.60.0-{pin.replace('==', '')}-cu126"
+    for manifest in ("raycluster.yaml", "rayjob.yaml"):
+        images = [ln.split("image:")[1].strip() for ln in (CLUSTER / "kuberay" / manifest).read_text().splitlines()
+                  if "image:" in ln]
+        assert images and all(image.endswith(tag) for image in images), (manifest, images)
+    makefile = (CLUSTER.parent / "Makefile").read_text()
+    assert any(pinned(line) for line in makefile.splitlines())  # `make` on a GPU machine (bench-gpu)
+    readme = (CLUSTER / "README.md").read_text()
+    assert "### Torch and the NVIDIA driver" in readme and ">= 525" in readme and pin.replace("==", " ") in readme
+
+
 @pytest.mark.parametrize("path", [CLUSTER / "aws.yaml", CLUSTER / "gcp.yaml"], ids=lambda p: p.name)
 def test_cloud_launcher_config_content(path):
     config = yaml.safe_load(path.read_text())

@@ -55,10 +55,16 @@ def _is_gpu_stop(exc) -> bool:
 
 
 @contextlib.contextmanager
-def _lowering_up_to_the_gpu(stops: list[str]):
-    """Inductor's FlexAttention lowerings, each run until it needs the GPU (``stops`` records ``fw``/``bw``)."""
+def _lowering_up_to_the_gpu(stops: list[str], scatters: list[str] | None = None):
+    """Inductor's FlexAttention lowerings, each run until it needs the GPU (``stops`` records ``fw``/``bw``).
+
+    ``scatters`` records every gradient of a captured buffer that a FlexAttention backward lowers: inductor lowers
+    it as a ``Scatter`` with ``scatter_mode="atomic_add"`` into a zeroed buffer (``zeros_and_scatter``), i.e.
+    ``tl.atomic_add`` inside the backward kernel, non-deterministic on a GPU (pytorch/pytorch#137452).
+    """
     from torch._inductor import graph as inductor_graph
     from torch._inductor import ir
+    from torch._inductor.kernel.flex import common as flex_common
     from torch._inductor.lowering import empty_strided, lowerings
     from torch.utils._pytree import tree_leaves
 
@@ -116,14 +122,24 @@ def _lowering_up_to_the_gpu(stops: list[str]):
     def stop_before_codegen(self, *args, **kwargs):
         raise _LoweredUpToCodegen()
 
+    scatter_lowering = flex_common.zeros_and_scatter_lowering
+
+    def recorded_scatter(shape, indices, values):
+        buffer = scatter_lowering(shape, indices, values)
+        if scatters is not None:
+            scatters.append(f"{buffer.data.scatter_mode} into a captured buffer of shape {list(shape)}")
+        return buffer
+
     compile_to_module = inductor_graph.GraphLowering.compile_to_module
     lowerings[fw_op], lowerings[bw_op] = fw, bw
     inductor_graph.GraphLowering.compile_to_module = stop_before_codegen
+    flex_common.zeros_and_scatter_lowering = recorded_scatter
     try:
         yield
     finally:
         lowerings[fw_op], lowerings[bw_op] = lower_fw, lower_bw
         inductor_graph.GraphLowering.compile_to_module = compile_to_module
+        flex_common.zeros_and_scatter_lowering = scatter_lowering
 
 
 def _lowering_backend(lowered: list[str]):
@@ -204,24 +220,29 @@ def test_baseline_and_alibi_training_graphs_lower_up_to_the_gpu(name, overrides,
 
 def _check_lowering(spec, D, dtype):
     assert flex.is_fusable(spec)
-    two = spec.p is not None or spec.post == "recentre_l1" or flex.parts_of(spec) != ("whole",)
-    calls = 2 if two else 1  # FlexAttention calls
+    two_passes = spec.p is not None or spec.post == "recentre_l1"
+    calls = 2 if two_passes or flex.parts_of(spec) != ("whole",) else 1  # FlexAttention calls with a backward
+    # The two passes' backward needs one more call in the forward, without gradient (the direction of pass 1's
+    # LSE gradient: docs/attention.md#the-backward-of-the-two-passes).
+    forward_calls = calls + 1 if two_passes else calls
     T, H = 128, 2
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, H, T, D, generator=gen).to(dtype).requires_grad_() for _ in range(3))
     # The model's learned QK-norm gains (float32 parameters, as under autocast), per head for q, shared for k.
     gains = (1 + 0.1 * torch.randn(H, D, generator=gen), 1 + 0.1 * torch.randn(D, generator=gen))
     gains = tuple(g.requires_grad_() for g in gains) if spec.learned_qk_gain else None
-    lowered, stops = [], []
+    lowered, stops, scatters = [], [], []
     fn = torch.compile(lambda q, k, v, gains: attend(q, k, v, spec, impl="flex", qk_gain=gains),
                        backend=_lowering_backend(lowered), fullgraph=True, dynamic=False)
-    with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops):
+    with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops, scatters):
         out = fn(q, k, v, gains)
         assert out.shape == (2, 2, T, D) and out.dtype == dtype
         with pytest.raises(_LoweredUpToCodegen):
             out.float().sum().backward()
     assert lowered == ["fw", "bw"]
-    assert stops == ["fw"] * calls + ["bw"] * calls  # every call of both graphs lowered up to the GPU
+    # No backward kernel scatters a captured buffer's gradient with atomics: deterministic on the GPU.
+    assert scatters == []
+    assert stops == ["fw"] * forward_calls + ["bw"] * calls  # every call of both graphs lowered up to the GPU
 
 
 def test_on_cuda_no_registered_variant_uses_the_dense_reference():
@@ -239,6 +260,29 @@ def test_the_switch_changes_nothing_outside_a_compiled_graph():
     with flex.cuda_code_path():
         inside = flex.attend_flex(q, k, v, spec)
     assert torch.equal(inside, flex.attend_flex(q, k, v, spec)) and not flex._cuda_code_path_on_cpu
+
+
+# --- no silent fall back to the unfused O(T^2) path -------------------------------------------------------------
+
+def test_unfused_flex_attention_is_refused_on_cuda_past_a_few_thousand_tokens():
+    assert flex.unfused_refusal("cuda", 12, 4096) is None and flex.unfused_refusal("cpu", 12, 16384) is None
+    reason = flex.unfused_refusal("cuda", 12, 16384)
+    assert "\n" not in reason and "T=16384" in reason and "12.0 GiB per call" in reason and "recompile_limit" in reason
+
+
+def test_an_eager_fallback_of_the_compiled_instance_stops_before_allocating():
+    # What runs when dynamo gives up on the compiled FlexAttention instance (its recompile limit): the function it
+    # compiles, eagerly. On CUDA tensors (fake ones: nothing is allocated) at 16K tokens it stops with the reason
+    # instead of calling FlexAttention's unfused implementation.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attnlab.errors import UserError
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 12, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        with pytest.raises(UserError) as info:
+            flex._flex_attention_or_refuse(q, k, v, score_mod=None, block_mask=None, scale=1.0)
+    assert str(info.value) == flex.unfused_refusal("cuda", 12, 16384)
 
 
 # --- recompiles of a compiled model ---------------------------------------------------------------------------
@@ -286,25 +330,112 @@ def test_training_steps_and_evaluation_compile_once_per_shape(fresh_dynamo):
     assert counter.frame_count == total
 
 
+def _sweep_config(attention: str):
+    from attnlab.model import preset
+
+    return preset("tiny", attention=attention, vocab_size=128, train_len=16, n_layer=1, attn_impl="flex")
+
+
+# studies/p_sweep.yaml's grid as an evaluation-time sweep: p_eval none (as trained) and ten powers, at five lengths
+# (the tiny model's multiples 1..16 of a 16-token training length).
+P_SWEEP = (None, 1, 3, 5, 7, 9, 11, 13, 15, 31, 63)
+SWEEP_LENGTHS = (16, 32, 64, 128, 256)
+
+
+def _sweep_compiles(attention: str, lengths=SWEEP_LENGTHS) -> tuple[int, dict]:
+    """Graphs compiled by an evaluation sweep over P_SWEEP x ``lengths`` of a compiled one-layer tiny model on its
+    CUDA path (FlexAttention traced into the blocks: ``cuda_code_path``), 2 windows per length scored together, as
+    ``attnlab eval`` scores them (``measure``: ``attention_spec_for`` + ``score_windows``). Returns the count and the
+    summed loss of each (length, p_eval). (A batch-size tail is one more graph per length and mode:
+    ``test_training_steps_and_evaluation_compile_once_per_shape`` counts those.)"""
+    from torch._dynamo.testing import CompileCounter
+
+    from attnlab.evaluate.measure import attention_spec_for, score_windows
+    from attnlab.model import GPT, compile_model, preset
+
+    torch.manual_seed(0)
+    model = GPT(_sweep_config(attention))
+    counter = CompileCounter()
+    compile_model(model, True, backend=counter)
+    rng = np.random.default_rng(0)
+    losses = {}
+    with flex.cuda_code_path():
+        for L in lengths:
+            windows = rng.integers(0, 128, size=(2, L + 1))
+            for p in P_SWEEP:
+                scores = score_windows(model, windows, batch_size=2, attention=attention_spec_for(model, p))
+                losses[L, p] = scores.total
+    return counter.frame_count, losses
+
+
+def test_a_p_eval_sweep_compiles_one_graph_per_length_and_sharpening_mode(fresh_dynamo):
+    # A model trained without sharpening: p_eval none is its one-pass form, every number the two-pass form. What
+    # is counted: compiled block graphs (the blocks are what evaluation runs compiled; the LM head is eager), one
+    # per (length, sharpening mode) at one batch size: 5 lengths x 2 modes. Before the power reached the attention
+    # as a tensor, every p_eval was a graph of its own (55 here; with a batch tail 110, past dynamo's recompile
+    # limit of 64, after which the blocks ran eagerly and FlexAttention unfused).
+    graphs, losses = _sweep_compiles("softmax")
+    assert graphs == len(SWEEP_LENGTHS) * 2, graphs
+    # The graph shared by the powers reads each power: the losses differ, and match the eager model's.
+    L = SWEEP_LENGTHS[1]
+    assert len({losses[L, p] for p in P_SWEEP}) == len(P_SWEEP)
+    from attnlab.evaluate.measure import attention_spec_for, score_windows
+    from attnlab.model import GPT
+
+    torch.manual_seed(0)
+    eager = GPT(_sweep_config("softmax"))
+    rng = np.random.default_rng(0)
+    w = [rng.integers(0, 128, size=(2, length + 1)) for length in SWEEP_LENGTHS[:2]][-1]  # the sweep's windows at L
+    for p in (None, 3, 63):
+        want = score_windows(eager, w, batch_size=2, attention=attention_spec_for(eager, p)).total
+        assert losses[L, p] == pytest.approx(want, rel=1e-5), p
+
+
+def test_p_eval_none_of_a_sharpened_model_shares_the_sharpened_graph(fresh_dynamo):
+    # A model trained with sharpening (LSSAR, p_train 15): p_eval none is the power it was trained with, one power
+    # among the others, so the whole sweep is one graph per length.
+    graphs, _ = _sweep_compiles("lssar", lengths=SWEEP_LENGTHS[:1])
+    assert graphs == 1, graphs
+
+
 @_CPU_ONLY
 def test_compiled_model_training_graph_lowers_up_to_the_gpu(fresh_dynamo):
     # The whole compiled GPT (LSSAR through FlexAttention, under bf16 autocast as training runs on CUDA): one
-    # graph, the block mask built in it, two FlexAttention calls per layer, forward and backward lowered.
+    # graph, the block mask built in it, three FlexAttention calls per layer forward (the two passes and the
+    # direction of pass 1's LSE gradient) and two backward, lowered without a captured-buffer scatter.
     from attnlab.model import GPT, compile_model, preset
 
     torch.manual_seed(0)
     model = GPT(preset("tiny", attention="lssar", vocab_size=128, attn_impl="flex"))
-    lowered, stops = [], []
+    lowered, stops, scatters = [], [], []
     compile_model(model, True, backend=_lowering_backend(lowered))
     idx = torch.randint(0, 128, (2, 129), generator=torch.Generator().manual_seed(1))
-    with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops):
+    with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops, scatters):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(idx[:, :-1], idx[:, 1:])
         with pytest.raises(_LoweredUpToCodegen):
             loss.backward()
     layers = len(model.blocks)
     assert lowered == ["fw", "bw"]
-    assert stops == ["fw"] * (2 * layers) + ["bw"] * (2 * layers)
+    assert scatters == []
+    assert stops == ["fw"] * (3 * layers) + ["bw"] * (2 * layers)
+
+
+@_CPU_ONLY
+def test_evaluation_graph_with_the_power_as_an_input_lowers_up_to_the_gpu(fresh_dynamo):
+    # An evaluation forward (no gradient) of a compiled LSSAR model at a p_eval: the power is an input of the block
+    # graph (a 0-d tensor read by pass 2's score_mod), lowered with both FlexAttention calls of each layer.
+    from attnlab.evaluate.measure import attention_spec_for
+    from attnlab.model import GPT, compile_model, preset
+
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", attention="lssar", vocab_size=128, n_layer=1, attn_impl="flex")).eval()
+    lowered, stops, scatters = [], [], []
+    compile_model(model, True, backend=_lowering_backend(lowered))
+    idx = torch.randint(0, 128, (1, 129), generator=torch.Generator().manual_seed(1))
+    with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops, scatters), torch.no_grad():
+        model.token_stats(idx[:, :-1], idx[:, 1:], attention=attention_spec_for(model, 3.0))
+    assert lowered == ["fw"] and stops == ["fw", "fw"] and scatters == []
 
 
 @pytest.mark.gpu

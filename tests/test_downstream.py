@@ -275,6 +275,40 @@ def test_synthetic_vocabulary_models_are_refused(tmp_path):
         AttnlabLM(model)
 
 
+@pytest.mark.cuda_proxy
+def test_a_compiled_model_scores_requests_with_one_graph_per_width_bucket():
+    # Requests of 8 lengths, 2 per batch: each batch used to be padded to its longest request, one compiled graph per
+    # distinct width (4 here, one per batch); now to a power of two (the model reads 39, 29, 19, 11 tokens: 64,
+    # 32, 32, 16) with the last batch's rows filled up too, so graphs = width buckets (3). The scores are the
+    # unpadded ones.
+    from torch._dynamo.testing import CompileCounter
+
+    from attnlab.evaluate.harness_lm import AttnlabLM, padded_width
+    from attnlab.model import GPT, compile_model, preset
+    from attnlab.names import GPT2_VOCAB
+
+    assert [padded_width(n, 64) for n in (2, 17, 18, 33, 34, 65)] == [17, 17, 33, 33, 65, 65]
+    assert padded_width(16385, 16384) == 16385 and padded_width(3000, 3000) == 3001
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=GPT2_VOCAB, n_layer=1)).eval()
+    eager = GPT(preset("tiny", vocab_size=GPT2_VOCAB, n_layer=1)).eval()
+    eager.load_state_dict(model.state_dict())
+    counter = CompileCounter()
+    compile_model(model, True, backend=counter)
+    rng = np.random.default_rng(0)
+    pairs = [(rng.integers(0, 1000, n - 3).tolist(), rng.integers(0, 1000, 3).tolist())
+             for n in (40, 38, 30, 28, 20, 18, 12, 9)]
+    try:
+        got = AttnlabLM(model, batch_size=2)._score(pairs)
+        assert counter.frame_count == 3, counter.frame_count
+    finally:
+        torch._dynamo.reset()
+    for (ctx, cont), (logprob, greedy) in zip(pairs, got):
+        want, want_greedy = _logprob(eager, ctx, cont)
+        assert logprob == pytest.approx(want, rel=1e-5, abs=1e-5) and greedy == want_greedy
+
+
 @pytest.mark.ray
 def test_study_downstream_cells_run_once_and_a_new_task_trains_nothing(ray_session, demo_data_dir, tasks_dir,
                                                                        tmp_path, capsys):

@@ -216,6 +216,26 @@ def test_micro_batch_auto_keeps_tokens_per_step():
         cfg.resolved(8, 2 * GIB)
 
 
+def test_micro_batch_auto_sizes_a_shared_gpu_by_its_fraction():
+    # Half an 80 GB GPU per worker (two trials on one GPU): auto picks what fits 40 GB, not the whole GPU's 64.
+    half = load_train_config({"micro_batch": "auto", "workers": 1, "gpus_per_worker": 0.5})
+    whole = load_train_config({"micro_batch": "auto", "workers": 1, "gpus_per_worker": 1})
+    eighty = cv.GPU_MEMORY["A100-80GB"]
+    assert whole.resolved(1, eighty).micro_batch == 64
+    assert half.resolved(1, eighty).micro_batch == whole.resolved(1, eighty // 2).micro_batch == 32
+
+
+@pytest.mark.parametrize("gpus", [0.5, 0.25])
+def test_a_fraction_of_a_gpu_per_rank_is_refused_with_more_than_one_worker(gpus):
+    with pytest.raises(UserError) as info:
+        load_train_config({"workers": 2, "gpus_per_worker": gpus})
+    message = str(info.value)
+    assert "\n" not in message and f"gpus_per_worker={gpus:g} with workers=2 is not allowed" in message
+    assert "NCCL" in message and "gpus_per_worker: 1" in message
+    assert load_train_config({"workers": 1, "gpus_per_worker": gpus}).gpus_per_worker == gpus  # one rank: fine
+    assert load_train_config({"workers": 2, "gpus_per_worker": 0}).workers == 2  # CPU workers: fine
+
+
 @pytest.mark.parametrize("value", [0, "big", -4, True, 2.5])
 def test_bad_micro_batch_values_are_refused_in_one_line(value, tmp_path):
     with pytest.raises(UserError) as info:

@@ -129,6 +129,42 @@ def _train(model: GPT, batches, steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.cuda_proxy
+def test_lssar_cuda_graph_trains_under_aot_eager_with_bit_identical_gradients():
+    # LSSAR's CUDA graph (FlexAttention traced into the compiled model: flex.cuda_code_path) through AOTAutograd
+    # with the aot_eager backend this module's docstring recommends for debugging. Its first backward used to fail
+    # ("RuntimeError: Expected a proper Tensor but got None", at the LSE gradient of torch's dense FlexAttention
+    # backward) while pass 2 differentiated pass 1's LSE as a captured buffer; now pass 1 gets that gradient as
+    # an LSE gradient (docs/attention.md#the-backward-of-the-two-passes).
+    from attnlab.attention import flex
+
+    eager, compiled = _pair("lssar", vocab=128, attn_impl="flex")
+    compile_model(compiled, True, backend="aot_eager")
+    state = copy.deepcopy(compiled.state_dict())
+    idx = torch.randint(0, 128, (2, 65), generator=torch.Generator().manual_seed(1))
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def gradients(model):
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+        with flex.cuda_code_path():
+            _, loss = model(x, y)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = gradients(compiled)
+    again, grads_again = gradients(compiled)  # the same step, run again: bit for bit the same gradients
+    assert again == loss and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    ref_loss, ref_grads = gradients(eager)  # FlexAttention's unfused CPU path, eagerly
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for (name, _), g, r in zip(compiled.named_parameters(), grads, ref_grads):
+        assert torch.allclose(g, r, rtol=1e-3, atol=1e-6), name
+    assert _graph_breaks() == 0
+    with flex.cuda_code_path():  # and it trains
+        losses = _train(compiled, [(x, y)] * 3, 3)
+    assert losses[-1] < losses[0]
+
+
 @pytest.mark.slow
 def test_a_few_training_steps_compiled_with_inductor_match_eager():
     # Inductor on CPU: C++ kernels built with the machine's compiler. LSSA through the dense reference (the CPU

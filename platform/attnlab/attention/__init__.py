@@ -6,12 +6,14 @@ Public API (a contract: tests and docs rely on it):
   :class:`PluginSpec` for a variant of a loaded plugin (:func:`load_plugin`; docs/plugins.md).
 - :func:`attention_weights` ``(q, k, spec, qk_gain=None, state=None) -> (B, H, T, T)`` dense causal weights
   (float32 or better); :func:`weights_for_rows` the same for a block of query rows (diagnostics).
-- :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None, state=None) -> (B, H, T, D)``; ``impl`` is a
-  :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by
+- :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None, state=None, p=None) -> (B, H, T, D)``; ``impl`` is
+  a :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by
   :func:`resolve_backend`. ``qk_gain``: for a spec with ``qk_norm_gain='learned'`` (``softmax_qknorm``,
   ``softmax_qknorm_logn``) the model's learned QK-norm gains ``(gain_q, gain_k)``, each ``(D,)`` or ``(H, D)``
   (docs/attention.md#modern-softmax-baselines); None for every other spec. ``state``: for a plugin variant, the
   layer's :class:`PluginState` (its parameters and prepared tensors; ``plugin.prepare_state``); None otherwise.
+  ``p``: a sharpened spec's power given as a number or a 0-d tensor instead of ``spec.p`` (one compiled graph
+  for every power).
 
 ``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
 reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``);
@@ -25,7 +27,7 @@ import torch
 
 from attnlab.attention import dense
 from attnlab.attention.backends import Backend, resolve_backend
-from attnlab.attention.dense import attend_dense
+from attnlab.attention.dense import attend_dense, check_power
 from attnlab.attention.flex import attend_flex
 from attnlab.attention.plugin import PluginState, attend_plugin, load_plugin, reference_weights
 from attnlab.attention.sdpa import attend_sdpa
@@ -83,7 +85,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec | Pl
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | PluginSpec,
-           impl: Backend | str = Backend.AUTO, qk_gain=None, state: PluginState | None = None) -> torch.Tensor:
+           impl: Backend | str = Backend.AUTO, qk_gain=None, state: PluginState | None = None, p=None) -> torch.Tensor:
     """Causal attention output ``(B, H, T, D)`` in v's dtype.
 
     ``impl`` (a :class:`Backend` or its value): ``dense`` (the reference, chunked over query rows for long
@@ -93,14 +95,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     ``dense`` (see :mod:`attnlab.attention.backends`). ``qk_gain``: the model's ``(gain_q, gain_k)`` for a
     spec with ``qk_norm_gain='learned'``, else None (ValueError, one line, when it does not fit the spec).
     ``state``: a plugin variant's layer state (:class:`PluginState`); a plugin's ``flex`` is its fused form.
+    ``p``: for a sharpened spec, the power to use instead of ``spec.p``: a number >= 1 or a 0-d tensor (a
+    tensor does not specialise a compiled graph, so one graph serves every power: the model passes ``p_eval``
+    this way); None: ``spec.p``.
     """
     check_qkv(q, k, v)
     _check_spec(spec, qk_gain, state)
+    check_power(spec, p)
     backend = resolve_backend(spec, q.device, impl)
     if isinstance(spec, PluginSpec):
         return attend_plugin(q, k, v, spec, backend.value, state)
     if backend is Backend.SDPA:
         return attend_sdpa(q, k, v, spec, qk_gain=qk_gain)
     if backend is Backend.FLEX:
-        return attend_flex(q, k, v, spec, qk_gain=qk_gain)
-    return attend_dense(q, k, v, spec, qk_gain=qk_gain)
+        return attend_flex(q, k, v, spec, qk_gain=qk_gain, p=p)
+    return attend_dense(q, k, v, spec, qk_gain=qk_gain, p=p)

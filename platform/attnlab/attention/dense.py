@@ -60,6 +60,23 @@ def check_qk_gain(spec: AttentionSpec, qk_gain, q: torch.Tensor) -> None:
             raise ValueError(f"qk_gain {which} has shape {shape}: use {allowed}")
 
 
+def check_power(spec: AttentionSpec, p) -> None:
+    """Raise ValueError (one line) unless ``p`` (a sharpening power given instead of ``spec.p``) fits ``spec``:
+    None, or for a sharpened spec a number >= 1 or a 0-d tensor (whose value is not read: it may live on a GPU
+    or inside a compiled graph)."""
+    if p is None:
+        return
+    if spec.p is None:
+        raise ValueError(f"p={p!r} is given but attention {spec.name!r} is not sharpened (spec.p is None): pass "
+                         "p=None, or a spec with a power")
+    if isinstance(p, torch.Tensor):
+        if p.dim() != 0 or not p.is_floating_point():
+            raise ValueError(f"p must be a number >= 1 or a 0-d floating-point tensor, got a tensor of shape "
+                             f"{tuple(p.shape)} and dtype {p.dtype}")
+    elif isinstance(p, bool) or not isinstance(p, (int, float)) or not p >= 1:
+        raise ValueError(f"p={p!r} is not allowed: use a number >= 1 or a 0-d tensor")
+
+
 def gain_factor(gain: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
     """``sqrt(d) * gain`` shaped to multiply ``(..., H, T, d)`` (a ``(H, d)`` gain gets a T axis)."""
     g = gain.to(dtype) * math.sqrt(d)
@@ -112,7 +129,7 @@ def sharpen_tolerance(dtype: torch.dtype) -> float:
     return 256 * torch.finfo(dtype).eps
 
 
-def sharpen(a: torch.Tensor, n: torch.Tensor, rows: torch.Tensor, p: float) -> torch.Tensor:
+def sharpen(a: torch.Tensor, n: torch.Tensor, rows: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
     """Re-weighting (docs/attention.md#sharpening): ``l1norm(relu(N_i * A_ij - O_i) ** p)``.
 
     ``O_i = 1`` for rows ``i >= 3`` and 0 for the first three rows. Each row of ``relu(...)`` is divided by
@@ -124,28 +141,33 @@ def sharpen(a: torch.Tensor, n: torch.Tensor, rows: torch.Tensor, p: float) -> t
     x = F.relu(n * a - offset)
     row_max = x.amax(dim=-1, keepdim=True)
     has_mass = row_max > sharpen_tolerance(a.dtype)
+    if isinstance(p, torch.Tensor):
+        p = p.to(a.dtype)
     x = (x / torch.where(has_mass, row_max, torch.ones_like(row_max))) ** p
     sharpened = x / x.sum(dim=-1, keepdim=True).clamp_min(1.0)  # the row max is 1, so the sum is >= 1
     return torch.where(has_mass, sharpened, a)
 
 
 def weights_for_rows(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, row_start: int = 0,
-                     seq_len: int | None = None, qk_gain=None) -> torch.Tensor:
+                     seq_len: int | None = None, qk_gain=None, p=None) -> torch.Tensor:
     """Causal weights of query rows ``row_start .. row_start + Tq - 1`` over keys ``0 .. Tk - 1``.
 
     ``q``: ``(..., Tq, d)``, ``k``: ``(..., Tk, d)``; ``seq_len`` is the full sequence length T (for the
     ``-ln T`` bias), by default ``Tk``. Returns ``(..., Tq, Tk)`` in the compute dtype. ``qk_gain``: the
     model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'`` (see :func:`check_qk_gain`). ALiBi needs the
-    head axis: ``q`` is then ``(..., H, Tq, d)``.
+    head axis: ``q`` is then ``(..., H, Tq, d)``. ``p``: the sharpening power of a sharpened spec instead of
+    ``spec.p`` (a number or a 0-d tensor, see :func:`check_power`).
     """
     check_qk_gain(spec, qk_gain, q)
+    check_power(spec, p)
     if spec.position_bias == "alibi" and q.dim() < 3:
         raise ValueError(f"position_bias='alibi' needs q of shape (..., H, T, d), got {tuple(q.shape)}")
     with torch.autocast(device_type=q.device.type, enabled=False):  # float32 (or float64) under autocast too
-        return _weights_for_rows(q, k, spec, row_start, seq_len, qk_gain)
+        return _weights_for_rows(q, k, spec, row_start, seq_len, qk_gain, p)
 
 
-def _weights_for_rows(q, k, spec: AttentionSpec, row_start: int, seq_len: int | None, qk_gain=None) -> torch.Tensor:
+def _weights_for_rows(q, k, spec: AttentionSpec, row_start: int, seq_len: int | None, qk_gain=None,
+                      p=None) -> torch.Tensor:
     dtype = compute_dtype(q.dtype)
     q, k = q.to(dtype), k.to(dtype)
     d = q.shape[-1]
@@ -184,12 +206,12 @@ def _weights_for_rows(q, k, spec: AttentionSpec, row_start: int, seq_len: int | 
             a = l1norm(a)
 
     if spec.p is not None:
-        a = sharpen(a, n, rows, spec.p)
+        a = sharpen(a, n, rows, spec.p if p is None else p)
     return a
 
 
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, qk_gain=None) -> torch.Tensor:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, qk_gain=None, p=None) -> torch.Tensor:
     """``A @ v`` (plus the variant's output LayerNorm) with query rows processed in memory-bounded chunks.
 
     Computed in float32 (float64 for float64 inputs) whatever autocast is active: autocast is switched off
@@ -202,14 +224,16 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attent
     ``torch.compiler.disable``d region, eagerly and chunked, between two graphs.
 
     ``qk_gain``: the model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'`` (see :func:`check_qk_gain`).
+    ``p``: the sharpening power of a sharpened spec instead of ``spec.p`` (see :func:`check_power`).
     """
     check_qk_gain(spec, qk_gain, q)
+    check_power(spec, p)
     if torch.compiler.is_compiling():
         if torch.is_grad_enabled():
             chunk_bytes = max(chunk_bytes, _weights_bytes(q) * q.shape[-2])
         elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
-            return _attend_dense_eager(q, k, v, spec, chunk_bytes, qk_gain)
-    return _attend_dense(q, k, v, spec, chunk_bytes, qk_gain)
+            return _attend_dense_eager(q, k, v, spec, chunk_bytes, qk_gain, p)
+    return _attend_dense(q, k, v, spec, chunk_bytes, qk_gain, p)
 
 
 def _weights_bytes(q: torch.Tensor) -> int:
@@ -222,7 +246,7 @@ def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
     return max(1, min(q.shape[-2], chunk_bytes // _weights_bytes(q)))
 
 
-def _attend_dense(q, k, v, spec: AttentionSpec, chunk_bytes: int, qk_gain=None) -> torch.Tensor:
+def _attend_dense(q, k, v, spec: AttentionSpec, chunk_bytes: int, qk_gain=None, p=None) -> torch.Tensor:
     T = q.shape[-2]
     dtype = compute_dtype(q.dtype)
     chunk = _chunk_rows(q, chunk_bytes)
@@ -231,7 +255,8 @@ def _attend_dense(q, k, v, spec: AttentionSpec, chunk_bytes: int, qk_gain=None) 
         outs = []
         for r0 in range(0, T, chunk):
             r1 = min(T, r0 + chunk)
-            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, qk_gain=qk_gain)
+            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, qk_gain=qk_gain,
+                                 p=p)
             outs.append(a @ vv[..., :r1, :])
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
         if spec.out_norm == "layernorm":

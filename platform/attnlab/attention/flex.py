@@ -1,16 +1,32 @@
 """The fused path: every registered variant, and sharpening, with FlexAttention in O(T) memory.
 
+Entry points: :func:`attend_flex` (a variant, as ``attend(impl="flex")`` calls it) and, in the package,
+:func:`attend_log_scores` ``(q, k, v, first_stage: ScoreMod, sizes: Sizes, block_mask=None, p=None) -> out``:
+rows that are ``softmax(first stage)`` over the causal keys, times v, and given ``p`` (a float or a 0-d tensor)
+the sharpened form of those rows, with the deterministic backward below. Any first stage whose rows are a
+softmax of log-scores reuses it (the built-in variants pass :func:`first_stage_score_mod`); a
+:class:`ScoreMod` is ``fn(score, b, h, q_idx, kv_idx, *buffers)`` returning the log-score in float32 (float64
+for float64 inputs), ``-inf`` for a zero weight, with ``fn`` the same object from call to call (compiled
+kernels are keyed on it), and :class:`Sizes` the head dimension, T and the number of heads.
+
 The idea (docs/attention.md#the-identity): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
 the visible keys, so the first stage is one FlexAttention call whose ``score_mod`` returns ``log f(scale_i * s
 + bias_i)`` (``-inf`` where ``f`` is 0; the plain score for softmax), and its log-sum-exp is ``log Z_i``.
-Sharpening (docs/attention.md#the-two-pass-sharpening) is a second call whose ``score_mod`` reads that captured LSE, rebuilds
-``A_ij = exp(log f - log Z_i)`` and returns ``p * log relu(N_i * A_ij - O_i)``: FlexAttention's softmax of it is
-``relu(.)^p / sum relu(.)^p``, the row-max rescaling of the dense form is not needed in log space. The
+Sharpening (docs/attention.md#the-two-pass-sharpening) is a second call whose ``score_mod`` reads that LSE,
+rebuilds ``A_ij = exp(log f - log Z_i)`` and returns ``p * log relu(N_i * A_ij - O_i)``: FlexAttention's softmax
+of it is ``relu(.)^p / sum relu(.)^p``, the row-max rescaling of the dense form is not needed in log space. The
 all-zero-row fallback of the dense reference (such a row keeps the un-sharpened ``A``) is decided before the
 second call from pass 1's row maximum: ``row i has mass <=> N_i * max_j A_ij > O_i``; for rows without mass the
 second ``score_mod`` returns pass 1's log-score, so FlexAttention itself yields ``A @ v`` there and no row of
-pass 2 is ever all ``-inf``. Gradients flow through both passes, pass 1's LSE included (a captured tensor that
-requires grad; on CPU this file runs FlexAttention's own unfused implementation, which supports that too).
+pass 2 is ever all ``-inf``.
+
+The backward (docs/attention.md#the-backward-of-the-two-passes): pass 2 reads ``log Z`` as a constant, so no
+FlexAttention call differentiates a captured buffer (inductor would scatter that gradient with ``atomic_add``
+inside the backward kernel: non-deterministic on a GPU). The gradient of ``log Z_i`` through pass 2 is
+``dO_i . w_i``; one more call without gradient gives ``w`` (``score_mod`` pass 2's score plus the log of its
+derivative), and ``out + (log Z - log Z.detach()) * w`` hands pass 1 that gradient as an LSE gradient, which
+FlexAttention's own backward takes. ``recentre_l1``'s second call is handled alike, through its LSE. The power
+``p`` may be a 0-d tensor (a captured buffer without gradient): one compiled graph serves every power.
 
 Scores are upcast to float32 (float64 for float64 inputs) inside every ``score_mod``; bf16 inputs are
 allowed. QK-norm is done inside the ``score_mod`` too: FlexAttention gets the raw q and k, and the score is
@@ -34,13 +50,15 @@ that over N_i (a row with no visible weight: LSE ``-inf``, output exactly 0). An
 split, ``f = f+ - f-`` (docs/attention.md#sign-changing-f): two calls with ``log f+`` and ``log f-`` give
 ``U_i = Z+ out+ - Z- out-``, divided by ``Z+ + Z-`` for l1. ``negate`` is ``-out``, ``recentre`` subtracts
 ``[i >= 3]`` times the causal mean of v, ``recentre_l1`` divides that by ``sum_j |A_ij - c_i|`` from a second
-call reading pass 1's LSE. What remains (overrides only: sharpening of anything but normalised non-negative
+call reading pass 1's LSE (as a constant, its gradient handed to pass 1 as above). What remains (overrides only: sharpening of anything but normalised non-negative
 rows, ``recentre_l1`` of other rows) uses the dense reference and says so once per variant name. The causal mask and N_i come
 from ``masks.py`` (the one place for them).
 
-On CUDA the compiled FlexAttention kernels are used. On CPU, compiled FlexAttention has no backward and no
-LSE, so the CPU path calls FlexAttention's unfused implementation: it materialises ``(B, H, T, T)`` scores
-and exists for equivalence tests; ``attend(impl="auto")`` uses the dense reference on CPU.
+On CUDA the compiled FlexAttention kernels are used; should dynamo give up on a call and run it eagerly
+(FlexAttention's unfused implementation, ``(B, H, T, T)`` scores), it is refused past
+:data:`UNFUSED_MAX_TOKENS` with the reason (:func:`unfused_refusal`). On CPU, compiled FlexAttention has no
+backward and no LSE, so the CPU path calls FlexAttention's unfused implementation: it materialises
+``(B, H, T, T)`` scores and exists for equivalence tests; ``attend(impl="auto")`` uses the dense reference on CPU.
 
 Never change the math here without the dense reference (``dense.py`` is the oracle); no Ray, no model code.
 """
@@ -59,10 +77,11 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from attnlab.attention.dense import (EXP_CLAMP, attend_dense, check_qk_gain, compute_dtype, gain_factor, length_scale,
-                                    sharpen_tolerance)
+from attnlab.attention.dense import (EXP_CLAMP, attend_dense, check_power, check_qk_gain, compute_dtype, gain_factor,
+                                    length_scale, sharpen_tolerance)
 from attnlab.attention.masks import alibi_bias, causal_block_mask, visible_keys
 from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec, PluginSpec
+from attnlab.errors import UserError
 
 # f >= 0 everywhere, so l1norm(f) is the softmax of log f ("exp" with l1 is softmax itself).
 NONNEGATIVE_PHIS = ("exp", "relu", "relu2", "relu6", "sigmoid", "softplus")
@@ -236,26 +255,55 @@ def _first_stage_fn(spec: AttentionSpec, sizes: Sizes, part: str = "whole") -> C
     return score_mod
 
 
-def sharpen_score_mod(spec: AttentionSpec, sizes: Sizes, log_z: torch.Tensor, has_mass: torch.Tensor,
-                      norms: tuple[torch.Tensor, ...] = ()) -> ScoreMod:
-    """Pass 2: ``p * log relu(N_i * A_ij - O_i)`` on rows with mass, pass 1's log-score on the others.
+def sharpen_score_mod(first_stage: ScoreMod, log_z: torch.Tensor, has_mass: torch.Tensor,
+                      p: torch.Tensor) -> ScoreMod:
+    """Pass 2: ``p * log relu(N_i * A_ij - O_i)`` on rows with mass, the first stage's log-score on the others,
+    with ``A_ij = exp(l_ij - log Z_i)`` and ``l_ij`` the first stage's log-score.
 
-    ``log_z``: ``(B, H, T)`` pass 1's LSE (finite: 0 where a row had no visible weight); its gradient flows.
+    ``log_z``: ``(B, H, T)`` pass 1's LSE (finite: 0 where a row had no visible weight), read as a constant:
+    its gradient is handed to pass 1 by :func:`attend_log_scores`, never computed from a captured buffer.
     ``has_mass``: ``(B, H, T)`` booleans, True where ``relu(N_i * A_ij - O_i)`` is non-zero for some ``j``.
+    ``p``: the power, a 0-d tensor in the compute dtype (a tensor does not specialise a compiled graph).
     """
-    return ScoreMod(_uncached_if_compiling(_sharpen_fn)(spec, sizes), (log_z, has_mass, *norms))
+    fn = _uncached_if_compiling(_sharpen_fn)(first_stage.fn)
+    return ScoreMod(fn, (log_z, has_mass, p, *first_stage.buffers))
+
+
+def _excess(log_a: torch.Tensor, log_z_i: torch.Tensor, q_idx) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N_i, x_ij = N_i * A_ij - O_i)`` for one first-stage log-score ``log_a`` and its row's ``log Z_i``."""
+    n = visible_keys(q_idx, log_a.dtype)
+    offset = (q_idx >= SHARPEN_EXEMPT_ROWS).to(log_a.dtype)
+    return n, n * torch.exp(log_a - log_z_i) - offset
+
+
+# Cached per first-stage function (itself cached per variant and sizes): the compiled kernel sees one function.
+@functools.lru_cache(maxsize=256)
+def _sharpen_fn(first_fn: Callable) -> Callable:
+    def score_mod(score, b, h, q_idx, kv_idx, log_z, has_mass, p, *buffers):
+        log_a = first_fn(score, b, h, q_idx, kv_idx, *buffers)
+        _, x = _excess(log_a, log_z[b, h, q_idx], q_idx)
+        return torch.where(has_mass[b, h, q_idx], p * log_positive(x), log_a)
+    return score_mod
+
+
+def sharpen_tilt_score_mod(first_stage: ScoreMod, log_z: torch.Tensor, has_mass: torch.Tensor,
+                           p: torch.Tensor) -> ScoreMod:
+    """The extra call of the sharpened backward: pass 2's score ``g_ij`` plus ``log h_ij``, ``h_ij = dg_ij / dl_ij
+    = p N_i A_ij / x_ij`` (``x_ij = N_i A_ij - O_i``), i.e. ``(p - 1) log x_ij + log(p N_i) + l_ij - log Z_i``
+    where ``x_ij > 0`` on rows with mass, ``-inf`` elsewhere (docs/attention.md#the-backward-of-the-two-passes)."""
+    fn = _uncached_if_compiling(_sharpen_tilt_fn)(first_stage.fn)
+    return ScoreMod(fn, (log_z, has_mass, p, *first_stage.buffers))
 
 
 @functools.lru_cache(maxsize=256)
-def _sharpen_fn(spec: AttentionSpec, sizes: Sizes) -> Callable:
-    p = float(spec.p)
-
-    def score_mod(score, b, h, q_idx, kv_idx, log_z, has_mass, *norms):
-        log_a = first_stage_log_score(spec, sizes, score, b, h, q_idx, kv_idx, *norms)
-        n = visible_keys(q_idx, log_a.dtype)
-        offset = (q_idx >= SHARPEN_EXEMPT_ROWS).to(log_a.dtype)
-        x = n * torch.exp(log_a - log_z[b, h, q_idx]) - offset
-        return torch.where(has_mass[b, h, q_idx], p * log_positive(x), log_a)
+def _sharpen_tilt_fn(first_fn: Callable) -> Callable:
+    def score_mod(score, b, h, q_idx, kv_idx, log_z, has_mass, p, *buffers):
+        log_a = first_fn(score, b, h, q_idx, kv_idx, *buffers)
+        log_z_i = log_z[b, h, q_idx]
+        n, x = _excess(log_a, log_z_i, q_idx)
+        live = has_mass[b, h, q_idx] & (x > 0)
+        log_x = torch.log(torch.where(live, x, torch.ones_like(x)))
+        return torch.where(live, (p - 1) * log_x + torch.log(p * n) + (log_a - log_z_i), float("-inf"))
     return score_mod
 
 
@@ -304,6 +352,41 @@ def inverse_norm(x: torch.Tensor) -> torch.Tensor:
 
 # --- calling FlexAttention ---------------------------------------------------------------------------------
 
+# FlexAttention's unfused implementation materialises (B, H, T, T) float32 scores. On CUDA it is refused past this
+# many tokens (at 16K tokens and 12 heads that is 12 GiB per call): evaluation stops with the reason instead.
+UNFUSED_MAX_TOKENS = 4096
+
+
+def unfused_refusal(device: torch.device | str, batch_heads: int, seq_len: int) -> str | None:
+    """Why FlexAttention must not run its unfused implementation for ``batch_heads`` (B * H) rows of ``seq_len``
+    tokens on ``device`` (one line), or None where it may: on CUDA past :data:`UNFUSED_MAX_TOKENS`. (On CPU the
+    unfused implementation is the intended path of the equivalence tests.)"""
+    device = torch.device(device)
+    if device.type != "cuda" or seq_len <= UNFUSED_MAX_TOKENS:
+        return None
+    import torch._dynamo as dynamo
+
+    gib = batch_heads * seq_len * seq_len * 4 / 2**30
+    return (f"FlexAttention would run unfused on {device.type} at T={seq_len}, materialising (B*H={batch_heads}, "
+            f"T, T) float32 scores ({gib:.1f} GiB per call): torch.compile fell back to eager for this call (dynamo's "
+            f"recompile_limit, {dynamo.config.recompile_limit}, was reached, or a compile failed: see the log "
+            f"above); evaluate fewer lengths or p_eval values per process, or use impl='dense' (chunked rows)")
+
+
+def _flex_attention_or_refuse(query, key, value, score_mod=None, block_mask=None, scale=None, return_aux=None):
+    """``flex_attention``, as the process's compiled instance compiles it (:func:`_compiled_flex_attention`).
+
+    Traced, this is FlexAttention's fused kernel. Run eagerly, dynamo gave up on the call (its recompile limit, or a
+    compile it fell back from) and ``flex_attention`` would be the unfused implementation: refused where
+    :func:`unfused_refusal` says so (a ``UserError``), before anything is allocated."""
+    if not torch.compiler.is_compiling():
+        reason = unfused_refusal(query.device, query.shape[0] * query.shape[1], query.shape[-2])
+        if reason is not None:
+            raise UserError(reason)
+    return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          return_aux=return_aux)
+
+
 @functools.cache
 def _compiled_flex_attention():
     # One compiled instance for the process; each (variant, pass, length) is one specialisation of it.
@@ -311,7 +394,7 @@ def _compiled_flex_attention():
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(_flex_attention_or_refuse, dynamic=False)
 
 
 # Test-only: see :func:`cuda_code_path`.
@@ -398,22 +481,47 @@ def _flex_unfused(q, k, v, score_mod: ScoreMod, block_mask: BlockMask, with_stat
     return out, lse * ln2, max_score * ln2
 
 
-# --- the public entry point --------------------------------------------------------------------------------
+# --- the public entry points -------------------------------------------------------------------------------
+
+def attend_log_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_stage: ScoreMod, sizes: Sizes,
+                      block_mask: BlockMask | None = None, p: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Rows that are a softmax of log-scores, times v: ``(B, H, T, Dv)`` in q's dtype, with FlexAttention.
+
+    ``first_stage``: a :class:`ScoreMod` whose ``fn(score, b, h, q_idx, kv_idx, *buffers)`` returns the log-score
+    ``l_ij`` of a raw score ``s = q_i . k_j`` in float32 (float64 for float64 inputs), ``-inf`` for a zero
+    weight; the rows are ``A_ij = exp(l_ij) / Z_i`` over the causal keys. Keep ``fn`` the same object from call
+    to call (cache it per configuration): the compiled kernels are keyed on it. ``sizes``: T for the causal
+    mask (``block_mask``: that mask, built here when None).
+
+    ``p`` (a float or a 0-d tensor, >= 1): the sharpened rows ``relu(N_i A_ij - O_i)^p / sum_k (...)^p``
+    (docs/attention.md#sharpening) in two passes, with a deterministic backward that scatters into no captured
+    buffer (docs/attention.md#the-backward-of-the-two-passes). A tensor ``p`` does not specialise a compiled
+    graph: every power shares it.
+    """
+    if block_mask is None:
+        block_mask = causal_block_mask(sizes.seq_len, q.device)
+    if p is None:
+        out, _, _ = _flex(q, k, v, first_stage, block_mask, with_stats=False)
+        return out
+    return _sharpened(q, k, v, first_stage, block_mask, p)
+
 
 def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                qk_gain=None) -> torch.Tensor:
+                qk_gain=None, p: float | torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention ``(B, H, T, Dv)`` in v's dtype, computed with FlexAttention in O(T) memory.
 
     One call for a non-negative ``f`` (two when sharpened), two for an ``f`` that changes sign
     (docs/attention.md#the-fused-path). Equal to :func:`attnlab.attention.dense.attend_dense` up to rounding; a
     variant without a fused form (see :func:`unfusable_reason`) is computed by ``attend_dense`` after a
-    one-time warning. ``qk_gain``: the model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'``.
+    one-time warning. ``qk_gain``: the model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'``. ``p``: the
+    sharpening power of a sharpened spec instead of ``spec.p`` (a float or a 0-d tensor).
     """
     check_qk_gain(spec, qk_gain, q)
+    check_power(spec, p)
     reason = unfusable_reason(spec)
     if reason is not None:
         warn_fallback(spec, reason)
-        return attend_dense(q, k, v, spec, qk_gain=qk_gain)
+        return attend_dense(q, k, v, spec, qk_gain=qk_gain, p=p)
 
     out_dtype = v.dtype
     work = q.dtype if q.dtype == k.dtype == v.dtype else compute_dtype(q.dtype)
@@ -429,11 +537,12 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     block_mask = causal_block_mask(sizes.seq_len, q.device)
 
     if spec.p is not None:
-        out = _sharpened(q, k, v, spec, sizes, norms, block_mask)
+        out = attend_log_scores(q, k, v, first_stage_score_mod(spec, sizes, norms), sizes, block_mask,
+                                p=spec.p if p is None else p)
     elif spec.post == "recentre_l1":
         out = _recentred_l1(q, k, v, spec, sizes, norms, block_mask)
     elif spec.phi in NONNEGATIVE_PHIS and spec.norm == "l1":
-        out, _, _ = _flex(q, k, v, first_stage_score_mod(spec, sizes, norms), block_mask, with_stats=False)
+        out = attend_log_scores(q, k, v, first_stage_score_mod(spec, sizes, norms), sizes, block_mask)
     else:
         out = _row_sums(q, k, v, spec, sizes, norms, block_mask)
 
@@ -452,36 +561,65 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     return out.to(out_dtype)
 
 
-def _sharpened(q, k, v, spec: AttentionSpec, sizes: Sizes, norms, block_mask: BlockMask) -> torch.Tensor:
-    """The two passes of docs/attention.md#the-two-pass-sharpening (f >= 0, norm l1)."""
+def _needs_gradient(log_z: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and log_z.requires_grad
+
+
+def _sharpened(q, k, v, first_stage: ScoreMod, block_mask: BlockMask, p) -> torch.Tensor:
+    """The two passes of docs/attention.md#the-two-pass-sharpening, and the gradient of pass 1's LSE handed to
+    pass 1 without a captured-buffer gradient (docs/attention.md#the-backward-of-the-two-passes)."""
+    dtype = compute_dtype(q.dtype)
+    p = torch.as_tensor(p, dtype=dtype, device=q.device)
     # Pass 1 supplies log Z_i and the row maximum: a narrow zero value tensor keeps it cheap.
     v_stats = q.new_zeros(q.shape[:-1] + (16,))
-    out_stats, log_z, max_log_score = _flex(q, k, v_stats, first_stage_score_mod(spec, sizes, norms), block_mask,
-                                            with_stats=True)
+    out_stats, log_z, max_log_score = _flex(q, k, v_stats, first_stage, block_mask, with_stats=True)
     has_mass = sharpen_rows_with_mass(log_z.detach(), max_log_score.detach())
     log_z = torch.where(torch.isfinite(log_z), log_z, torch.zeros_like(log_z))
-    second = sharpen_score_mod(spec, sizes, log_z, has_mass, norms)
-    out, _, _ = _flex(q, k, v, second, block_mask, with_stats=False)
+    fixed_z = log_z.detach()  # pass 2 reads log Z as a constant: FlexAttention differentiates no captured buffer
+    grad = _needs_gradient(log_z)
+    second = sharpen_score_mod(first_stage, fixed_z, has_mass, p)
+    out, lse, _ = _flex(q, k, v, second, block_mask, with_stats=grad, with_max=False)
+    if grad:
+        # dL/dlog Z_i = dO_i . w_i; adding (log Z - log Z.detach()) * w (zero) hands pass 1's LSE that gradient.
+        with torch.no_grad():
+            tilted = sharpen_tilt_score_mod(first_stage, fixed_z, has_mass, p)
+            out_t, lse_t, _ = _flex(q, k, v, tilted, block_mask, with_stats=True, with_max=False)
+            live = has_mass & torch.isfinite(lse_t) & torch.isfinite(lse)
+            c = torch.exp(torch.where(live, lse_t - lse, torch.zeros_like(lse)))
+            w = torch.where(live.unsqueeze(-1), -c.unsqueeze(-1) * (out_t.to(dtype) - out.to(dtype)), 0.0)
+        out = (out.to(dtype) + (log_z - fixed_z).to(dtype).unsqueeze(-1) * w).to(out.dtype)
     # Pass 1's output (zeros: v_stats is 0) stays in the graph. Discarded, a compiled graph hands FlexAttention's
     # backward no output gradient at all and inductor cannot lower it (LoweringException in
-    # flex_attention_backward); tied in, it gets a zero gradient, and its LSE the true one, which pass 2 needs.
+    # flex_attention_backward); tied in, it gets a zero gradient, and its LSE the true one.
     return out + out_stats[..., :1].to(out.dtype) * 0
 
 
-def recentre_score_mod(spec: AttentionSpec, sizes: Sizes, log_z: torch.Tensor,
-                       norms: tuple[torch.Tensor, ...] = ()) -> ScoreMod:
-    """``log relu(A_ij - c_i)`` with ``A_ij = exp(log f_ij - log Z_i)`` (pass 1's LSE, captured with its
-    gradient) and ``c_i = [i >= 3] / N_i``: its LSE is ``log sum_j relu(A_ij - c_i)``."""
-    return ScoreMod(_uncached_if_compiling(_recentre_fn)(spec, sizes), (log_z, *norms))
+def recentre_score_mod(first_stage: ScoreMod, log_z: torch.Tensor) -> ScoreMod:
+    """``log relu(A_ij - c_i)`` with ``A_ij = exp(l_ij - log Z_i)`` (pass 1's LSE, read as a constant) and
+    ``c_i = [i >= 3] / N_i``: its LSE is ``log sum_j relu(A_ij - c_i)``."""
+    return ScoreMod(_uncached_if_compiling(_recentre_fn)(first_stage.fn), (log_z, *first_stage.buffers))
+
+
+def _centre(log_a: torch.Tensor, q_idx) -> torch.Tensor:
+    return (q_idx >= SHARPEN_EXEMPT_ROWS).to(log_a.dtype) / visible_keys(q_idx, log_a.dtype)
 
 
 @functools.lru_cache(maxsize=256)
-def _recentre_fn(spec: AttentionSpec, sizes: Sizes) -> Callable:
-    def score_mod(score, b, h, q_idx, kv_idx, log_z, *norms):
-        log_a = first_stage_log_score(spec, sizes, score, b, h, q_idx, kv_idx, *norms)
-        n = visible_keys(q_idx, log_a.dtype)
-        centre = (q_idx >= SHARPEN_EXEMPT_ROWS).to(log_a.dtype) / n
-        return log_positive(torch.exp(log_a - log_z[b, h, q_idx]) - centre)
+def _recentre_fn(first_fn: Callable) -> Callable:
+    def score_mod(score, b, h, q_idx, kv_idx, log_z, *buffers):
+        log_a = first_fn(score, b, h, q_idx, kv_idx, *buffers)
+        return log_positive(torch.exp(log_a - log_z[b, h, q_idx]) - _centre(log_a, q_idx))
+    return score_mod
+
+
+@functools.lru_cache(maxsize=256)
+def _recentre_tilt_fn(first_fn: Callable) -> Callable:
+    # The recentre score r_ij = log(A_ij - c_i) plus log h_ij, h_ij = dr_ij / dl_ij = A_ij / (A_ij - c_i): that is
+    # log A_ij = l_ij - log Z_i where A_ij > c_i, -inf elsewhere.
+    def score_mod(score, b, h, q_idx, kv_idx, log_z, *buffers):
+        log_a = first_fn(score, b, h, q_idx, kv_idx, *buffers)
+        rel = log_a - log_z[b, h, q_idx]
+        return torch.where(torch.exp(rel) > _centre(log_a, q_idx), rel, float("-inf"))
     return score_mod
 
 
@@ -490,21 +628,32 @@ def _recentred_l1(q, k, v, spec: AttentionSpec, sizes: Sizes, norms, block_mask:
 
     Numerator: ``A v - c_i sum_{j <= i} v_j`` (pass 1's output minus a cumulative sum). Normaliser:
     ``sum_j |A_ij - c_i| = 2 sum_j relu(A_ij - c_i) - (sum_j A_ij - N_i c_i)``, the relu sum from a second call
-    that reads pass 1's LSE (``sum_j A_ij`` is 1, or 0 for a row with no visible weight).
+    that reads pass 1's LSE as a constant (``sum_j A_ij`` is 1, or 0 for a row with no visible weight); the
+    gradient of that LSE reaches pass 1 as in :func:`_sharpened`, through the second call's LSE.
     """
     dtype = compute_dtype(q.dtype)
-    out, log_z, _ = _flex(q, k, v, first_stage_score_mod(spec, sizes, norms), block_mask, with_stats=True,
-                          with_max=False)
+    first_stage = first_stage_score_mod(spec, sizes, norms)
+    out, log_z, _ = _flex(q, k, v, first_stage, block_mask, with_stats=True, with_max=False)
     has_weight = torch.isfinite(log_z)
     log_z = torch.where(has_weight, log_z, torch.zeros_like(log_z))
+    fixed_z = log_z.detach()
     v_stats = q.new_zeros(q.shape[:-1] + (16,))
-    out_stats, log_pos, _ = _flex(q, k, v_stats, recentre_score_mod(spec, sizes, log_z, norms), block_mask,
+    out_stats, log_pos, _ = _flex(q, k, v_stats, recentre_score_mod(first_stage, fixed_z), block_mask,
                                   with_stats=True, with_max=False)
+    log_pos = log_pos.to(dtype)
+    if _needs_gradient(log_z):
+        # dL/dlog Z_i = -c_i dL/dlog_pos_i with c_i = sum_j P_ij h_ij = exp(LSE'_i - log_pos_i) (the tilted call).
+        with torch.no_grad():
+            tilted = ScoreMod(_uncached_if_compiling(_recentre_tilt_fn)(first_stage.fn), (fixed_z, *first_stage.buffers))
+            _, lse_t, _ = _flex(q, k, v_stats, tilted, block_mask, with_stats=True, with_max=False)
+            live = torch.isfinite(log_pos) & torch.isfinite(lse_t)
+            c = torch.where(live, torch.exp(torch.where(live, lse_t.to(dtype) - log_pos, 0.0)), 0.0)
+        log_pos = log_pos - (log_z - fixed_z).to(dtype) * c
     rows = torch.arange(sizes.seq_len, device=q.device)
     n = visible_keys(rows, dtype)
     exempt = rows < SHARPEN_EXEMPT_ROWS
     centred_sum = torch.where(exempt, torch.zeros_like(n), torch.ones_like(n))  # N_i c_i
-    l1 = 2.0 * torch.exp(log_pos.to(dtype)) - (has_weight.to(dtype) - centred_sum)
+    l1 = 2.0 * torch.exp(log_pos) - (has_weight.to(dtype) - centred_sum)
     numerator = out.to(dtype) - torch.where(exempt, 0.0, 1.0 / n)[:, None] * torch.cumsum(v.to(dtype), dim=-2)
     result = numerator / l1.clamp_min(torch.finfo(dtype).tiny).unsqueeze(-1)
     # The second call's (zero) output stays in the graph, as in _sharpened: a compiled backward needs it.

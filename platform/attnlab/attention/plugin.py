@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from attnlab.attention.dense import compute_dtype, sharpen
-from attnlab.attention.flex import ScoreMod, _flex, _uncached_if_compiling
+from attnlab.attention.flex import ScoreMod, Sizes, _uncached_if_compiling, attend_log_scores
 from attnlab.attention.masks import alibi_bias, causal_block_mask, causal_rows, visible_keys
 from attnlab.attention.spec import PluginSpec
 from attnlab.attention.variants import (builtin_names, get_variant, plugin_spec, register_plugin_spec,
@@ -264,9 +264,10 @@ def _context(spec: PluginSpec, state: PluginState, seq_len: int, dtype: torch.dt
 # --- the reference form, chunked over rows -----------------------------------------------------------------------
 
 def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_start: int = 0,
-                      seq_len: int | None = None, state: PluginState | None = None) -> torch.Tensor:
+                      seq_len: int | None = None, state: PluginState | None = None, p=None) -> torch.Tensor:
     """The variant's weights ``(B, H, R, K)`` of query rows ``row_start ..`` over keys ``0 .. K - 1``, sharpened
-    when ``spec.p`` is set, in the compute dtype (autocast off inside). ``seq_len``: T (default K)."""
+    when ``spec.p`` is set (with the power ``p``, a number or a 0-d tensor, when given), in the compute dtype
+    (autocast off inside). ``seq_len``: T (default K)."""
     state = _state_for(spec, q, state)
     with _autocast_off(q.device):
         dtype = compute_dtype(q.dtype)
@@ -285,7 +286,7 @@ def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_st
                              f"{expected} (batch, heads, rows, keys)")
         a = a.to(dtype)
         if spec.p is not None:
-            a = sharpen(a, rows.n, rows.i, spec.p)
+            a = sharpen(a, rows.n, rows.i, spec.p if p is None else p)
         return a
 
 
@@ -300,7 +301,7 @@ def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
 
 
 def attend_reference(q, k, v, spec: PluginSpec, state: PluginState | None = None,
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, p=None) -> torch.Tensor:
     """``A @ v`` from the reference weights, query rows in memory-bounded chunks; in v's dtype.
 
     Under ``torch.compile`` as the built-in dense path (``dense.attend_dense``): with gradients one chunk (autograd
@@ -310,11 +311,11 @@ def attend_reference(q, k, v, spec: PluginSpec, state: PluginState | None = None
         if torch.is_grad_enabled():
             chunk_bytes = max(chunk_bytes, _row_bytes(q) * q.shape[-2])
         elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
-            return _attend_reference_eager(q, k, v, spec, state, chunk_bytes)
-    return _attend_reference(q, k, v, spec, state, chunk_bytes)
+            return _attend_reference_eager(q, k, v, spec, state, chunk_bytes, p)
+    return _attend_reference(q, k, v, spec, state, chunk_bytes, p)
 
 
-def _attend_reference(q, k, v, spec: PluginSpec, state: PluginState, chunk_bytes: int) -> torch.Tensor:
+def _attend_reference(q, k, v, spec: PluginSpec, state: PluginState, chunk_bytes: int, p=None) -> torch.Tensor:
     T = q.shape[-2]
     chunk = _chunk_rows(q, chunk_bytes)
     with _autocast_off(q.device):
@@ -322,7 +323,7 @@ def _attend_reference(q, k, v, spec: PluginSpec, state: PluginState, chunk_bytes
         outs = []
         for r0 in range(0, T, chunk):
             r1 = min(T, r0 + chunk)
-            a = reference_weights(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, state=state)
+            a = reference_weights(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, state=state, p=p)
             outs.append(a @ vv[..., :r1, :])
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
     return out.to(v.dtype)
@@ -333,16 +334,19 @@ _attend_reference_eager = torch.compiler.disable(_attend_reference)
 
 # --- the fused forms ---------------------------------------------------------------------------------------------
 
-def attend_plugin(q, k, v, spec: PluginSpec, backend: str, state: PluginState | None = None) -> torch.Tensor:
+def attend_plugin(q, k, v, spec: PluginSpec, backend: str, state: PluginState | None = None,
+                  p=None) -> torch.Tensor:
     """Causal attention ``(B, H, T, Dv)`` of a plugin variant in v's dtype: ``backend`` ``dense`` (the reference) or
-    ``flex`` (the fused form: FlexAttention over ``log_score``, or the variant's ``fused`` function), as
-    :func:`attnlab.attention.resolve_backend` chose it."""
+    ``flex`` (the fused form: FlexAttention over ``log_score``, sharpened by the two passes of
+    :func:`attnlab.attention.flex.attend_log_scores`, or the variant's ``fused`` function), as
+    :func:`attnlab.attention.resolve_backend` chose it. ``p``: a sharpened spec's power as a number or a 0-d tensor
+    instead of ``spec.p`` (the model passes ``p_eval`` this way, so one compiled graph serves every power)."""
     state = _state_for(spec, q, state)
     if backend == "dense":
-        return attend_reference(q, k, v, spec, state)
+        return attend_reference(q, k, v, spec, state, p=p)
     variant = spec.variant
     if variant.log_score is not None:
-        return _attend_log_score(q, k, v, spec, state)
+        return _attend_log_score(q, k, v, spec, state, p)
     T = q.shape[-2]
     with _autocast_off(q.device):
         ctx = _context(spec, state, T, compute_dtype(q.dtype))
@@ -354,9 +358,9 @@ def attend_plugin(q, k, v, spec: PluginSpec, backend: str, state: PluginState | 
     return out.to(v.dtype)
 
 
-def _attend_log_score(q, k, v, spec: PluginSpec, state: PluginState) -> torch.Tensor:
-    """One FlexAttention call whose score_mod is the variant's ``log_score`` (its softmax is the rows), the
-    prepared tensors passed as its buffers (they take gradients)."""
+def _attend_log_score(q, k, v, spec: PluginSpec, state: PluginState, p=None) -> torch.Tensor:
+    """FlexAttention over the variant's ``log_score`` (its softmax is the rows), the prepared tensors passed as its
+    buffers (they take gradients): one call, or with sharpening the two passes of ``flex.attend_log_scores``."""
     out_dtype = v.dtype
     work = q.dtype if q.dtype == k.dtype == v.dtype else compute_dtype(q.dtype)
     q, k, v = q.to(work), k.to(work), v.to(work)
@@ -367,7 +371,9 @@ def _attend_log_score(q, k, v, spec: PluginSpec, state: PluginState) -> torch.Te
     score_mod = ScoreMod(fn, tuple(ctx.state[name].contiguous() for name in names))  # (expanded views: copied)
     if _kernel_stand_in:  # a memory measurement: what the CUDA kernel allocates (its block mask is built once)
         return _FlexKernelStandIn.apply(q, k, v, *score_mod.buffers).to(out_dtype)
-    out, _, _ = _flex(q, k, v, score_mod, causal_block_mask(T, q.device), with_stats=False)
+    power = None if spec.p is None else (spec.p if p is None else p)
+    sizes = Sizes(head_dim=q.shape[-1], seq_len=T, n_head=q.shape[-3])
+    out = attend_log_scores(q, k, v, score_mod, sizes, causal_block_mask(T, q.device), p=power)
     return out.to(out_dtype)
 
 

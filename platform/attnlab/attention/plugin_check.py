@@ -236,9 +236,32 @@ def _sharpening(spec: PluginSpec):
     if not (torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads.values())):
         return "sharpening", False, "p=3 on the reference gives non-finite outputs or gradients"
     reason = sharpened.unfusable_reason()
-    fused = ("the fused form runs the dense reference when sharpened, after a one-time warning "
-             f"({reason})") if reason and spec.variant.fused_form else "no fused form"
-    return "sharpening", True, f"p=3 on the reference rows: finite outputs and gradients; {fused}"
+    if spec.variant.fused_form is None:
+        return "sharpening", True, "p=3 on the reference rows: finite outputs and gradients; no fused form"
+    if reason is not None:
+        return "sharpening", True, ("p=3 on the reference rows: finite outputs and gradients; the fused form runs "
+                                    f"the dense reference when sharpened, after a one-time warning ({reason})")
+    # the two passes of flex.attend_log_scores over the variant's log_score, against the sharpened reference
+    fused_out, fused_grads = _grads(sharpened, "flex", _inputs(sharpened), weight)
+    pairs = [("out", fused_out, out)] + [(n, fused_grads[n], grads[n]) for n in grads]
+    err, label, index, scale = _worst(pairs)
+    where = f"{'out' if label == 'out' else 'd' + label} {_where(label, index)}"
+    if err > TOLERANCE * scale:
+        return "sharpening", False, (f"the fused two-pass form disagrees with the sharpened reference (p=3): max |diff| "
+                                     f"{err:.1e} at {where} (tolerance {TOLERANCE:g})")
+    return "sharpening", True, (f"p=3: finite outputs and gradients; the fused two-pass form equals the sharpened "
+                                f"reference in float64 (forward and backward max |diff| {err:.1e} at {where})")
+
+
+def _worst(pairs):
+    """``(err, label, index, scale)`` of the largest scaled difference among ``(label, got, want)`` pairs."""
+    worst = (-1.0, "", None, 1.0)
+    for label, got, want in pairs:
+        err, index = _largest(got, want)
+        scale = max(1.0, float(want.abs().max()) if want.numel() else 1.0)
+        if err / scale > worst[0] / worst[3]:
+            worst = (err, label, index, scale)
+    return worst
 
 
 def _causality(spec: PluginSpec):

@@ -240,8 +240,8 @@ class PluginSpec:
         """Why this spec runs the variant's reference rather than a fused form (None when it has one)."""
         if self.variant.log_score is None and self.variant.fused is None:
             return "the plugin gives a reference form only"
-        if self.p is not None:
-            # The two-pass sharpening of a log_score needs flex.attend_log_scores (issue 30); a fused function
-            # has no second pass at all.
-            return "sharpening a plugin's fused form is not available yet"
+        if self.p is not None and self.variant.log_score is None:
+            # A log_score is sharpened by the two passes of flex.attend_log_scores; a fused function has no
+            # second pass to sharpen with.
+            return "sharpening is fused for a plugin's log_score form only, and this plugin gives a fused function"
         return None

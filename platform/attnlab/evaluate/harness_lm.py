@@ -7,7 +7,10 @@
 - ``rope_scaling`` (``ntk`` / ``none``) and ``attention`` (a p_eval spec) go to every forward, so a task can be
   scored beyond the training length exactly as ``attnlab eval`` scores windows there;
 - requests are sorted by length and scored ``batch_size`` at a time, right-padded with the end-of-text token (the
-  models are causal: padding after a request never changes its scores).
+  models are causal: padding after a request never changes its scores; only a variant whose scores depend on the
+  window length itself, ``sigmoid_ramapuram``'s ``-ln T``, sees the padded length) to one of a few widths
+  (:func:`padded_width`: powers of two), and the last batch is filled up with end-of-text rows, so a compiled
+  model builds one graph per width, not one per distinct request length.
 
 Generation tasks (``generate_until``) are refused with a one-line error. Imports lm_eval (the ``downstream``
 extra); no Ray here.
@@ -21,6 +24,17 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from attnlab.errors import UserError
 from attnlab.model.scoring import window_token_stats
+
+# The narrowest padded width (tokens a model reads); wider batches take the next power of two.
+MIN_WIDTH = 16
+
+
+def padded_width(longest: int, max_length: int) -> int:
+    """The tokens a batch is padded to when its longest sequence (inputs and the last target) has ``longest``:
+    the model reads ``longest - 1`` of them, rounded up to a power of two (at least :data:`MIN_WIDTH`, at most
+    ``max_length``), plus the last target. At 16K tokens that is at most 11 widths: one compiled graph each."""
+    reads = max(1, longest - 1)
+    return min(max_length, max(MIN_WIDTH, 1 << (reads - 1).bit_length())) + 1
 
 
 class AttnlabLM(LM):
@@ -74,11 +88,12 @@ class AttnlabLM(LM):
         out: list[tuple[float, bool]] = [(0.0, False)] * len(sequences)
         for b0 in range(0, len(order), self.batch_size):
             batch = order[b0:b0 + self.batch_size]
-            width = max(len(sequences[i][0]) for i in batch)
-            windows = np.full((len(batch), width), self.eot, dtype=np.int64)
+            width = padded_width(max(len(sequences[i][0]) for i in batch), self.max_length)
+            # batch_size rows whatever the batch holds: the last batch's shape is that of the others
+            windows = np.full((self.batch_size, width), self.eot, dtype=np.int64)
             for row, i in enumerate(batch):
                 windows[row, :len(sequences[i][0])] = sequences[i][0]
-            for _, loss, correct, _ in window_token_stats(self.model, windows, batch_size=len(batch),
+            for _, loss, correct, _ in window_token_stats(self.model, windows, batch_size=self.batch_size,
                                                           device=self.torch_device, precision=self.precision,
                                                           **self.forward_kwargs):
                 for row, i in enumerate(batch):
@@ -116,4 +131,4 @@ class AttnlabLM(LM):
                         "use loglikelihood, multiple_choice or loglikelihood_rolling tasks")
 
 
-__all__ = ["AttnlabLM"]
+__all__ = ["AttnlabLM", "padded_width"]

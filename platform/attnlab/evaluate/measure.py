@@ -9,7 +9,8 @@ of an orbit model its force probe and recovered law (:mod:`attnlab.evaluate.forc
 lm-evaluation-harness task scores (:mod:`attnlab.evaluate.downstream`; one harness run per length, RoPE scaling
 and p_eval scores all of its tasks). Coordinate tokens
 (orbits) also sum the distance between the predicted and the target bins. p_eval is the
-attention spec passed to the forward; the weights are never touched. At L <= train_len no RoPE scaling changes
+attention spec passed to the forward; the weights are never touched, and a compiled model compiles no graph per
+p_eval (the model hands the power to the attention as a tensor: one graph per length and sharpening mode). At L <= train_len no RoPE scaling changes
 anything, and a model without RoPE (position nope/alibi) ignores the scaling, so identical forwards (same
 :func:`attnlab.model.rope.forward_key` and p) are computed once; each cell still records its own rope_scaling.
 """

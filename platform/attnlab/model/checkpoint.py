@@ -2,6 +2,13 @@
 the latest one in a run folder, local or on object storage. Both Ray Train's ``checkpoint_*`` folders and
 plain-process ``checkpoints/step_*`` folders are understood. Training writes them and evaluation reads them;
 this module is below both. No Ray here.
+
+The CUDA RNG state saved is the one of the process's own device (``torch.cuda.current_device()``: Ray Train sets
+it to the rank's GPU), never a list of every visible GPU: Ray Train shares ``CUDA_VISIBLE_DEVICES`` across a
+node's workers, so such a list held 8 states on an 8-GPU node and could not be restored where fewer GPUs are
+visible (``--workers`` lowered, ``--local``, a restart on smaller nodes). Restoring sets the state of the
+process's own device; an old checkpoint's list restores the entry of that device (as ``set_rng_state_all`` did),
+or the first one when the list is shorter.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ def save_checkpoint(directory: str | Path, *, model, optimizer, step: int, cfg: 
         "data_position": {"next_step": step},  # the sampler is a pure function of (seed, step, rank)
         "rng": {
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda": _own_cuda_rng_state(),
             "numpy": np.random.get_state(),
             "python": random.getstate(),
         },
@@ -56,12 +63,24 @@ def load_state(directory: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def _own_cuda_rng_state() -> torch.Tensor | None:
+    """The CUDA RNG state of this process's current device, or None where CUDA was never initialised (its RNG
+    was not used; a CPU run on a GPU machine does not create a CUDA context to save it)."""
+    return torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+
+
 def restore_rng(rng: dict) -> None:
     """Restore the saved RNG states. ``torch.set_rng_state`` takes a CPU ByteTensor only, so each saved state
-    is moved to the CPU first (a state loaded onto a GPU would otherwise fail every resume there)."""
+    is moved to the CPU first (a state loaded onto a GPU would otherwise fail every resume there). The CUDA state
+    goes to this process's own device, whatever number of GPUs it sees (none: it is skipped)."""
     torch.set_rng_state(rng["torch"].cpu())
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([state.cpu() for state in rng["cuda"]])
+    cuda = rng.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # written before one state per process: every visible device's
+            own = torch.cuda.current_device()
+            cuda = (cuda[own] if own < len(cuda) else cuda[0]) if len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda.cpu())
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
 

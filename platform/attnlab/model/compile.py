@@ -10,9 +10,12 @@
   logits) run compiled blocks; the blocks take no layer index, so one compiled block serves all layers.
 
 Shapes are static (``dynamic=False``): each distinct (batch, length, attention spec, RoPE scaling, grad mode,
-autocast) is compiled once, the first time it is seen; the dynamo recompile limit is raised to
-:data:`RECOMPILE_LIMIT` per code object so an evaluation sweep over lengths and ``p_eval`` values does not
-fall back to eager silently. FlexAttention inside a compiled model is compiled by the enclosing graph (see
+autocast) is compiled once, the first time it is seen. The sharpening power is not part of it: the blocks get it
+as a 0-d tensor (``model/gpt.py: power_as_tensor``), so an evaluation sweep over ``p_eval`` values compiles one
+graph per (length, batch size) for the sharpened form and one for the unsharpened form. The dynamo recompile
+limit is raised to :data:`RECOMPILE_LIMIT` per code object; should it still be reached, the blocks run eagerly,
+and FlexAttention's own compiled instance refuses to run unfused on CUDA past a few thousand tokens
+(``attention/flex.py: unfused_refusal``) rather than allocate ``(B, H, T, T)`` scores. FlexAttention inside a compiled model is compiled by the enclosing graph (see
 ``attention/flex.py``; ``tests/test_cuda_proxy_attention.py`` lowers that graph with inductor on CPU and counts
 compilations over training steps and evaluation lengths); outside one it uses its own compiled instance. The
 dense reference, where it still runs, is one chunk in a graph with gradients and an eager region without

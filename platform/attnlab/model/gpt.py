@@ -9,8 +9,8 @@ ALiBi's bias, added by the attention backends). A variant from a plugin (docs/pl
 parameters as the attention layer's ``plugin`` module (``blocks.N.attn.plugin.*``, initialised by the plugin, not
 by the model) and its prepared tensors from the layer's input on every call. Per forward call one can choose the
 RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another attention spec (e.g. a different
-sharpening power ``p_eval``) without touching the weights.
-No Ray imports here.
+sharpening power ``p_eval``) without touching the weights; the power reaches the attention as a tensor
+(:func:`power_as_tensor`), so a compiled block has one graph per length for every ``p_eval``. No Ray imports here.
 """
 
 from __future__ import annotations
@@ -41,6 +41,20 @@ AttentionObserver = Callable[..., None]
 LayerObserver = Callable[[torch.Tensor, torch.Tensor, "tuple | None"], None]
 
 
+# The power every sharpened spec carries into the blocks: the power itself goes as a 0-d tensor beside it
+# (:func:`power_as_tensor`), so the graph a compiled block builds for one p_eval serves every other.
+GRAPH_POWER = 1.0
+
+
+def power_as_tensor(spec: AttentionSpec, device) -> tuple[AttentionSpec, torch.Tensor | None]:
+    """``(spec the blocks see, p)``: a sharpened spec as the same spec with ``p = GRAPH_POWER`` and its power as a
+    0-d float64 tensor on ``device`` (a tensor's value does not specialise a compiled graph; a float would, one
+    graph per ``p_eval``); an unsharpened spec as itself and None (a second graph: one pass, not two)."""
+    if spec.p is None:
+        return spec, None
+    return spec.replace(p=GRAPH_POWER), torch.tensor(spec.p, dtype=torch.float64, device=device)
+
+
 def make_norm(cfg: GPTConfig) -> nn.Module:
     """The block's normalisation: LayerNorm (gpt2; with bias when ``cfg.bias``) or RMSNorm with a gain (llama)."""
     if cfg.block == "llama":
@@ -68,7 +82,8 @@ class CausalSelfAttention(nn.Module):
                 module.plugin_init = True
             self.plugin = plugin
 
-    def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, observe: LayerObserver | None = None):
+    def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, p: torch.Tensor | None = None,
+                observe: LayerObserver | None = None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -85,8 +100,7 @@ class CausalSelfAttention(nn.Module):
                 observe(*seen)
             else:
                 observe(*seen, state.detach())
-        extra = {"qk_gain": gain} if gain is not None else {"state": state} if state is not None else {}
-        y = attend(q, k, v, spec, impl=impl, **extra)
+        y = attend(q, k, v, spec, impl=impl, qk_gain=gain, state=state, p=p)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -127,8 +141,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg)
         self.mlp = SwiGLU(cfg) if cfg.block == "llama" else MLP(cfg)
 
-    def forward(self, x, cos, sin, spec, impl, observe: LayerObserver | None = None):
-        x = x + self.attn(self.ln_1(x), cos, sin, spec, impl, observe)
+    def forward(self, x, cos, sin, spec, impl, p: torch.Tensor | None = None, observe: LayerObserver | None = None):
+        x = x + self.attn(self.ln_1(x), cos, sin, spec, impl, p, observe)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -196,18 +210,19 @@ class GPT(nn.Module):
             if any(getattr(spec, k) != v for k, v in override.items()):
                 spec = spec.replace(**override)
         impl = impl or c.attn_impl
+        spec, p = power_as_tensor(spec, x.device)
         if on_attention is not None:
-            return self._observed_blocks(x, cos, sin, spec, impl, on_attention)
+            return self._observed_blocks(x, cos, sin, spec, impl, p, on_attention)
         for block in self.blocks:
-            x = block(x, cos, sin, spec, impl)
+            x = block(x, cos, sin, spec, impl, p)
         return self.ln_f(x)
 
     @torch.compiler.disable
-    def _observed_blocks(self, x, cos, sin, spec, impl, on_attention: AttentionObserver) -> torch.Tensor:
+    def _observed_blocks(self, x, cos, sin, spec, impl, p, on_attention: AttentionObserver) -> torch.Tensor:
         # block.forward, not block(...): a compiled block's __call__ would trace the observer (a new closure
         # per call, so a recompile per call); diagnostics run eagerly.
         for i, block in enumerate(self.blocks):
-            x = block.forward(x, cos, sin, spec, impl, functools.partial(on_attention, i))
+            x = block.forward(x, cos, sin, spec, impl, p, functools.partial(on_attention, i))
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, loss_mask: torch.Tensor | None = None,

@@ -272,14 +272,19 @@ def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backe
         saved["q, k, v"] = 3 * 4 * C
     else:  # the fused kernels save q and k after RoPE, v as a view of the qkv projection, output + logsumexp
         saved["q, k, v"] = 5 * a * C + a * C + 4 * cfg.n_head
-    if backend == "flex" and _plugin(cfg) is None:  # FlexAttention calls beyond the first (attention/flex.py): each
-        # saves its output + LSE
+    if backend == "flex":  # FlexAttention calls beyond the first (attention/flex.py): each saves its output + LSE;
+        # a plugin's one call is in its trace, its sharpening's extra pass and LSE gradient direction are not
         from attnlab.attention.flex import parts_of
 
         spec = cfg.attention_spec()
-        full = len(parts_of(spec)) - 1  # f = f+ - f-: a second full-width call, combined in float32
-        narrow = int(spec.p is not None) + int(spec.post == "recentre_l1")  # statistics passes (16-wide values)
+        plugin = _plugin(cfg) is not None
+        full = 0 if plugin else len(parts_of(spec)) - 1  # f = f+ - f-: a second full-width call, in float32
+        recentre = 0 if plugin else int(spec.post == "recentre_l1")
+        narrow = int(spec.p is not None) + recentre  # statistics passes (16-wide values)
         saved["more FlexAttention calls"] = full * (4 * C + 4 * cfg.n_head) + narrow * cfg.n_head * (16 * a + 4)
+        # the direction of pass 1's LSE gradient (docs/attention.md#the-backward-of-the-two-passes): float32 w_i
+        # (B, H, T, d) for sharpening, a float32 c_i per row for recentre_l1
+        saved["LSE gradient direction"] = 4 * C * int(spec.p is not None) + 4 * cfg.n_head * recentre
     if compiled:  # inductor recomputes the cheap pointwise GELU / SiLU in the backward instead of saving it
         saved.pop("silu output" if _llama(cfg) else "gelu output")
     return sum(saved.values())

@@ -11,8 +11,10 @@ CUDA. A study overrides any field. No Ray here.
 ``micro_batch: auto`` picks the largest micro-batch whose estimated peak memory
 (:mod:`attnlab.model.memory`) fits the GPU, among the divisors of the sequences each worker takes per step,
 so ``tokens_per_step`` is kept through gradient accumulation (docs/gpu-memory.md). On a worker it reads the
-device's ``total_memory``; ``attnlab study validate --cluster`` uses the cluster's GPU type; without a GPU it
-resolves to :data:`CPU_AUTO_MICRO_BATCH` (or the largest divisor below it).
+device's ``total_memory`` (times ``gpus_per_worker`` when that is a fraction: a GPU shared between trials);
+``attnlab study validate --cluster`` uses the cluster's GPU type; without a GPU it resolves to
+:data:`CPU_AUTO_MICRO_BATCH` (or the largest divisor below it). A fraction of a GPU per worker is refused with
+more than one worker (NCCL refuses two ranks on one GPU).
 """
 
 from __future__ import annotations
@@ -247,6 +249,15 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> "TrainConfig":
+        """Ranks of one run each need a GPU of their own: NCCL refuses two ranks on one GPU."""
+        if 0 < self.gpus_per_worker < 1 and self.workers > 1:
+            raise ValueError(f"gpus_per_worker={self.gpus_per_worker:g} with workers={self.workers} is not allowed: "
+                             "NCCL refuses two ranks of a run on one GPU; use gpus_per_worker: 1 (or more), or "
+                             "workers: 1 to share a GPU between trials")
+        return self
+
+    @model_validator(mode="after")
     def _model_builds(self) -> "TrainConfig":
         try:
             self.gpt_config(vocab_size=self.model.get("vocab_size", GPT2_VOCAB))
@@ -296,11 +307,14 @@ class TrainConfig(BaseModel):
     def fitting_micro_batch(self, budget_bytes: int, world_size: int | None = None,
                             vocab_size: int | None = None) -> int:
         """The largest micro-batch that divides the sequences per worker per step and whose estimate fits
-        ``budget_bytes`` (0: not even one sequence fits)."""
+        ``budget_bytes``, one GPU's memory, of which a worker with ``gpus_per_worker`` below 1 gets that fraction
+        (0: not even one sequence fits)."""
         from attnlab.model.memory import largest_micro_batch
 
         per_worker = self._sequences_per_worker(world_size or self.workers)
         s = self.memory_settings(world_size)
+        if 0 < self.gpus_per_worker < 1:  # the GPU is shared (with another trial): this worker's part of it
+            budget_bytes = int(budget_bytes * self.gpus_per_worker)
         return largest_micro_batch(self.gpt_config(vocab_size=vocab_size), self.seq_length, budget_bytes,
                                    precision=s["precision"], compiled=s["compiled"], backend=s["backend"],
                                    ddp=s["ddp"], divisor_of=per_worker)
