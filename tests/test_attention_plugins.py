@@ -9,7 +9,6 @@ import pickle
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
@@ -113,14 +112,13 @@ def test_a_plugin_variant_is_a_spec_the_platform_accepts(plugins, monkeypatch):
         resolve_backend(get_variant("fox"), "cpu", "sdpa")
     with pytest.raises(ValueError, match="model.attn_impl='sdpa' cannot compute attention 'fox'"):
         GPTConfig(attention="fox", attn_impl="sdpa")
-    # on CUDA: the fused form; a reference-only variant, or a sharpened one, runs its reference after one warning
+    # on CUDA: the fused form, sharpened too (the two passes over its log_score); a reference-only variant runs its
+    # reference after one warning
     assert resolve_backend(get_variant("fox"), "cuda") is Backend.FLEX
+    assert resolve_backend(fox, "cuda") is Backend.FLEX
     with pytest.warns(UserWarning, match=r"'stickbreaking' has no fused form \(the plugin gives a reference form "
                                          r"only\): using the dense reference"):
         assert resolve_backend(get_variant("stickbreaking"), "cuda") is Backend.DENSE
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert resolve_backend(fox, "cuda") is Backend.DENSE
     spec = get_variant("fox")
     assert pickle.loads(pickle.dumps(spec)) == spec  # a spec ships as its plugin's bytes and its name
 
@@ -367,7 +365,8 @@ def test_attention_check_names_what_is_broken(tmp_path, capsys):
     assert main(["attention", "check", str(path)]) == 1
     failed = {tuple(line.split(": ", 2)[:2]): line for line in capsys.readouterr().out.splitlines()
               if line.startswith("FAIL")}
-    assert set(failed) == {("FAIL wrong", "fused vs reference (float64)"), ("FAIL leaky", "causality"),
+    assert set(failed) == {("FAIL wrong", "fused vs reference (float64)"), ("FAIL wrong", "sharpening"),
+                           ("FAIL leaky", "causality"),
                            ("FAIL unmasked", "causality"), ("FAIL no_alibi", "ALiBi"), ("FAIL quadratic", "memory"),
                            ("FAIL twice", "lowering")}, sorted(failed)
     line = failed[("FAIL wrong", "fused vs reference (float64)")]

@@ -26,15 +26,18 @@ def add_parser(subparsers) -> None:
 
 
 def _check(args) -> int:
-    from attnlab.attention.plugin import load_plugin, parse_ref
+    from attnlab.attention.plugin import load_plugin, parse_ref, unload_plugin
     from attnlab.attention.plugin_check import check_plugin, checked_names
 
     start = time.perf_counter()
     loaded = load_plugin(args.plugin)
-    _, name = parse_ref(args.plugin)
-    names = checked_names(loaded, name)
-    print(f"attention check {loaded.source.origin} (sha256 {loaded.source.short_hash}): {', '.join(names)}",
-          flush=True)
-    ok = check_plugin(loaded, names, say=lambda line: print(line, flush=True))
+    try:  # a check leaves nothing registered behind (its variants' names stay free for the caller)
+        _, name = parse_ref(args.plugin)
+        names = checked_names(loaded, name)
+        print(f"attention check {loaded.source.origin} (sha256 {loaded.source.short_hash}): {', '.join(names)}",
+              flush=True)
+        ok = check_plugin(loaded, names, say=lambda line: print(line, flush=True))
+    finally:
+        unload_plugin(loaded)
     print(f"{'all checks passed' if ok else 'some checks FAILED'} in {time.perf_counter() - start:.1f} s", flush=True)
     return 0 if ok else 1

@@ -602,7 +602,8 @@ def load_source(source: PluginSource) -> LoadedPlugin:
 
 
 def unload_plugin(loaded: LoadedPlugin) -> None:
-    """Forget a loaded plugin: its variants, and the modules its bytes became (for tests)."""
+    """Forget a loaded plugin: its variants, and the modules its bytes became (tests; `attention check` after it
+    checked)."""
     for name in loaded.names:
         registered = plugin_spec(name)
         if registered is not None and registered.sha256 == loaded.source.sha256:

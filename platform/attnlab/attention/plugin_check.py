@@ -245,7 +245,8 @@ def _sharpening(spec: PluginSpec):
     fused_out, fused_grads = _grads(sharpened, "flex", _inputs(sharpened), weight)
     pairs = [("out", fused_out, out)] + [(n, fused_grads[n], grads[n]) for n in grads]
     err, label, index, scale = _worst(pairs)
-    where = f"{'out' if label == 'out' else 'd' + label} {_where(label, index)}"
+    what = label if label == "out" else f"d{label}" if " " not in label else f"d({label})"
+    where = f"{what}{' ' if label in ('out', 'q', 'k', 'v', 'x') else ''}{_where(label, index)}"
     if err > TOLERANCE * scale:
         return "sharpening", False, (f"the fused two-pass form disagrees with the sharpened reference (p=3): max |diff| "
                                      f"{err:.1e} at {where} (tolerance {TOLERANCE:g})")
