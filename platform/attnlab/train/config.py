@@ -353,6 +353,16 @@ class TrainConfig(BaseModel):
                 f"not a multiple of micro_batch={micro_batch} x workers={world_size}; adjust one of them")
         return global_batch, global_batch // per_micro
 
+    def check_fits_data(self, vocab_size: int, min_tokens: int, described: str) -> None:
+        """Refuse (one UserError line) data this config cannot train on: a split shorter than ``seq_len + 1`` tokens,
+        or a vocabulary the model cannot be built for. The arguments are what opening the data told
+        (``DataSource.vocab_size``, ``min_tokens()``, ``describe()``): whoever opened it checks, and nothing
+        opens it again for this."""
+        if min_tokens < self.seq_length + 1:
+            raise UserError(f"train.seq_len={self.seq_length} does not fit the data: {described} has a split of "
+                            f"{min_tokens} tokens (needs at least seq_len + 1)")
+        self.gpt_config(vocab_size=vocab_size)
+
     def warnings(self, world_size: int | None = None) -> list[str]:
         """One line per setting that makes a run pointless or very slow (shown before it starts)."""
         out = []
