@@ -16,6 +16,7 @@ from attnlab.errors import UserError
 from attnlab.evaluate import EvalConfig, bits_per_byte, bucket_bounds, evaluate_checkpoint, score_windows
 from attnlab.evaluate.diagnostics import attention_diagnostics, row_statistics
 from attnlab.data.tokenizer import TOKENIZERS
+from attnlab.train import load_train_config
 from attnlab.validation import parse
 
 
@@ -310,7 +311,7 @@ def test_rows_record_the_power_actually_trained_with(demo_data_dir):
 
     torch.manual_seed(0)
     model = GPT(preset("tiny", attention="lssar")).eval()
-    cfg = {"preset": "tiny", "attention": "lssar", "data": str(demo_data_dir), "seq_len": 64}
+    cfg = load_train_config({"preset": "tiny", "attention": "lssar", "data": str(demo_data_dir), "seq_len": 64})
     rows = evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=128), device="cpu")
     assert rows and all(r["p_train"] == 15.0 for r in rows)
     assert {r["p_eval"] for r in rows} == {None}
@@ -340,7 +341,7 @@ def test_a_byte_model_scores_bits_per_byte_and_refuses_gpt2_data(byte_corpus, de
 
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=257)).eval()
-    cfg = {"preset": "tiny", "attention": "softmax", "data": str(byte_corpus), "seq_len": 64}
+    cfg = load_train_config({"preset": "tiny", "attention": "softmax", "data": str(byte_corpus), "seq_len": 64})
     rows = evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=2048), device="cpu")
     by_metric = {r["metric"]: r["value"] for r in rows if r.get("bucket") is None}
     from attnlab.data import TokenShards
