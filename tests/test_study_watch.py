@@ -109,14 +109,14 @@ def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path
 
     # the record attnlab serve reads, next to the spec
     state = StudyState(str(tmp_path / "runs"), "planned")
-    state.write_spec({"name": "planned"}, "fp")
-    assert state.ray_cluster() is None and "ray" not in state.saved_spec()
-    state.write_spec({"name": "planned"}, "fp", ray=board.record())
-    recorded = state.ray_cluster()
+    state.write_study({"name": "planned"}, "fp")
+    assert state.saved_study().ray is None and "ray" not in state.loc.read_json("study.json")
+    state.write_study({"name": "planned"}, "fp", ray=board.record())
+    recorded = state.saved_study().ray
     assert recorded["dashboard"] == "http://127.0.0.1:40001" and recorded["note"] == ""
-    assert state.saved_spec()["fingerprint"] == "fp"
-    state.write_spec({"name": "planned"}, "fp", ray=Dashboard(None, "the cluster runs without one").record())
-    assert state.ray_cluster()["dashboard"] is None
+    assert state.saved_study().fingerprint == "fp"
+    state.write_study({"name": "planned"}, "fp", ray=Dashboard(None, "the cluster runs without one").record())
+    assert state.saved_study().ray["dashboard"] is None
 
 
 def test_train_prints_its_plan_warnings_and_progress(tmp_path, demo_data_dir):
@@ -180,7 +180,7 @@ def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
     ot = optuna.load_study(study_name="watched", storage=state.optuna_url(None))
     # (the second lssar trial reuses the trained run and reports step 6 only)
     for trial in ot.trials:
-        assert trial.user_attrs["config_hash"] in trial.user_attrs["run"]
+        assert trial.user_attrs["train_key"] in trial.user_attrs["run"]
         assert 6 in trial.intermediate_values and set(trial.intermediate_values) <= {2, 4, 6}
     # training steps (6: the final one), not report counts
     assert any(set(t.intermediate_values) == {2, 4, 6} for t in ot.trials)

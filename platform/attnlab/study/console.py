@@ -51,7 +51,7 @@ class LiveView:
         """The lines that changed since the last call."""
         out = []
         for record in self.state.statuses():
-            key = record.get("config_hash")
+            key = record.get("train_key")
             if not key:
                 continue
             status = record.get("status", "?")
