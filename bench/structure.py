@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         events = count_study(source, Path(args.workdir or tmp))
     summary = summarise(events)
     print("one trial of a one-trial study (copy probe, 1 Train worker):")
-    print("| process | processes | data opens | TrainConfig validations | of them dict round-trips | model_dump calls |")
+    print("| process | processes | data opens | TrainConfig validations | of them dict round-trips "
+          "| model_dump calls |")
     print("|---|---|---|---|---|---|")
     for name, row in summary["roles"].items():
         print(f"| {name} | {row['processes']} | {row['data_opens']} | {row['validations']} | {row['round_trips']} | "

@@ -123,8 +123,8 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
     """Evaluate one checkpoint over the cells of ``config``; return the rows of the cells measured.
 
     ``checkpoint``: a checkpoint folder, a run folder (its latest checkpoint), a path or a URI, or an already
-    loaded ``(model, train_config, meta)`` (the config as a run records it, or a ``TrainConfig``). ``data``: a prepared folder or a probe spec (default: the training
-    data). ``context``: row fields the caller fixes (``study`` defaults to ``adhoc``, ``trial`` to the run
+    loaded ``(model, train_config, meta)`` (the config as a run records it, or a ``TrainConfig``). ``data``: a
+    prepared folder or a probe spec (default: the training data). ``context``: row fields the caller fixes (``study`` defaults to ``adhoc``, ``trial`` to the run
     folder name). ``store``: a ``ResultsStore`` (or URI) to write the rows to, one file per length, named by the
     cells' keys (a retry replaces, never duplicates). ``skip``: cell keys already measured (not measured again).
     The model's weights are never modified. Raises UserError on bad input.

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from attnlab.errors import UserError
 from attnlab.location import runs_location, store_location
+from attnlab.study.space import SearchPoint
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
 from attnlab.study.trackers import tracker_callbacks
@@ -41,10 +42,12 @@ def study_state(spec: StudySpec, runs: str | None = None) -> StudyState:
     return StudyState(runs_location(runs), spec.name)
 
 
-def study_context(spec: StudySpec, state: StudyState, store: ResultsStore, launched: float = 0.0) -> StudyContext:
+def study_context(spec: StudySpec, state: StudyState, store: ResultsStore, launched: float = 0.0,
+                  checked: list[SearchPoint] | None = None) -> StudyContext:
     """Resolve the study's data (``demo`` is built on first use, a relative path made absolute) and open it, once
-    for the whole study: every point the study's validation checked must fit it (its sequence length, its
-    vocabulary), and what the trials need of it travels in the context, so no trial opens it."""
+    for the whole study: every point the study's validation checked (``checked``, when the caller has them) must
+    fit it (its sequence length, its vocabulary), and what the trials need of it travels in the context, so no
+    trial opens it."""
     from attnlab.data.source import data_label, open_data, resolve_data
     from attnlab.train.ray_train import forwarded_env
 
@@ -52,7 +55,7 @@ def study_context(spec: StudySpec, state: StudyState, store: ResultsStore, launc
     source = open_data(resolved)
     data = StudyData(resolved=resolved, fingerprint=str(source.fingerprint), vocab_size=int(source.vocab_size),
                      label=data_label(resolved), min_tokens=int(source.min_tokens()), described=source.describe())
-    for searched in spec.search_space().checked():
+    for searched in spec.search_space().checked() if checked is None else checked:
         searched.config.check_fits_data(data.vocab_size, data.min_tokens, data.described)
     return StudyContext(spec=spec, state=state, store=store, data=data, env=forwarded_env(), launched=launched)
 
@@ -174,10 +177,10 @@ def study_plan(spec: StudySpec, dashboard=None) -> str:
     ``dashboard``, an :class:`attnlab.ray_runtime.Dashboard`) the Ray dashboard of the cluster it runs on."""
     cfg = spec.train
     cells = len(spec.eval.cells(cfg.seq_length))
-    return (f"plan: study {spec.name}: {spec.search_space().size()} trial(s) ({spec.search.engine}), each {cfg.steps:,} steps x "
-            f"{cfg.tokens_per_step:,} tokens on {cfg.workers} worker(s), then {cells} evaluation cell(s) "
-            f"(lengths {spec.eval.eval_lengths(cfg.seq_length)}, {spec.eval.max_tokens:,} tokens each); at most "
-            f"{spec.resources.max_concurrent_trials} trial(s) at once"
+    return (f"plan: study {spec.name}: {spec.search_space().size()} trial(s) ({spec.search.engine}), each "
+            f"{cfg.steps:,} steps x {cfg.tokens_per_step:,} tokens on {cfg.workers} worker(s), then {cells} "
+            f"evaluation cell(s) (lengths {spec.eval.eval_lengths(cfg.seq_length)}, {spec.eval.max_tokens:,} tokens "
+            f"each); at most {spec.resources.max_concurrent_trials} trial(s) at once"
             + (f"; {dashboard.line()}" if dashboard is not None else ""))
 
 
@@ -204,7 +207,9 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
 
     store_loc = store_location(store or spec.store)
     state = study_state(spec, runs)
-    ctx = study_context(spec, state, ResultsStore(store_loc), launched=time.time())
+    space = spec.search_space()
+    checked = space.checked()  # the points validation checked, with their configs: fitted to the data, warned about
+    ctx = study_context(spec, state, ResultsStore(store_loc), launched=time.time(), checked=checked)
     if spec.eval.downstream is not None:  # a missing task folder or task: one line before any trial starts
         from attnlab.evaluate.downstream import check_tasks
 
@@ -222,8 +227,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     ensure_ray(log_to_driver=not quiet)
     board = dashboard()  # the cluster this study runs on: embedded, RAY_ADDRESS's or the Ray job's
     say(study_plan(spec, board), log)  # the terminal and the log file both name the dashboard
-    space = spec.search_space()
-    for warning in dict.fromkeys(w for point in space.checked_points()[:50] for w in space.config(point).warnings()):
+    for warning in dict.fromkeys(w for searched in checked[:50] for w in searched.config.warnings()):
         print(f"attnlab: warning: {warning}", flush=True)
     if log:
         print(f"Ray's and Tune's own output: {log} (--verbose shows it here)", flush=True)
