@@ -419,3 +419,19 @@ def test_diagnostics_of_a_learned_qk_norm_model_use_its_gains():
     plain = attention_weights(*(torch.randn(1, 2, 8, 64) for _ in range(2)), model.spec,
                               qk_gain=(torch.ones(64), torch.ones(64)))
     assert plain.shape == (1, 2, 8, 8)
+
+
+def test_evaluation_reads_the_training_config_as_a_typed_record_with_no_defaults_of_its_own():
+    """The fields evaluation reads of a run come from the config the run recorded (every field, TrainConfig's
+    defaults applied); a partial one is refused by name rather than completed with restated defaults."""
+    from attnlab.runfolder import TrainRecord
+
+    cfg = load_train_config({"preset": "tiny", "data": "x", "val_batch": 3, "precision": "fp32"})
+    record = TrainRecord.parse(cfg.model_dump(mode="json"))
+    assert (record.val_batch, record.precision, record.data_seed, record.tokens_per_step) == (3, "fp32", 0, 1024)
+    assert TrainRecord.parse(cfg) == record
+    with pytest.raises(UserError, match="checkpoint: its training config has no 'preset'"):
+        TrainRecord.parse({"data": "x"})
+    with pytest.raises(UserError, match="has no 'seed'"):
+        evaluate_checkpoint((RecordingModel(), {k: v for k, v in record.record.items() if k != "seed"}, {}),
+                            _cfg(multiples=[1]))

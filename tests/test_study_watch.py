@@ -117,6 +117,13 @@ def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path
     assert state.saved_study().fingerprint == "fp"
     state.write_study({"name": "planned"}, "fp", ray=Dashboard(None, "the cluster runs without one").record())
     assert state.saved_study().ray["dashboard"] is None
+    # read back typed: the objectives parsed once, an older study.json's Optuna "storage" still found
+    state.write_study({"name": "planned", "search": {"engine": "optuna"}, "storage": "sqlite:////x.db",
+                       "objective": ["val_loss@16x,p_eval=15", "not an objective", {"metric": "acc@4x"}]}, "fp")
+    saved = state.saved_study()
+    assert (saved.engine, saved.optuna_storage, saved.description) == ("optuna", "sqlite:////x.db", None)
+    assert [o.key for o in saved.objectives] == ["val_loss@16x,p_eval=15", "acc@4x"]
+    assert saved.objectives[0].parts["multiple"] == 16.0 and saved.objectives[1].mode == "max"
 
 
 def test_train_prints_its_plan_warnings_and_progress(tmp_path, demo_data_dir):
