@@ -19,6 +19,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from attnlab.evaluate.plan import EvalCell, EvalConfig, p_eval_label
 from attnlab.evaluate.cell_rows import rows_for
 from attnlab.location import Location
 from attnlab.runfolder import TrainRecord, recorded_train_key
+
+if TYPE_CHECKING:
+    from attnlab.results.store import ResultsStore
 
 DEFAULT_STUDY = "adhoc"
 
@@ -95,15 +99,15 @@ def base_row(loaded: LoadedCheckpoint, source, train_key: str, context: dict | N
     if unknown:
         raise UserError(f"context: {unknown[0]!r} is not a results column; allowed: {', '.join(COLUMN_NAMES)}")
     gpt, cfg = loaded.model.cfg, loaded.train_config
-    spec = gpt.attention_spec()
+    attention = gpt.attention_spec()
     step = int(loaded.meta.get("step", 0))
     run = loaded.run
     row = {
         "study": DEFAULT_STUDY,
         "trial": run.name if run is not None else "checkpoint",
         "attention": gpt.attention,
-        "scale": spec.scale_label,
-        "p_train": spec.p,  # the power actually trained with (lssar: 15 by default)
+        "scale": attention.scale_label,
+        "p_train": attention.p,  # the power actually trained with (lssar: 15 by default)
         "step": step,
         "tokens": step * cfg.tokens_per_step,
         "train_len": int(gpt.train_len),
@@ -117,15 +121,16 @@ def base_row(loaded: LoadedCheckpoint, source, train_key: str, context: dict | N
     return row
 
 
-def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=None, context: dict | None = None,
-                        store=None, device=None, skip: set[str] | None = None,
-                        log: Callable[[str], None] | None = None) -> list[dict]:
+def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: str | dict | None = None,
+                        context: dict | None = None, store: ResultsStore | str | Location | None = None, device=None,
+                        skip: set[str] | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
     """Evaluate one checkpoint over the cells of ``config``; return the rows of the cells measured.
 
     ``checkpoint``: a checkpoint folder, a run folder (its latest checkpoint), a path or a URI, or an already
     loaded ``(model, train_config, meta)`` (the config as a run records it, or a ``TrainConfig``). ``data``: a
-    prepared folder or a probe spec (default: the training data). ``context``: row fields the caller fixes (``study`` defaults to ``adhoc``, ``trial`` to the run
-    folder name). ``store``: a ``ResultsStore`` (or URI) to write the rows to, one file per length, named by the
+    prepared folder or a generated source's mapping (default: the training data). ``context``: row fields the
+    caller fixes (``study`` defaults to ``adhoc``, ``trial`` to the run folder name). ``store``: a
+    ``ResultsStore`` (or where one is: a path or a URI) to write the rows to, one file per length, named by the
     cells' keys (a retry replaces, never duplicates). ``skip``: cell keys already measured (not measured again).
     The model's weights are never modified. Raises UserError on bad input.
     """

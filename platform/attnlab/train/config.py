@@ -386,8 +386,8 @@ class TrainConfig(BaseModel):
         workers = world_size or self.workers
         global_batch, accum = self.batch_plan(workers)
         gpt = self.gpt_config()
-        spec = gpt.attention_spec()
-        attention = spec.name + ("" if spec.p is None else f" (p={spec.p:g})")
+        variant = gpt.attention_spec()
+        attention = variant.name + ("" if variant.p is None else f" (p={variant.p:g})")
         size = f" ({num_params / 1e6:.1f}M params)" if num_params else ""
         data = self.data if isinstance(self.data, str) else f"synthetic:{self.data.get('synthetic')}"
         device = f"{self.gpus_per_worker:g} GPU" if self.gpu else f"{self.cpus_per_worker:g} CPU"
@@ -403,14 +403,14 @@ class TrainConfig(BaseModel):
         """What determines the trained weights: the resolved model (attention spec included), the data by its
         content fingerprint, and the recipe. Execution settings (:data:`RUN_SETTINGS`) are left out."""
         gpt = self.gpt_config(vocab_size=vocab_size)
-        spec = gpt.attention_spec()
+        variant = gpt.attention_spec()
         model = dataclasses.asdict(gpt)
         for key in ("attention", "p_train", "scale", "attn_impl"):
             model.pop(key)
         for key, default in (("position", "rope"), ("block", "gpt2")):  # added later: old keys stay the same
             if model.get(key) == default:
                 model.pop(key)
-        model["attention"] = {"variant": get_variant(spec.name).name, "scale": spec.scale_label, "p": spec.p}
+        model["attention"] = {"variant": get_variant(variant.name).name, "scale": variant.scale_label, "p": variant.p}
         recipe = {k: v for k, v in self.model_dump(mode="json").items()
                   if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
                                                          "seq_len", "stop_when")}
