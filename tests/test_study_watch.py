@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from attnlab.study.console import LiveView, trial_label
-from attnlab.study.state import StudyState
+from attnlab.study.state import StudyState, TrialStatus
 from attnlab.train import load_train_config
 
 
@@ -52,7 +52,10 @@ def test_the_live_view_prints_a_line_per_change(tmp_path):
     state.write_status("k1", status="complete", objectives={"val_loss@4x": 5.1})
     (line,) = view.lines()
     assert "complete" in line and "val_loss@4x 5.1000" in line
-    assert trial_label({"point": {"attention": "lssa", "p_train": False}}) == "lssa p_train=off"
+    assert trial_label(TrialStatus.parse({"point": {"attention": "lssa", "p_train": False}})) == "lssa p_train=off"
+    # a point without an attention axis: the variant its config resolved; an older file saying config_hash reads alike
+    older = TrialStatus.parse({"config_hash": "k3", "point": {"seed": 1}, "attention": "softmax", "status": "cached"})
+    assert (trial_label(older), older.train_key, older.status) == ("softmax seed=1", "k3", "cached")
 
 
 def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path, monkeypatch):

@@ -1,9 +1,9 @@
 """The data behind ``attnlab serve``: studies, trials, training curves and results, read into plain dicts.
 
 Everything here reads; nothing writes, starts or stops anything. The study layout is
-:class:`attnlab.study.state.StudyState`'s (status records, the saved study read back typed as a
-:class:`attnlab.study.state.SavedStudy`, each run's ``metrics.jsonl`` through
-:func:`attnlab.runfolder.read_metrics`); the results are :class:`attnlab.results.ResultsStore`'s rows, and the
+:class:`attnlab.study.state.StudyState`'s, read back typed (each run's status as a
+:class:`~attnlab.study.state.TrialStatus`, the saved study as a :class:`~attnlab.study.state.SavedStudy`; each
+run's ``metrics.jsonl`` through :func:`attnlab.runfolder.read_metrics`); the results are :class:`attnlab.results.ResultsStore`'s rows, and the
 Table-4 layout, its cells and the best configuration come from :mod:`attnlab.results.reports`, the code of
 ``attnlab results table|best`` (nothing is recomputed here). Locations are :class:`attnlab.location.Location`
 (a local folder or an object-store URI alike); ``pathlib`` never sees one.
@@ -27,7 +27,7 @@ from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.names import STUDY_NAME
 from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, reports
-from attnlab.study.state import STATUSES, STUDY_FILE, SavedStudy, StudyState
+from attnlab.study.state import STATUSES, STUDY_FILE, SavedStudy, StudyState, TrialStatus
 from attnlab.runfolder import METRICS_FILE, read_metrics
 
 DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
@@ -216,10 +216,10 @@ def overview(sources: Sources) -> dict:
     studies = []
     for name, where in study_names(sources).items():
         info = study_info(sources, name)
-        records = StudyState(sources.runs, name).statuses() if where["has_state"] else []
-        counts = {s: sum(1 for r in records if r.get("status") == s) for s in STATUSES}
-        studies.append({**info, "trials": len(records), "counts": {s: n for s, n in counts.items() if n},
-                        "updated": max((r.get("updated") or 0 for r in records), default=None)})
+        runs = StudyState(sources.runs, name).trials() if where["has_state"] else []
+        counts = {s: sum(1 for r in runs if r.status == s) for s in STATUSES}
+        studies.append({**info, "trials": len(runs), "counts": {s: n for s, n in counts.items() if n},
+                        "updated": max((r.updated or 0 for r in runs), default=None)})
     return clean({"runs": sources.runs.uri, "store": sources.store.uri,
                   "runs_exists": _exists(sources.runs), "store_exists": sources.store.exists(),
                   "studies": studies, "now": time.time()})
@@ -234,14 +234,10 @@ def _curve(lines: list[dict]) -> dict:
                   "val_step": [s for s, _ in val], "val_loss": [v for _, v in val]})
 
 
-def _trial(state: StudyState, record: dict, with_curve: bool, now: float) -> dict:
-    key = record.get("train_key") or "?"
-    status = record.get("status") or "unknown"
-    steps = record.get("steps")
-    step = record.get("step")
+def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) -> dict:
+    key, status, steps, step, updated = trial.train_key or "?", trial.status, trial.steps, trial.step, trial.updated
     latest: dict = {}  # the latest losses of a running trial (a finished one shows its objectives)
     curve = None
-    updated = record.get("updated")
     if with_curve or status == "running":
         run = state.run(key)
         lines = read_metrics(run) if key != "?" else []
@@ -263,11 +259,11 @@ def _trial(state: StudyState, record: dict, with_curve: bool, now: float) -> dic
     if status in ("complete", "cached") and steps:
         step, progress = steps, 1.0
     return clean({
-        "key": key, "status": status, "reason": record.get("reason"), "point": record.get("point") or {},
-        "label": point_label(record.get("point")), "trial": record.get("trial"), "run_dir": record.get("run_dir"),
-        "step": step, "steps": steps, "progress": progress, "objectives": record.get("objectives") or {},
+        "key": key, "status": status, "reason": trial.reason, "point": trial.point,
+        "label": point_label(trial.point), "trial": trial.trial, "run_dir": trial.run_dir,
+        "step": step, "steps": steps, "progress": progress, "objectives": trial.objectives,
         "train_loss": latest.get("train_loss"), "val_loss": latest.get("val_loss"),
-        "started": record.get("started"), "updated": updated,
+        "started": trial.started, "updated": updated,
         "age": (now - updated) if isinstance(updated, (int, float)) else None, "curve": curve,
     })
 
@@ -282,9 +278,8 @@ def trials(sources: Sources, name: str, curves: str = "running") -> dict:
     info = study_info(sources, name)
     state = StudyState(sources.runs, name)
     now = time.time()
-    records = state.statuses() if info["has_state"] else []
-    items = [_trial(state, r, curves == "all" or (curves == "running" and r.get("status") == "running"), now)
-             for r in records]
+    runs = state.trials() if info["has_state"] else []
+    items = [_trial(state, r, curves == "all" or (curves == "running" and r.status == "running"), now) for r in runs]
     items.sort(key=lambda t: (t["status"] != "running", t["started"] or 0, t["key"]))
     counts = {s: sum(1 for t in items if t["status"] == s) for s in STATUSES}
     return clean({"study": name, "trials": items, "counts": {s: n for s, n in counts.items() if n},

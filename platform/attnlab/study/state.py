@@ -72,6 +72,36 @@ class SavedStudy:
         return self.spec.get("optuna_storage") or self.spec.get("storage")  # "storage": an older study.json
 
 
+@dataclass(frozen=True)
+class TrialStatus:
+    """A training run's status file (``trials/<train_key>.json``) read back typed: what the console and the page
+    show of it. The file is a mapping its trial updates (:meth:`StudyState.write_status`); fields a file written
+    by an older attnlab lacks read as None."""
+
+    train_key: str | None
+    status: str  # one of STATUSES, or "unknown"
+    trial: str | None  # the Tune trial that holds the run
+    point: dict
+    attention: str | None  # the variant trained, as its TrainConfig resolved it
+    reason: str | None
+    steps: int | None  # the run's target (the cap, with a stopping rule)
+    step: int | None  # the step reached, when the trial recorded it
+    objectives: dict
+    run_dir: str | None
+    started: float | None
+    updated: float | None
+
+    @classmethod
+    def parse(cls, record: dict) -> TrialStatus:
+        record = _with_train_key(record) or {}
+        point = dict(record.get("point") or {})
+        return cls(train_key=record.get("train_key"), status=record.get("status") or "unknown",
+                   trial=record.get("trial"), point=point,
+                   attention=record.get("attention") or point.get("attention"), reason=record.get("reason"),
+                   steps=record.get("steps"), step=record.get("step"), objectives=dict(record.get("objectives") or {}),
+                   run_dir=record.get("run_dir"), started=record.get("started"), updated=record.get("updated"))
+
+
 def _with_train_key(record: dict | None) -> dict | None:
     """A status record with its run's key under ``train_key`` (older files say ``config_hash``)."""
     if record and "train_key" not in record and "config_hash" in record:
@@ -127,8 +157,12 @@ class StudyState:
         self.loc.write_json(f"{TRIALS_DIR}/{train_key}.json", record)
         return record
 
+    def trials(self) -> list[TrialStatus]:
+        """Every training run's status, typed (:class:`TrialStatus`), ordered by train key."""
+        return [TrialStatus.parse(record) for record in self.statuses()]
+
     def statuses(self) -> list[dict]:
-        """Every trial's status record, ordered by train key."""
+        """Every training run's status record as written, ordered by train key."""
         out = []
         for name in self.loc.list_names(TRIALS_DIR, hidden=False):
             if name.endswith(".json"):

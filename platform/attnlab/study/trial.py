@@ -301,7 +301,8 @@ def study_trial(config: dict, context: StudyContext) -> None:
     point = point_of(config)
     plan = plan_trial(context, point)
     status = {"point": point, "trial": tune.get_context().get_trial_name(), "run_dir": plan.run.uri,
-              "config": plan.cfg.model_dump(mode="json"), "steps": plan.cfg.steps}
+              "config": plan.cfg.model_dump(mode="json"), "attention": plan.cfg.gpt_config().attention,
+              "steps": plan.cfg.steps}
     before = claim_point(state, plan.train_key, context.launched, status)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
