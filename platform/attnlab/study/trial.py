@@ -362,6 +362,6 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
     return total
 
 
-__all__ = ["StudyContext", "StudyData", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason", "knob_label",
-           "objective_values", "plan_trial", "cell_keys", "claim_point", "stop_columns", "study_trial", "train_step",
-           "wait_for_twin"]
+__all__ = ["StudyContext", "StudyData", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason",
+           "knob_label", "objective_values", "plan_trial", "cell_keys", "claim_point", "stop_columns", "study_trial",
+           "train_step", "wait_for_twin"]
