@@ -1,7 +1,13 @@
 """The one typed training configuration: every knob of a run, validated, with errors naming the field.
 
 A study embeds it (a study file's ``train:`` block is a ``TrainConfig`` whose searched fields each trial
-sets), ``attnlab train --config FILE`` reads the same fields, and a checkpoint stores it.
+sets: :meth:`attnlab.study.space.SearchSpace.config`), ``attnlab train --config FILE`` reads the same fields, and a
+checkpoint stores it. It owns every default: nothing else restates one.
+
+Between processes (a Ray Train worker) the object itself travels, pickled. Its one serialised form is
+``model_dump(mode="json")``, every field written: what ``provenance.json``, every checkpoint and a study's trial
+status files record. ``TrainConfig.model_validate`` reads it back whole; :class:`attnlab.runfolder.TrainRecord` is
+the typed view of it for the stages that may not import training (evaluation).
 
 Defaults are the paper's recipe (docs/protocol.md#training, llm.c's GPT-2 124M): AdamW(0.9, 0.95), lr 6e-4, 700
 warm-up steps then cosine decay to 0, weight decay 0.1 on 2-D weights only, gradient clipping 1.0,
