@@ -142,7 +142,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = Fa
             store.write(rows, key=("eval", plan.train_key, "diverged"))
         return len(missing)
     if outcome.status != "finished":
-        raise UserError(f"trial {plan.train_key}: the run at {plan.run.uri} has not finished ({outcome.status}); "
+        raise UserError(f"run {plan.train_key}: the run at {plan.run.uri} has not finished ({outcome.status}); "
                         "nothing to evaluate")
     args = (plan.run, ctx.spec.eval, ctx.data.resolved, {**plan.row_context, **stop_columns(plan, outcome)}, store,
             sorted(stored), plan.cfg.threads_per_worker, ctx.env)
@@ -212,7 +212,7 @@ def cell_value(rows: list[dict], metric: str, length: int, p_eval, rope: str) ->
     return float(values[0]) if values else float("nan")
 
 
-def trial_rows(ctx: StudyContext, train_key: str) -> list[dict]:
+def run_rows(ctx: StudyContext, train_key: str) -> list[dict]:
     """The rows of one training run (the results column carrying its key is ``config_hash``)."""
     return ctx.store.read(study=ctx.spec.name, config_hash=train_key).to_dict("records")
 
@@ -311,7 +311,7 @@ def study_trial(config: dict, context: StudyContext) -> None:
             check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
         outcome, trained = train_step(plan, state, callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
         evaluated = evaluate_step(plan, context, outcome)
-        rows = trial_rows(context, plan.train_key)
+        rows = run_rows(context, plan.train_key)
         objectives = objective_values(spec, rows, plan.cfg.seq_length)
         final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
         # Tune's time is the cap (the trial is over); steps trained: the cap, or where the stopping rule was met
@@ -357,7 +357,7 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
         pending.append((plan, done))
     total = 0
     for plan, done in pending:
-        log(f"attnlab: evaluating new cells of trial {plan.train_key} (training reused)")
+        log(f"attnlab: evaluating new cells of run {plan.train_key} (training reused)")
         total += evaluate_step(plan, ctx, done)
     return total
 
