@@ -142,7 +142,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = Fa
             store.write(rows, key=("eval", plan.train_key, "diverged"))
         return len(missing)
     if outcome.status != "finished":
-        raise UserError(f"run {plan.train_key}: the run at {plan.run.uri} has not finished ({outcome.status}); "
+        raise UserError(f"training run {plan.train_key} at {plan.run.uri} has not finished ({outcome.status}); "
                         "nothing to evaluate")
     args = (plan.run, ctx.spec.eval, ctx.data.resolved, {**plan.row_context, **stop_columns(plan, outcome)}, store,
             sorted(stored), plan.cfg.threads_per_worker, ctx.env)
