@@ -130,7 +130,7 @@ def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ra
     fresh = run_study(load_spec(grown), store=store_uri, runs=runs, resume=False, verbose=0)
     assert fresh.trained == 0 and [t["status"] for t in fresh.trials] == ["cached"] * 2
     for trial in fresh.trials:  # the cached report is the objective's own cell (4x, p_eval none, ntk)
-        rows = after[(after.config_hash == trial["config_hash"]) & (after.eval_len == 256) & after.p_eval.isna()]
+        rows = after[(after.config_hash == trial["train_key"]) & (after.eval_len == 256) & after.p_eval.isna()]
         assert trial["objectives"]["val_loss@4x"] == pytest.approx(rows["value"].iloc[0])
 
 
