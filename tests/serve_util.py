@@ -56,7 +56,7 @@ def write_study(store_uri: str, runs_uri: str, name: str = "probe", engine: str 
     """A study with every trial status, metrics for each run and acc + val_loss rows for the finished ones;
     ``ray``: the cluster record ``attnlab study run`` writes (``Dashboard.record()``), none by default."""
     state = StudyState(runs_uri, name)
-    state.write_spec(spec_json(name, engine), "fingerprint0", ray=ray)
+    state.write_study(spec_json(name, engine), "fingerprint0", ray=ray)
     store = ResultsStore(store_uri)
     now = time.time()
     for i, (key, status, point, steps, reached, reason) in enumerate(TRIALS):
@@ -72,7 +72,7 @@ def write_study(store_uri: str, runs_uri: str, name: str = "probe", engine: str 
         elif status != "running":
             record.update(step=reached)
         state.write_status(key, **record)
-        if status == "diverged":  # a diverged run's cells are NaN rows (as attnlab.evaluate.rows.nan_rows writes)
+        if status == "diverged":  # a diverged run's cells are NaN rows (as attnlab.evaluate.cell_rows.nan_rows writes)
             store.write([{**_row(name, key, point, reached, p_eval, rope, length), "metric": "val_loss",
                           "value": float("nan")} for p_eval in (None, 15.0) for rope in ("none", "ntk")
                          for length in LENGTHS], key=("eval", key, "diverged"))

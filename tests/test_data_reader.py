@@ -144,8 +144,8 @@ def test_sampler_bad_arguments_are_user_errors(demo_data_dir, one_and_many):  # 
 
 
 def test_opening_reads_the_manifest_only_and_each_split_on_first_use(tmp_path, small_text_corpus):  # noqa: F811
-    """Opening needs the manifest alone (the study driver and the preflight read no shard); evaluation reads the
-    val split only; a missing shard is named when its split is first used."""
+    """Opening needs the manifest alone (the study driver and `attnlab train`'s check read no shard); evaluation reads
+    the val split only; a missing shard is named when its split is first used."""
     import shutil
 
     folder, _ = small_text_corpus

@@ -254,7 +254,7 @@ def test_tasks_in_a_bucket_are_copied_and_scored(trained, tasks_dir, s3_bucket):
 
 
 def test_a_diverged_runs_downstream_cell_is_a_nan_acc_row_of_its_task():
-    from attnlab.evaluate.rows import nan_rows
+    from attnlab.evaluate.cell_rows import nan_rows
     from attnlab.results.schema import validate_row
 
     cells = parse(EvalConfig, {"downstream": ["hellaswag", "piqa"], "windows": False}, prefix="eval").cells(64)
@@ -328,7 +328,7 @@ def test_study_downstream_cells_run_once_and_a_new_task_trains_nothing(ray_sessi
     store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
     first = run_study(load_spec(study), store=store_uri, runs=runs, verbose=0)
     assert first.trained == 1 and [t["status"] for t in first.trials] == ["complete"]
-    key = first.trials[0]["config_hash"]
+    key = first.trials[0]["train_key"]
     store = ResultsStore(store_uri)
     rows = store.read(study="down", task="attnlab_mc")
     assert sorted(rows["metric"]) == ["acc", "acc_norm"]

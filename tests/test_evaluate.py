@@ -16,6 +16,7 @@ from attnlab.errors import UserError
 from attnlab.evaluate import EvalConfig, bits_per_byte, bucket_bounds, evaluate_checkpoint, score_windows
 from attnlab.evaluate.diagnostics import attention_diagnostics, row_statistics
 from attnlab.data.tokenizer import TOKENIZERS
+from attnlab.train import load_train_config
 from attnlab.validation import parse
 
 
@@ -310,7 +311,7 @@ def test_rows_record_the_power_actually_trained_with(demo_data_dir):
 
     torch.manual_seed(0)
     model = GPT(preset("tiny", attention="lssar")).eval()
-    cfg = {"preset": "tiny", "attention": "lssar", "data": str(demo_data_dir), "seq_len": 64}
+    cfg = load_train_config({"preset": "tiny", "attention": "lssar", "data": str(demo_data_dir), "seq_len": 64})
     rows = evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=128), device="cpu")
     assert rows and all(r["p_train"] == 15.0 for r in rows)
     assert {r["p_eval"] for r in rows} == {None}
@@ -340,7 +341,7 @@ def test_a_byte_model_scores_bits_per_byte_and_refuses_gpt2_data(byte_corpus, de
 
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=257)).eval()
-    cfg = {"preset": "tiny", "attention": "softmax", "data": str(byte_corpus), "seq_len": 64}
+    cfg = load_train_config({"preset": "tiny", "attention": "softmax", "data": str(byte_corpus), "seq_len": 64})
     rows = evaluate_checkpoint((model, cfg, {"step": 0}), _cfg(multiples=[1], max_tokens=2048), device="cpu")
     by_metric = {r["metric"]: r["value"] for r in rows if r.get("bucket") is None}
     from attnlab.data import TokenShards
@@ -418,3 +419,19 @@ def test_diagnostics_of_a_learned_qk_norm_model_use_its_gains():
     plain = attention_weights(*(torch.randn(1, 2, 8, 64) for _ in range(2)), model.spec,
                               qk_gain=(torch.ones(64), torch.ones(64)))
     assert plain.shape == (1, 2, 8, 8)
+
+
+def test_evaluation_reads_the_training_config_as_a_typed_record_with_no_defaults_of_its_own():
+    """The fields evaluation reads of a run come from the config the run recorded (every field, TrainConfig's
+    defaults applied); a partial one is refused by name rather than completed with restated defaults."""
+    from attnlab.runfolder import TrainRecord
+
+    cfg = load_train_config({"preset": "tiny", "data": "x", "val_batch": 3, "precision": "fp32"})
+    record = TrainRecord.parse(cfg.model_dump(mode="json"))
+    assert (record.val_batch, record.precision, record.data_seed, record.tokens_per_step) == (3, "fp32", 0, 1024)
+    assert TrainRecord.parse(cfg) == record
+    with pytest.raises(UserError, match="checkpoint: its training config has no 'preset'"):
+        TrainRecord.parse({"data": "x"})
+    with pytest.raises(UserError, match="has no 'seed'"):
+        evaluate_checkpoint((RecordingModel(), {k: v for k, v in record.record.items() if k != "seed"}, {}),
+                            _cfg(multiples=[1]))

@@ -217,7 +217,8 @@ def test_position_and_block_are_training_and_study_axes():
     assert llama.steps == base.steps and llama.lr == base.lr  # tiny's recipe
     spec = load_spec({"name": "t", "train": {"preset": "tiny", "data": "demo"},
                       "space": {"model.position": POSITIONS_NOW, "model.block": ["gpt2", "llama"]}})
-    configs = [spec.train_config(p) for p in spec.grid_points()]
+    space = spec.search_space()
+    configs = [space.config(p) for p in space.grid()]
     assert {(c.gpt_config().position, c.gpt_config().block) for c in configs} == \
         {(p, b) for p in POSITIONS_NOW for b in ("gpt2", "llama")}
     with pytest.raises(UserError) as info:
@@ -229,10 +230,12 @@ def test_position_and_block_are_training_and_study_axes():
 def test_models_without_rope_evaluate_every_scaling_as_the_same_forward(demo_data_dir, position):
     """rope_scaling is meaningless without RoPE: rows record each scaling as asked, with equal numbers."""
     from attnlab.evaluate import EvalConfig, evaluate_checkpoint
+    from attnlab.train import load_train_config
 
     torch.manual_seed(0)
     model = GPT(preset("tiny-llama", position=position)).eval()
-    cfg = {"preset": "tiny-llama", "model": {"position": position}, "data": str(demo_data_dir), "seq_len": 64}
+    cfg = load_train_config({"preset": "tiny-llama", "model": {"position": position}, "data": str(demo_data_dir),
+                             "seq_len": 64})
     config = EvalConfig(multiples=[1, 2], rope_scaling=["none", "ntk", "pi", "yarn"], max_tokens=256)
     rows = evaluate_checkpoint((model, cfg, {"step": 0}), config, device="cpu")
     loss = {(r["rope_scaling"], r["eval_len"]): r["value"] for r in rows if r["metric"] == "val_loss"}

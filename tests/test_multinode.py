@@ -317,7 +317,7 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
                           env=cluster.env, capture_output=True, text=True, timeout=120)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert cluster.wait_job(first) == "STOPPED"
-    done_first = {json.loads(trials.read_text(n))["config_hash"] for n in trials.list_names(hidden=False)
+    done_first = {json.loads(trials.read_text(n))["train_key"] for n in trials.list_names(hidden=False)
                   if json.loads(trials.read_text(n)).get("status") == "complete"}
     assert len(done_first) >= 1
 
@@ -334,7 +334,7 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
     dup_cols = ["config_hash", "eval_key", "metric", "eval_len", "p_eval", "window_mode", "bucket", "layer"]
     assert not rows[dup_cols].astype(str).duplicated().any()  # no duplicate rows after the kill and the resume
     events = Location.parse(f"{storage}/mn-study/events")
-    trained = [json.loads(events.read_text(n))["config_hash"] for n in events.list_names(hidden=False)]
+    trained = [json.loads(events.read_text(n))["train_key"] for n in events.list_names(hidden=False)]
     assert all(trained.count(key) == 1 for key in done_first)  # the finished training was not trained again
 
     # 3. Once more: nothing trains, nothing is evaluated, no row is added.

@@ -17,9 +17,10 @@ from attnlab.model.orbit import OrbitGPT, OrbitGPTConfig
 from attnlab.evaluate.extrapolation import evaluate_checkpoint
 from attnlab.evaluate.force_probe import FORCE_METRICS, ForceProbeResult, finetune_force_probe, linear_force_probe
 from attnlab.evaluate.plan import EvalCell, EvalConfig
-from attnlab.evaluate.rows import force_rows
+from attnlab.evaluate.cell_rows import force_rows
 from attnlab.evaluate.symbolic import G_NEWTON, ForceLaw, fit_force_law, fit_power_law
 from attnlab.results.schema import validate_row
+from attnlab.train import load_train_config
 
 SMALL = {"synthetic": "orbits", "size": "cpu", "block_systems": 10, "n_train_systems": 40, "n_val_systems": 20}
 BASE = dict(study="orbits", trial="t0", attention="lssar", scale="logd_logn", p_train=15.0, step=0, tokens=0,
@@ -154,7 +155,8 @@ def test_evaluating_an_orbit_model_scores_every_length_and_runs_the_force_probe(
     config = EvalConfig(multiples=[1, 2], rope_scaling="both", p_eval=[None, 3.0], max_tokens=64 * 4,
                         force_probe={"kind": "linear", "n_train": 12, "n_test": 6, "n_points": 200,
                                      "population": 200, "generations": 4, "restarts": 1})
-    loaded = (model, {"data": SMALL, "seed": 0, "tokens_per_step": 256}, {"step": 0, "checkpoint": None})
+    trained = load_train_config({"preset": "tiny", "data": SMALL, "seq_len": 32, "seed": 0, "tokens_per_step": 256})
+    loaded = (model, trained, {"step": 0, "checkpoint": None})
     rows = evaluate_checkpoint(loaded, config, context={"study": "orbits"})
     for i, row in enumerate(rows):
         validate_row(row, i)
@@ -186,4 +188,5 @@ def test_the_force_probe_needs_orbit_data():
     gpt = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, vocab_size=open_task(copy).vocab_size, train_len=16))
     config = EvalConfig(multiples=[1], max_tokens=64, force_probe={"kind": "linear"})
     with pytest.raises(UserError, match="force_probe: needs a model trained on orbits"):
-        evaluate_checkpoint((gpt, {"data": copy}, {"step": 0, "checkpoint": None}), config)
+        evaluate_checkpoint((gpt, load_train_config({"preset": "tiny", "data": copy, "seq_len": 16}),
+                             {"step": 0, "checkpoint": None}), config)

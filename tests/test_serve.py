@@ -147,8 +147,8 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     write_study(store, runs, name="bare", ray=Dashboard(None, "the cluster runs without one").record())
     write_study(store, runs, name="legacy")  # a study.json from before the dashboard was recorded
     write_study(store, runs, name="forged", ray={"dashboard": "javascript:alert(1)"})
-    assert StudyState(runs, "live").ray_cluster()["dashboard"] == "http://127.0.0.1:41234"
-    assert StudyState(runs, "legacy").ray_cluster() is None
+    assert StudyState(runs, "live").saved_study().ray["dashboard"] == "http://127.0.0.1:41234"
+    assert StudyState(runs, "legacy").saved_study().ray is None
 
     sources = open_sources(store, runs)  # no --ray-dashboard
     assert sources.ray_dashboard is None
@@ -361,7 +361,7 @@ def test_serve_is_registered_and_documented():
 
 
 def test_an_orbit_study_shows_the_recovered_laws(local):
-    """Force-probe rows (as attnlab.evaluate.rows.force_rows writes them) add the recovered-law table: the same
+    """Force-probe rows (as attnlab.evaluate.cell_rows.force_rows writes them) add the recovered-law table: the same
     reports.laws as `attnlab results laws`, on the page and in its markdown."""
     from attnlab.evaluate.force_probe import FORCE_METRICS
     from attnlab.results import LAW_METRIC

@@ -67,12 +67,12 @@ def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp
     assert "complete" in statuses  # the first trial always reaches the end (ASHA has nothing to compare yet)
     store = ResultsStore(store_uri)
     for trial in summary.trials:
-        rows = _val_rows(store, "optuna-asha", trial["config_hash"])
+        rows = _val_rows(store, "optuna-asha", trial["train_key"])
         if trial["status"] in ("complete", "cached"):  # cached: Optuna proposed a finished point again
             # every length x p_eval, exactly once
             cells = sorted((int(r.eval_len), -1.0 if r.p_eval != r.p_eval else r.p_eval) for r in rows.itertuples())
             assert cells == [(64, -1.0), (64, 15.0), (256, -1.0), (256, 15.0)]  # -1: p_eval none
-            assert len(store.stored_eval_keys("optuna-asha", trial["config_hash"])) == 4
+            assert len(store.stored_eval_keys("optuna-asha", trial["train_key"])) == 4
             assert set(trial["objectives"]) == {"val_loss@4x", "val_loss@1x"}
             at_4x = rows[(rows.eval_len == 256) & rows.p_eval.isna()].value.iloc[0]
             assert trial["objectives"]["val_loss@4x"] == pytest.approx(at_4x)
@@ -130,7 +130,7 @@ def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ra
     fresh = run_study(load_spec(grown), store=store_uri, runs=runs, resume=False, verbose=0)
     assert fresh.trained == 0 and [t["status"] for t in fresh.trials] == ["cached"] * 2
     for trial in fresh.trials:  # the cached report is the objective's own cell (4x, p_eval none, ntk)
-        rows = after[(after.config_hash == trial["config_hash"]) & (after.eval_len == 256) & after.p_eval.isna()]
+        rows = after[(after.config_hash == trial["train_key"]) & (after.eval_len == 256) & after.p_eval.isna()]
         assert trial["objectives"]["val_loss@4x"] == pytest.approx(rows["value"].iloc[0])
 
 
@@ -151,7 +151,7 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
         while time.time() < deadline and proc.poll() is None:
             done = [t for t in state.statuses() if t["status"] == "complete"]
             if done:
-                first_done = done[0]["config_hash"]
+                first_done = done[0]["train_key"]
                 break
             time.sleep(0.5)
     finally:
@@ -160,7 +160,7 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
     assert first_done is not None, "the first trial never completed"
 
     summary = run_study(spec, store=store_uri, runs=runs, verbose=0)
-    statuses = {t["config_hash"]: t["status"] for t in summary.trials}
+    statuses = {t["train_key"]: t["status"] for t in summary.trials}
     # the trial that finished before the kill is done (complete, or cached when Tune re-ran it and found it done)
     assert len(statuses) == 3 and set(statuses.values()) <= {"complete", "cached"}, summary.trials
     store = ResultsStore(store_uri)
@@ -168,7 +168,7 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
     assert len(val) == 3 * 4  # 3 trials x 2 lengths x 2 p_eval: no duplicates
     assert val.groupby(["config_hash", "eval_len", "p_eval"], dropna=False).size().max() == 1
     events = [state.loc.read_json(f"events/{name}") for name in state.loc.list_names("events")]
-    assert sum(1 for e in events if e["config_hash"] == first_done) == 1  # the finished trial never retrained
+    assert sum(1 for e in events if e["train_key"] == first_done) == 1  # the finished trial never retrained
     assert len(_run_dirs(state)) == 3
 
 

@@ -35,7 +35,7 @@ def test_corpora_are_there():
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_studies_validate(path):
     spec = load_spec(path)
-    assert spec.num_trials() >= 1
+    assert spec.search_space().size() >= 1
     comments = " ".join(line for line in path.read_text().splitlines() if line.lstrip().startswith("#")).lower()
     assert "cost" in comments or "min" in comments or " h " in comments, \
         f"{path.name} must carry a comment with its expected cost"
@@ -80,13 +80,14 @@ def test_grid_expands_conditional_axes_only_where_they_apply():
     spec = _spec(space={"attention": ["softmax", "lssa", "lssar"], "p_train": {"values": [3, 15],
                                                                               "when": ["softmax", "lssa"]},
                         "seeds": [0, 1]})
-    points = spec.grid_points()
+    space = spec.search_space()
+    points = space.grid()
     # softmax x {3, 15} x 2 seeds + lssa x {3, 15} x 2 seeds + lssar x 2 seeds = 4 + 4 + 2
-    assert len(points) == spec.num_trials() == 10
+    assert len(points) == space.size() == 10
     assert {"attention": "lssar", "seed": 1} in points
     assert {"attention": "softmax", "p_train": 15, "seed": 0} in points
     assert not any(p["attention"] == "lssar" and "p_train" in p for p in points)
-    cfg = spec.train_config({"attention": "lssa", "p_train": 15, "seed": 1})
+    cfg = space.config({"attention": "lssa", "p_train": 15, "seed": 1})
     assert (cfg.attention, cfg.p_train, cfg.seed, cfg.preset, cfg.data) == ("lssa", 15.0, 1, "tiny", "demo")
 
 
@@ -94,7 +95,7 @@ def test_random_points_are_seeded_and_respect_ranges():
     blocks = dict(search={"engine": "random", "num_samples": 6, "seed": 3},
                   space={"attention": ["softmax", "lssa"], "scale": {"low": 1.0, "high": 8.0, "when": ["softmax"]},
                          "p_train": {"low": 1, "high": 63, "when": ["lssa"]}})
-    a, b = _spec(**blocks).random_points(), _spec(**blocks).random_points()
+    a, b = _spec(**blocks).search_space().sampled(), _spec(**blocks).search_space().sampled()
     assert a == b and len(a) == 6
     for p in a:
         if p["attention"] == "softmax":
@@ -107,7 +108,7 @@ def test_the_study_embeds_the_training_config_and_its_resources():
     spec = _spec(train={"tokens": 10_000, "tokens_per_step": 1024, "micro_batch": 8, "workers": 2, "gpus_per_worker": 1,
                         "cpus_per_worker": 4},
                  resources={"max_concurrent_trials": 3})
-    cfg = spec.train_config({})
+    cfg = spec.search_space().config({})
     assert cfg.steps == 10  # ceil(10000 / 1024)
     assert (cfg.workers, cfg.gpu, cfg.gpus_per_worker, cfg.cpus_per_worker) == (2, True, 1.0, 4.0)
     assert spec.resource_request() == {"workers": 2, "gpus_per_worker": 1.0, "cpus_per_worker": 4.0,
@@ -118,8 +119,9 @@ def test_the_study_embeds_the_training_config_and_its_resources():
 def test_p_train_says_what_it_means():
     """none/off is no sharpening for every variant (lssar included); default is the variant's own power."""
     spec = _spec(space={"attention": ["lssa", "lssar"], "p_train": [False, "default", 3, None]})
-    powers = {(p["attention"], str(p["p_train"])): spec.train_config(p).gpt_config().attention_spec().p
-              for p in spec.grid_points()}
+    space = spec.search_space()
+    powers = {(p["attention"], str(p["p_train"])): space.config(p).gpt_config().attention_spec().p
+              for p in space.grid()}
     assert powers[("lssar", "False")] is None and powers[("lssar", "None")] is None
     assert powers[("lssar", "default")] == 15.0 and powers[("lssa", "default")] is None
     assert powers[("lssar", "3")] == 3.0
@@ -153,7 +155,7 @@ def test_searched_knobs_label_rows_so_reports_never_average_them_as_seeds():
     from attnlab.study.trial import knob_label
 
     spec = _spec(space={"attention": ["softmax"], "lr": [1e-3, 3e-3], "seeds": [0, 1]})
-    labels = sorted({knob_label(spec, p) for p in spec.grid_points()})
+    labels = sorted({knob_label(spec, p) for p in spec.search_space().grid()})
     assert labels == ["lr=0.001", "lr=0.003"]
     assert knob_label(_spec(space={"attention": ["softmax", "lssa"]}), {"attention": "lssa"}) is None
     rows = [dict(study="t", attention="softmax", knobs=k, seed=s, eval_len=64, train_len=64, metric="val_loss", value=v,

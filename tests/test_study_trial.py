@@ -12,7 +12,7 @@ from attnlab.location import Location
 from attnlab.results import ResultsStore
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
-from attnlab.study.trial import StudyContext, claim_point, plan_trial, wait_for_twin
+from attnlab.study.trial import StudyContext, StudyData, claim_point, plan_trial, wait_for_twin
 
 
 def _spec() -> StudySpec:
@@ -26,14 +26,16 @@ def _spec() -> StudySpec:
 def test_the_context_carries_objects_that_pickle_as_themselves(tmp_path):
     spec = _spec()
     state = StudyState(tmp_path / "runs", spec.name)
-    ctx = StudyContext(spec=spec, state=state, store=ResultsStore(tmp_path / "results"), data={"synthetic": "copy"},
-                       data_fingerprint="f" * 16, vocab_size=64, data_label="synthetic:copy", launched=12.5)
+    data = StudyData(resolved={"synthetic": "copy"}, fingerprint="f" * 16, vocab_size=64, label="synthetic:copy",
+                     min_tokens=2**62, described="synthetic copy")
+    ctx = StudyContext(spec=spec, state=state, store=ResultsStore(tmp_path / "results"), data=data, launched=12.5)
     back = pickle.loads(pickle.dumps(ctx))
     assert isinstance(back.spec, StudySpec) and back.spec == spec
     assert isinstance(back.state, StudyState) and back.state.loc == state.loc
     assert isinstance(back.store, ResultsStore) and back.store.uri == str(tmp_path / "results")
     assert back.launched == 12.5
-    plan = plan_trial(back.spec, back, {"attention": "lssar"})
+    assert back.data == data
+    plan = plan_trial(back, {"attention": "lssar"})
     assert isinstance(plan.run, Location)
     assert plan.run.uri == str(tmp_path / "runs" / "twins" / "runs" / plan.train_key)
 

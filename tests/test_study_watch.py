@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from attnlab.study.console import LiveView, trial_label
-from attnlab.study.state import StudyState
+from attnlab.study.state import StudyState, TrialStatus
 from attnlab.train import load_train_config
 
 
@@ -52,7 +52,10 @@ def test_the_live_view_prints_a_line_per_change(tmp_path):
     state.write_status("k1", status="complete", objectives={"val_loss@4x": 5.1})
     (line,) = view.lines()
     assert "complete" in line and "val_loss@4x 5.1000" in line
-    assert trial_label({"point": {"attention": "lssa", "p_train": False}}) == "lssa p_train=off"
+    assert trial_label(TrialStatus.parse({"point": {"attention": "lssa", "p_train": False}})) == "lssa p_train=off"
+    # a point without an attention axis: the variant its config resolved; an older file saying config_hash reads alike
+    older = TrialStatus.parse({"config_hash": "k3", "point": {"seed": 1}, "attention": "softmax", "status": "cached"})
+    assert (trial_label(older), older.train_key, older.status) == ("softmax seed=1", "k3", "cached")
 
 
 def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path, monkeypatch):
@@ -109,14 +112,21 @@ def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path
 
     # the record attnlab serve reads, next to the spec
     state = StudyState(str(tmp_path / "runs"), "planned")
-    state.write_spec({"name": "planned"}, "fp")
-    assert state.ray_cluster() is None and "ray" not in state.saved_spec()
-    state.write_spec({"name": "planned"}, "fp", ray=board.record())
-    recorded = state.ray_cluster()
+    state.write_study({"name": "planned"}, "fp")
+    assert state.saved_study().ray is None and "ray" not in state.loc.read_json("study.json")
+    state.write_study({"name": "planned"}, "fp", ray=board.record())
+    recorded = state.saved_study().ray
     assert recorded["dashboard"] == "http://127.0.0.1:40001" and recorded["note"] == ""
-    assert state.saved_spec()["fingerprint"] == "fp"
-    state.write_spec({"name": "planned"}, "fp", ray=Dashboard(None, "the cluster runs without one").record())
-    assert state.ray_cluster()["dashboard"] is None
+    assert state.saved_study().fingerprint == "fp"
+    state.write_study({"name": "planned"}, "fp", ray=Dashboard(None, "the cluster runs without one").record())
+    assert state.saved_study().ray["dashboard"] is None
+    # read back typed: the objectives parsed once, an older study.json's Optuna "storage" still found
+    state.write_study({"name": "planned", "search": {"engine": "optuna"}, "storage": "sqlite:////x.db",
+                       "objective": ["val_loss@16x,p_eval=15", "not an objective", {"metric": "acc@4x"}]}, "fp")
+    saved = state.saved_study()
+    assert (saved.engine, saved.optuna_storage, saved.description) == ("optuna", "sqlite:////x.db", None)
+    assert [o.key for o in saved.objectives] == ["val_loss@16x,p_eval=15", "acc@4x"]
+    assert saved.objectives[0].parts["multiple"] == 16.0 and saved.objectives[1].mode == "max"
 
 
 def test_train_prints_its_plan_warnings_and_progress(tmp_path, demo_data_dir):
@@ -180,7 +190,7 @@ def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
     ot = optuna.load_study(study_name="watched", storage=state.optuna_url(None))
     # (the second lssar trial reuses the trained run and reports step 6 only)
     for trial in ot.trials:
-        assert trial.user_attrs["config_hash"] in trial.user_attrs["run"]
+        assert trial.user_attrs["train_key"] in trial.user_attrs["run"]
         assert 6 in trial.intermediate_values and set(trial.intermediate_values) <= {2, 4, 6}
     # training steps (6: the final one), not report counts
     assert any(set(t.intermediate_values) == {2, 4, 6} for t in ot.trials)

@@ -90,7 +90,7 @@ class Dashboard:
         return f"Ray dashboard: {self.url}" if self.url else f"Ray dashboard: none ({self.note})"
 
     def record(self) -> dict:
-        """What a study writes to its state for ``attnlab serve`` (``StudyState.write_spec``)."""
+        """What a study writes to its state for ``attnlab serve`` (``StudyState.write_study``)."""
         return {"dashboard": self.url, "note": self.note, "recorded": time.time()}
 
 

@@ -8,10 +8,16 @@ Layout of a run folder (``RUN``)::
     RUN/metrics.jsonl          one JSON object per report (step, train_loss, lr, grad_norm, tokens_per_s, mfu,
                                val_loss when measured; with a stopping rule the last one says stopped:
                                reached or cap), rewritten whole (object storage has no append)
-    RUN/provenance.json        config, train_key, git, versions, hardware, data fingerprint, FLOPs
+    RUN/provenance.json        config, train_key, git, versions, hardware, data fingerprint, FLOPs (a run written
+                               before train_key was its name says config_hash: :func:`recorded_train_key`)
     RUN/failure.json           only when the run diverged: {"reason", "step", "kind"}
     RUN/replicas/rankN.sha256  each DDP rank's final weights (replicas must end byte-identical)
     RUN/checkpoint_*/          Ray Train's checkpoints (RUN/checkpoints/step_*/ for a plain-process run)
+
+The training config a run records (in ``provenance.json`` and every checkpoint) is ``TrainConfig.model_dump(mode=
+"json")``, the one serialised form of :class:`attnlab.train.config.TrainConfig`. Training reads it back whole
+(``TrainConfig.model_validate``); the stages that may not import training (evaluation) read it here, typed, as a
+:class:`TrainRecord`.
 
 It also watches a run's progress (:class:`Progress`, :func:`watch`): the step, the losses and an estimate of
 the time left, read from ``metrics.jsonl`` by whoever waits for the run. No Ray, no torch here.
@@ -19,6 +25,7 @@ the time left, read from ``metrics.jsonl`` by whoever waits for the run. No Ray,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -60,6 +67,46 @@ class MetricsLog:
     def flush(self) -> None:
         self.run.write_text(METRICS_FILE, "".join(line + "\n" for line in self.lines))
         self._flushed = time.monotonic()
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    """The fields of a recorded training config that the stages after training read (evaluation: its rows'
+    identity columns, the precision, the validation batch and the data seed it must match). It states no default:
+    ``TrainConfig`` wrote every field, and a record that lacks one is refused by name."""
+
+    preset: str
+    data: str | dict  # what the run trained on: a prepared folder (path or URI) or a generated source's mapping
+    seed: int
+    data_seed: int
+    tokens_per_step: int
+    precision: str
+    val_batch: int
+    record: dict  # the whole recorded config
+
+    @classmethod
+    def parse(cls, record, where: str = "checkpoint") -> TrainRecord:
+        """``record``: the recorded dict, or a ``TrainConfig`` (recorded first, as a run records it)."""
+        if hasattr(record, "model_dump"):
+            record = record.model_dump(mode="json")
+        if not isinstance(record, dict):
+            raise UserError(f"{where}: its training config is a {type(record).__name__}, not a recorded TrainConfig")
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "record"]
+        missing = [name for name in fields if name not in record]
+        if missing:
+            raise UserError(f"{where}: its training config has no {missing[0]!r}; give the whole config as a run "
+                            "records it (TrainConfig.model_dump(mode='json')) or the TrainConfig itself")
+        return cls(preset=str(record["preset"]), data=record["data"], seed=int(record["seed"]),
+                   data_seed=int(record["data_seed"]), tokens_per_step=int(record["tokens_per_step"]),
+                   precision=str(record["precision"]), val_batch=int(record["val_batch"]), record=dict(record))
+
+
+def recorded_train_key(run: Location) -> str | None:
+    """The run's training key as its ``provenance.json`` records it (``config_hash`` in runs written before the key
+    had its name); None without one."""
+    provenance = run.read_json(PROVENANCE_FILE, default={}) or {}
+    key = provenance.get("train_key") or provenance.get("config_hash")
+    return str(key) if key else None
 
 
 def read_metrics(run: Location) -> list[dict]:
@@ -108,7 +155,6 @@ def outcome(run: str | Location, steps: int | None = None) -> TrainOutcome:
     lines = read_metrics(run)
     final = lines[-1] if lines else {}
     failure = run.read_json(FAILURE_FILE)
-    provenance = run.read_json(PROVENANCE_FILE, default={}) or {}
     try:
         checkpoint = find_latest_checkpoint(run)
         meta = json.loads(checkpoint.read_bytes("meta.json"))
@@ -122,7 +168,7 @@ def outcome(run: str | Location, steps: int | None = None) -> TrainOutcome:
     else:
         status = "finished"
     return TrainOutcome(run.uri, status, final, checkpoint.uri if checkpoint else None,
-                        failure["reason"] if failure else None, provenance.get("train_key"),
+                        failure["reason"] if failure else None, recorded_train_key(run),
                         stopped if status == "finished" else None, None if step is None else int(step))
 
 

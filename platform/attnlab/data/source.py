@@ -106,6 +106,28 @@ def data_label(spec: str | dict[str, Any]) -> str:
     return str(spec).rstrip("/").rsplit("/", 1)[-1]
 
 
+def check_data(spec: str | dict[str, Any], field: str = "data") -> None:
+    """What a user wrote for ``data``, checked from the text alone, as a study or config is validated: a generated
+    source's parameters (nothing is generated), a location's form (a bucket URI names its bucket). Nothing is
+    opened, read or asked of the network; UserError (one line naming ``field``) on bad input."""
+    if isinstance(spec, dict):
+        if spec.get("synthetic") == ORBITS:
+            from attnlab.data.generators.orbits import orbit_task
+
+            orbit_task(spec)
+        else:
+            from attnlab.data.generators.synthetic import synthetic_task
+
+            synthetic_task(spec)
+        return
+    if not isinstance(spec, str) or not spec.strip():
+        raise UserError(f"{field}={spec!r} is not allowed: use a folder made by `attnlab data prepare` or "
+                        "{synthetic: TASK, ...}")
+    from attnlab.location import check_bucket
+
+    check_bucket(spec, field)
+
+
 def open_data(spec: str | dict[str, Any]) -> DataSource:
     """A prepared folder (path or URI) -> :class:`TextData`; ``{synthetic: TASK, ...}`` -> the probe task."""
     if isinstance(spec, dict):
@@ -124,4 +146,5 @@ def open_data(spec: str | dict[str, Any]) -> DataSource:
     return TextData(spec)
 
 
-__all__ = ["DEMO", "DEMO_BYTES", "ORBITS", "DataSource", "check_prepared", "data_label", "model_kind", "open_data", "resolve_data"]
+__all__ = ["DEMO", "DEMO_BYTES", "ORBITS", "DataSource", "check_data", "check_prepared", "data_label", "model_kind",
+           "open_data", "resolve_data"]

@@ -4,7 +4,7 @@ retrieval, attention diagnostics; rows for the results store. No Ray here (a stu
 - ``plan``: ``EvalConfig`` (a study's ``eval:`` block; ``attnlab eval``'s flags) and the cells it expands into,
   each with its own key;
 - ``measure``: model + data + cells -> scores (``score_windows``, ``bits_per_byte``, ``bucket_bounds``);
-- ``rows``: scores -> results-store rows;
+- ``cell_rows``: a measured cell's scores -> results-store rows;
 - ``extrapolation``: ``evaluate_checkpoint(checkpoint, config, *, data, context, store, device, skip) -> rows``;
 - ``passkey`` and ``diagnostics``: the two extra measurements;
 - ``downstream`` (with ``harness_lm``): lm-evaluation-harness tasks (the ``downstream`` extra), one cell per task.

@@ -12,7 +12,7 @@ Offline: the tasks read their data from the folder (paths in a task YAML are rel
 with that folder as its working directory) or from the ``datasets`` cache; with ``HF_DATASETS_OFFLINE=1`` nothing
 is fetched from the hub. docs/downstream.md says how to prepare the paper's tasks.
 
-No Ray, no store here (``attnlab.evaluate.rows`` makes the rows).
+No Ray, no store here (``attnlab.evaluate.cell_rows`` makes the rows).
 """
 
 from __future__ import annotations

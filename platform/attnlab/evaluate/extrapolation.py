@@ -1,6 +1,11 @@
 """Extrapolation evaluation of one checkpoint: load it, plan its cells, skip those already stored, measure the
 rest, turn them into rows, write them. A thin orchestration of :mod:`~attnlab.evaluate.plan` (what),
-:mod:`~attnlab.evaluate.measure` (scores) and :mod:`~attnlab.evaluate.rows` (rows).
+:mod:`~attnlab.evaluate.measure` (scores) and :mod:`~attnlab.evaluate.cell_rows` (rows).
+
+What it reads of the training run is typed: the checkpoint's recorded training config as a
+:class:`attnlab.runfolder.TrainRecord` (precision, validation batch, data seed, identity columns; TrainConfig owns
+their defaults, none is restated here) and the run's key from its provenance
+(:func:`attnlab.runfolder.recorded_train_key`).
 
 The protocol (docs/protocol.md#evaluation) is recorded in every row: window mode, token count, RoPE setting,
 ``p_eval`` and the cell's key. No Ray here: a study runs this inside a Ray task that has the resources of one
@@ -14,24 +19,29 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from attnlab.errors import UserError
 from attnlab.evaluate.measure import measure, text_tokenizer
 from attnlab.evaluate.plan import EvalCell, EvalConfig, p_eval_label
-from attnlab.evaluate.rows import rows_for
+from attnlab.evaluate.cell_rows import rows_for
 from attnlab.location import Location
+from attnlab.runfolder import TrainRecord, recorded_train_key
+
+if TYPE_CHECKING:
+    from attnlab.results.store import ResultsStore
 
 DEFAULT_STUDY = "adhoc"
 
 
 @dataclass
 class LoadedCheckpoint:
-    """A model with the training config it came from, as ``attnlab.model.checkpoint.load_model`` returns it."""
+    """A model with the training config it came from (typed), as ``attnlab.model.checkpoint.load_model`` reads it."""
 
     model: torch.nn.Module
-    train_config: dict
+    train_config: TrainRecord
     meta: dict  # {"step", "checkpoint": its location}
 
     @property
@@ -43,29 +53,29 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(checkpoint, device) -> LoadedCheckpoint:
-    """A path or URI (checkpoint or run folder), a ``(model, train_config, meta)`` tuple, or a LoadedCheckpoint."""
+    """A path or URI (checkpoint or run folder), a ``(model, train_config, meta)`` tuple (the config recorded, or a
+    ``TrainConfig``), or a LoadedCheckpoint."""
     if isinstance(checkpoint, LoadedCheckpoint):
         return checkpoint
     if isinstance(checkpoint, tuple) and len(checkpoint) == 3:
-        return LoadedCheckpoint(*checkpoint)
+        model, cfg, meta = checkpoint
+        return LoadedCheckpoint(model, TrainRecord.parse(cfg, where="checkpoint"), meta)
     if not isinstance(checkpoint, (str, Location)) and not hasattr(checkpoint, "__fspath__"):
         raise UserError(f"checkpoint must be a checkpoint or run folder (path or URI), got {type(checkpoint).__name__}")
     from attnlab.model.checkpoint import load_model
 
     model, cfg, meta = load_model(checkpoint, device=device)
-    return LoadedCheckpoint(model, cfg, meta)
+    return LoadedCheckpoint(model, TrainRecord.parse(cfg, where=f"checkpoint {meta['checkpoint']}"), meta)
 
 
 def train_key_of(loaded: LoadedCheckpoint) -> str:
     """The training run's key, as its provenance records it (``attnlab.train`` writes it); for a model that
     comes without a run folder, a hash of the training config it carries."""
     run = loaded.run
-    if run is not None:
-        provenance = run.read_json("provenance.json", default={}) or {}
-        key = provenance.get("train_key") or provenance.get("config_hash")
-        if key:
-            return str(key)
-    blob = json.dumps(loaded.train_config, sort_keys=True, default=str).encode()
+    key = recorded_train_key(run) if run is not None else None
+    if key:
+        return key
+    blob = json.dumps(loaded.train_config.record, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -89,37 +99,38 @@ def base_row(loaded: LoadedCheckpoint, source, train_key: str, context: dict | N
     if unknown:
         raise UserError(f"context: {unknown[0]!r} is not a results column; allowed: {', '.join(COLUMN_NAMES)}")
     gpt, cfg = loaded.model.cfg, loaded.train_config
-    spec = gpt.attention_spec()
+    attention = gpt.attention_spec()
     step = int(loaded.meta.get("step", 0))
     run = loaded.run
     row = {
         "study": DEFAULT_STUDY,
         "trial": run.name if run is not None else "checkpoint",
         "attention": gpt.attention,
-        "scale": spec.scale_label,
-        "p_train": spec.p,  # the power actually trained with (lssar: 15 by default)
+        "scale": attention.scale_label,
+        "p_train": attention.p,  # the power actually trained with (lssar: 15 by default)
         "step": step,
-        "tokens": step * int(cfg.get("tokens_per_step", 0)),
+        "tokens": step * cfg.tokens_per_step,
         "train_len": int(gpt.train_len),
-        "seed": int(cfg.get("seed", 0)),
-        "config_hash": train_key,
+        "seed": cfg.seed,
+        "config_hash": train_key,  # the results column of the run's train key
         "git_sha": git_info().get("sha") or "unknown",
-        "preset": cfg.get("preset"),
+        "preset": cfg.preset,
         "data": data_label(getattr(source, "spec", None) or source.describe()),
     }
     row.update(context)
     return row
 
 
-def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=None, context: dict | None = None,
-                        store=None, device=None, skip: set[str] | None = None,
-                        log: Callable[[str], None] | None = None) -> list[dict]:
+def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: str | dict | None = None,
+                        context: dict | None = None, store: ResultsStore | str | Location | None = None, device=None,
+                        skip: set[str] | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
     """Evaluate one checkpoint over the cells of ``config``; return the rows of the cells measured.
 
     ``checkpoint``: a checkpoint folder, a run folder (its latest checkpoint), a path or a URI, or an already
-    loaded ``(model, train_config, meta)``. ``data``: a prepared folder or a probe spec (default: the training
-    data). ``context``: row fields the caller fixes (``study`` defaults to ``adhoc``, ``trial`` to the run
-    folder name). ``store``: a ``ResultsStore`` (or URI) to write the rows to, one file per length, named by the
+    loaded ``(model, train_config, meta)`` (the config as a run records it, or a ``TrainConfig``). ``data``: a
+    prepared folder or a generated source's mapping (default: the training data). ``context``: row fields the
+    caller fixes (``study`` defaults to ``adhoc``, ``trial`` to the run folder name). ``store``: a
+    ``ResultsStore`` (or where one is: a path or a URI) to write the rows to, one file per length, named by the
     cells' keys (a retry replaces, never duplicates). ``skip``: cell keys already measured (not measured again).
     The model's weights are never modified. Raises UserError on bad input.
     """
@@ -132,10 +143,10 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
     loaded = load_checkpoint(checkpoint, dev)
     model, cfg = loaded.model, loaded.train_config
     gpt = model.cfg
-    data_spec = cfg.get("data") if data is None else data
-    if not data_spec:
+    data = cfg.data if data is None else data
+    if not data:
         raise UserError("data: the checkpoint's config names no data; pass --data DIR")
-    source = open_data(data_spec)
+    source = open_data(data)
     check_tokenizer(source, gpt.vocab_size)
     lengths = config.eval_lengths(int(gpt.train_len))
     if config.windows and config.max_tokens < max(lengths):
@@ -153,7 +164,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
     keys = {cell: key for cell, key in todo}
     scored_text = text_tokenizer(source) is not None  # bits per byte too
     target = None
-    if store is not None:
+    if store is not None:  # a ResultsStore, or where one is (path or URI)
         from attnlab.results.store import ResultsStore
 
         target = store if isinstance(store, ResultsStore) else ResultsStore(store)
@@ -177,9 +188,9 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data=No
         pending_cells.clear()
 
     for cell, scores in measure(model, source, [c for c, _ in todo], device=dev,
-                                precision=cfg.get("precision", "auto"), batch_size=config.batch_size,
-                                batch_at_train_len=int(cfg.get("val_batch", 8)),
-                                data_seed=int(cfg.get("data_seed", 0)), log=say, downstream=config.downstream):
+                                precision=cfg.precision, batch_size=config.batch_size,
+                                batch_at_train_len=cfg.val_batch, data_seed=cfg.data_seed, log=say,
+                                downstream=config.downstream):
         if pending_cells and pending_cells[0].length != cell.length:
             flush()  # one file per length: what was measured is kept if a longer length fails
         say(progress.done(cell))

@@ -16,7 +16,7 @@ What it is for: given a trained :class:`attnlab.model.orbit.OrbitGPT` and the or
 3. run symbolic regression and a power-law fit (:mod:`attnlab.evaluate.symbolic`) on the **predicted** forces
    at the held-out planet tokens against ``(r, m1 = planet mass, m2 = star mass)``.
 
-:func:`force_values` gives a result's reported numbers (``attnlab.evaluate.rows`` makes the rows). The model passed in is never modified (the
+:func:`force_values` gives a result's reported numbers (``attnlab.evaluate.cell_rows`` makes the rows). The model passed in is never modified (the
 fine-tune trains a copy). Unlike Vafa et al., the symbolic regression uses all held-out points (a random
 ``n_points`` subsample), not the ones nearest to training states.
 

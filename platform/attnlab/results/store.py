@@ -187,6 +187,10 @@ class ResultsStore:
     def exists(self) -> bool:
         return self.filesystem.get_file_info(self.root).type != pafs.FileType.NotFound
 
+    def has_study(self, study: str) -> bool:
+        """Whether the store has a folder of rows for ``study`` (one listing; no file is read)."""
+        return self.filesystem.get_file_info(self.study_dir(study)).type == pafs.FileType.Directory
+
     def studies(self) -> list[str]:
         """Names of the studies that have at least one results file."""
         names = set()

@@ -1,8 +1,9 @@
 """The data behind ``attnlab serve``: studies, trials, training curves and results, read into plain dicts.
 
 Everything here reads; nothing writes, starts or stops anything. The study layout is
-:class:`attnlab.study.state.StudyState`'s (status records, the saved spec, each run's ``metrics.jsonl`` through
-:func:`attnlab.runfolder.read_metrics`); the results are :class:`attnlab.results.ResultsStore`'s rows, and the
+:class:`attnlab.study.state.StudyState`'s, read back typed (each run's status as a
+:class:`~attnlab.study.state.TrialStatus`, the saved study as a :class:`~attnlab.study.state.SavedStudy`; each
+run's ``metrics.jsonl`` through :func:`attnlab.runfolder.read_metrics`); the results are :class:`attnlab.results.ResultsStore`'s rows, and the
 Table-4 layout, its cells and the best configuration come from :mod:`attnlab.results.reports`, the code of
 ``attnlab results table|best`` (nothing is recomputed here). Locations are :class:`attnlab.location.Location`
 (a local folder or an object-store URI alike); ``pathlib`` never sees one.
@@ -26,7 +27,7 @@ from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.names import STUDY_NAME
 from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, reports
-from attnlab.study.state import SPEC_FILE, STATUSES, StudyState
+from attnlab.study.state import STATUSES, STUDY_FILE, SavedStudy, StudyState, TrialStatus
 from attnlab.runfolder import METRICS_FILE, read_metrics
 
 DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
@@ -129,7 +130,7 @@ def study_names(sources: Sources) -> dict[str, dict]:
     of, as ``{name: {"has_state": bool, "has_results": bool}}`` sorted by name."""
     found: dict[str, dict] = {}
     for name in sources.runs.list_names(hidden=False):
-        if STUDY_NAME.match(name) and sources.runs.is_file(f"{name}/{SPEC_FILE}"):
+        if STUDY_NAME.match(name) and sources.runs.is_file(f"{name}/{STUDY_FILE}"):
             found[name] = {"has_state": True, "has_results": False}
     for name in sources.store.studies():
         found.setdefault(name, {"has_state": False, "has_results": False})["has_results"] = True
@@ -140,7 +141,7 @@ def ray_dashboard(sources: Sources, recorded: dict | None) -> dict:
     """The Ray dashboard a study's page links to, ``{"url": URL or None, "source": ..., "note": ...}``: the one
     ``--ray-dashboard`` named (``source`` "flag": the user reaches it their own way, e.g. an SSH tunnel, so it
     always wins); else the dashboard of the cluster the study runs on, as its ``study.json`` records it
-    (``recorded``, :meth:`StudyState.ray_cluster`; "study", or ``url`` None when that cluster has none); else
+    (``recorded``, :attr:`SavedStudy.ray`; "study", or ``url`` None when that cluster has none); else
     :data:`DEFAULT_RAY_DASHBOARD` ("default": nothing recorded, e.g. a study written by an older attnlab)."""
     if sources.ray_dashboard:
         return {"url": sources.ray_dashboard, "source": "flag", "note": "--ray-dashboard"}
@@ -165,64 +166,38 @@ def header_dashboard(sources: Sources, studies: list[dict] | None = None) -> str
     return DEFAULT_RAY_DASHBOARD
 
 
-def _objective(spec: dict) -> dict | None:
-    """The study's first objective, parsed (``metric``, ``multiple`` or ``length``, ``p_eval``, ``rope``, ``key``)."""
-    from attnlab.study.spec import parse_objective
-
-    raw = spec.get("objective")
-    if isinstance(raw, list):
-        raw = raw[0] if raw else None
-    if isinstance(raw, dict):
-        raw = raw.get("metric")
-    if not raw:
-        return None
-    try:
-        return parse_objective(raw)
-    except ValueError:
-        return None
-
-
 def study_info(sources: Sources, name: str) -> dict:
-    """What a study is: its saved spec's search engine and objective, where its state lives, and the commands
+    """What a study is: its saved study's search engine and objective, where its state lives, and the commands
     and links that watch it elsewhere (Ray dashboard, TensorBoard, optuna-dashboard). NotFound when neither the
     runs folder nor the store knows it."""
     check_study_name(name)
     state = StudyState(sources.runs, name)
-    saved = state.saved_spec() if _exists(state.loc) else None
+    saved: SavedStudy | None = state.saved_study() if _exists(state.loc) else None
     has_results = _has_results(sources.store, name)
     if saved is None and not has_results:
         known = ", ".join(study_names(sources)) or "none"
         raise NotFound(f"no study {name!r} under --runs {sources.runs.uri} or in --store "
                        f"{sources.store.uri}; studies: {known}")
-    spec = (saved or {}).get("spec") or {}
-    engine = (spec.get("search") or {}).get("engine", "grid") if saved else None
-    objective = _objective(spec) if saved else None
-    recorded = state.ray_cluster(saved) if saved else None
+    recorded = saved.ray if saved else None
     board = ray_dashboard(sources, recorded)
     links = {"ray_dashboard": board["url"],
              "tensorboard": f"tensorboard --logdir {state.tune.uri}" if saved else None,
              "optuna_dashboard": None}
-    if engine == "optuna":
-        url = state.optuna_url(spec.get("optuna_storage") or spec.get("storage"))  # "storage": an older study.json
-        links["optuna_dashboard"] = f"optuna-dashboard {url}"
+    if saved and saved.engine == "optuna":
+        links["optuna_dashboard"] = f"optuna-dashboard {state.optuna_url(saved.optuna_storage)}"
     return clean({"name": name, "has_state": saved is not None, "has_results": has_results,
-                  "state": state.loc.uri, "store": sources.store.uri, "engine": engine,
-                  "description": spec.get("description"), "objective": objective,
-                  "objectives": _objective_keys(spec), "links": links,
+                  "state": state.loc.uri, "store": sources.store.uri, "engine": saved.engine if saved else None,
+                  "description": saved.description if saved else None,
+                  "objective": saved.objectives[0].parts if saved and saved.objectives else None,
+                  "objectives": [o.metric for o in saved.objectives] if saved else [], "links": links,
                   "ray": {**board, "recorded": (recorded or {}).get("recorded")}})
 
 
 def _has_results(store: ResultsStore, name: str) -> bool:
     try:
-        return store.filesystem.get_file_info(store.study_dir(name)).type == pafs.FileType.Directory
+        return store.has_study(name)
     except OSError as exc:
         raise UserError(f"--store {store.uri} cannot be read: {_first_line(exc)}") from None
-
-
-def _objective_keys(spec: dict) -> list[str]:
-    raw = spec.get("objective")
-    items = raw if isinstance(raw, list) else ([raw] if raw else [])
-    return [str(item.get("metric") if isinstance(item, dict) else item) for item in items]
 
 
 def _exists(loc: Location) -> bool:
@@ -241,10 +216,10 @@ def overview(sources: Sources) -> dict:
     studies = []
     for name, where in study_names(sources).items():
         info = study_info(sources, name)
-        records = StudyState(sources.runs, name).statuses() if where["has_state"] else []
-        counts = {s: sum(1 for r in records if r.get("status") == s) for s in STATUSES}
-        studies.append({**info, "trials": len(records), "counts": {s: n for s, n in counts.items() if n},
-                        "updated": max((r.get("updated") or 0 for r in records), default=None)})
+        runs = StudyState(sources.runs, name).trials() if where["has_state"] else []
+        counts = {s: sum(1 for r in runs if r.status == s) for s in STATUSES}
+        studies.append({**info, "trials": len(runs), "counts": {s: n for s, n in counts.items() if n},
+                        "updated": max((r.updated or 0 for r in runs), default=None)})
     return clean({"runs": sources.runs.uri, "store": sources.store.uri,
                   "runs_exists": _exists(sources.runs), "store_exists": sources.store.exists(),
                   "studies": studies, "now": time.time()})
@@ -259,14 +234,10 @@ def _curve(lines: list[dict]) -> dict:
                   "val_step": [s for s, _ in val], "val_loss": [v for _, v in val]})
 
 
-def _trial(state: StudyState, record: dict, with_curve: bool, now: float) -> dict:
-    key = record.get("config_hash") or "?"
-    status = record.get("status") or "unknown"
-    steps = record.get("steps")
-    step = record.get("step")
+def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) -> dict:
+    key, status, steps, step, updated = trial.train_key or "?", trial.status, trial.steps, trial.step, trial.updated
     latest: dict = {}  # the latest losses of a running trial (a finished one shows its objectives)
     curve = None
-    updated = record.get("updated")
     if with_curve or status == "running":
         run = state.run(key)
         lines = read_metrics(run) if key != "?" else []
@@ -288,11 +259,11 @@ def _trial(state: StudyState, record: dict, with_curve: bool, now: float) -> dic
     if status in ("complete", "cached") and steps:
         step, progress = steps, 1.0
     return clean({
-        "key": key, "status": status, "reason": record.get("reason"), "point": record.get("point") or {},
-        "label": point_label(record.get("point")), "trial": record.get("trial"), "run_dir": record.get("run_dir"),
-        "step": step, "steps": steps, "progress": progress, "objectives": record.get("objectives") or {},
+        "key": key, "status": status, "reason": trial.reason, "point": trial.point,
+        "label": point_label(trial.point), "trial": trial.trial, "run_dir": trial.run_dir,
+        "step": step, "steps": steps, "progress": progress, "objectives": trial.objectives,
         "train_loss": latest.get("train_loss"), "val_loss": latest.get("val_loss"),
-        "started": record.get("started"), "updated": updated,
+        "started": trial.started, "updated": updated,
         "age": (now - updated) if isinstance(updated, (int, float)) else None, "curve": curve,
     })
 
@@ -307,9 +278,8 @@ def trials(sources: Sources, name: str, curves: str = "running") -> dict:
     info = study_info(sources, name)
     state = StudyState(sources.runs, name)
     now = time.time()
-    records = state.statuses() if info["has_state"] else []
-    items = [_trial(state, r, curves == "all" or (curves == "running" and r.get("status") == "running"), now)
-             for r in records]
+    runs = state.trials() if info["has_state"] else []
+    items = [_trial(state, r, curves == "all" or (curves == "running" and r.status == "running"), now) for r in runs]
     items.sort(key=lambda t: (t["status"] != "running", t["started"] or 0, t["key"]))
     counts = {s: sum(1 for t in items if t["status"] == s) for s in STATUSES}
     return clean({"study": name, "trials": items, "counts": {s: n for s, n in counts.items() if n},

@@ -13,7 +13,7 @@ import threading
 import time
 
 from attnlab.names import format_duration
-from attnlab.study.state import StudyState
+from attnlab.study.state import StudyState, TrialStatus
 from attnlab.runfolder import Progress, read_metrics
 
 
@@ -26,12 +26,10 @@ def say(line: str, log: str | None = None) -> None:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} attnlab: {line}\n")
 
 
-def trial_label(record: dict) -> str:
+def trial_label(trial: TrialStatus) -> str:
     """What tells trials apart: the attention variant and the other searched settings of its point."""
-    point = dict(record.get("point") or {})
-    name = point.pop("attention", None) or (record.get("config") or {}).get("attention") or "softmax"
-    rest = ",".join(f"{k}={'off' if v is False else v}" for k, v in sorted(point.items()))
-    return f"{name}" + (f" {rest}" if rest else "")
+    rest = ",".join(f"{k}={'off' if v is False else v}" for k, v in sorted(trial.point.items()) if k != "attention")
+    return f"{trial.attention or '?'}" + (f" {rest}" if rest else "")
 
 
 class LiveView:
@@ -50,14 +48,13 @@ class LiveView:
     def lines(self) -> list[str]:
         """The lines that changed since the last call."""
         out = []
-        for record in self.state.statuses():
-            key = record.get("config_hash")
+        for trial in self.state.trials():
+            key, status = trial.train_key, trial.status
             if not key:
                 continue
-            status = record.get("status", "?")
             detail = ""
-            if status == "running" and record.get("run_dir"):
-                progress = self._progress.setdefault(key, Progress(int(record.get("steps") or 0)))
+            if status == "running" and trial.run_dir:
+                progress = self._progress.setdefault(key, Progress(int(trial.steps or 0)))
                 try:
                     progress.update(read_metrics(self.state.run(key)))
                 except (OSError, ValueError):
@@ -65,16 +62,15 @@ class LiveView:
                 if progress.last:
                     detail = progress.line()
             elif status in ("complete", "cached"):
-                objectives = record.get("objectives") or {}
-                detail = " ".join(f"{k} {v:.4f}" for k, v in objectives.items() if isinstance(v, float))
+                detail = " ".join(f"{k} {v:.4f}" for k, v in trial.objectives.items() if isinstance(v, float))
             elif status in ("failed", "diverged", "pruned"):
-                detail = str(record.get("reason") or "")[:200]
+                detail = str(trial.reason or "")[:200]
             shown = (status, detail)
             if self._shown.get(key) == shown:
                 continue
             self._shown[key] = shown
             elapsed = format_duration(time.monotonic() - self.started)
-            out.append(f"  {elapsed:>7}  {status:<9} {trial_label(record):<28} {detail}".rstrip())
+            out.append(f"  {elapsed:>7}  {status:<9} {trial_label(trial):<28} {detail}".rstrip())
         return out
 
     def _run(self) -> None:

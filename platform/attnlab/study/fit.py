@@ -21,36 +21,13 @@ def check_study_fits(spec: StudySpec, cluster: str | Path) -> list[str]:
             check_study_memory(spec, cluster)]
 
 
-def trial_configs(spec: StudySpec) -> list:
-    """One ``TrainConfig`` per distinct trial of a study (the grid's points; for a sampled search, each attention
-    and each searched value or range end), for checks that need every trial's model and batch."""
-    knobs = spec.space.knobs()
-    if spec.search.engine == "grid":
-        points = spec.grid_points()
-    else:
-        points = [{"attention": name} if spec.space.attention else {} for name in spec.attentions()]
-        for key, axis in knobs.items():
-            for name in (axis.when or spec.attentions()):
-                base = {"attention": name} if spec.space.attention else {}
-                values = axis.values if not axis.is_range else [axis.low, axis.high]
-                if axis.is_int_range:
-                    values = [int(v) for v in values]
-                points += [{**base, key: v} for v in values]
-    out, seen = [], set()
-    for point in points:
-        cfg = spec.train_config({k: v for k, v in point.items() if k != "seed"})
-        key = cfg.model_dump_json()
-        if key not in seen:
-            seen.add(key)
-            out.append(cfg)
-    return out
-
-
 def check_study_memory(spec: StudySpec, cluster: str | Path) -> str:
     """Refuse (one line) a study (a ``StudySpec``) whose trials' training step or evaluation does not fit the GPU
-    type ``cluster`` places them on (:func:`check_memory`); return its one-line note."""
-    return check_memory(spec.name, trial_configs(spec), spec.eval.eval_lengths, spec.eval.batch_size,
-                        spec.resource_request(), cluster)
+    type ``cluster`` places them on (:func:`check_memory`); return its one-line note. The trials are the distinct
+    configs of the points the study's validation checked (:meth:`attnlab.study.space.SearchSpace.distinct`)."""
+    trials = [searched.config for searched in spec.search_space().distinct()]
+    return check_memory(spec.name, trials, spec.eval.eval_lengths, spec.eval.batch_size, spec.resource_request(),
+                        cluster)
 
 
-__all__ = ["check_study_fits", "check_study_memory", "trial_configs"]
+__all__ = ["check_study_fits", "check_study_memory"]

@@ -23,13 +23,18 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from attnlab.errors import UserError
 from attnlab.location import runs_location, store_location
+from attnlab.study.space import SearchPoint
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
 from attnlab.study.trackers import tracker_callbacks
-from attnlab.study.trial import StudyContext, evaluate_missing, study_trial
+from attnlab.study.trial import StudyContext, StudyData, evaluate_missing, study_trial
+
+if TYPE_CHECKING:
+    from attnlab.results import ResultsStore
 
 
 def study_state(spec: StudySpec, runs: str | None = None) -> StudyState:
@@ -37,42 +42,34 @@ def study_state(spec: StudySpec, runs: str | None = None) -> StudyState:
     return StudyState(runs_location(runs), spec.name)
 
 
-def study_context(spec: StudySpec, state: StudyState, store, launched: float = 0.0) -> StudyContext:
-    """Resolve the study's data once (``demo`` is built on first use, a relative path made absolute) and fix
-    what every trial shares. ``store``: the :class:`~attnlab.results.ResultsStore`."""
+def study_context(spec: StudySpec, state: StudyState, store: ResultsStore, launched: float = 0.0,
+                  checked: list[SearchPoint] | None = None) -> StudyContext:
+    """Resolve the study's data (``demo`` is built on first use, a relative path made absolute) and open it, once
+    for the whole study: every point the study's validation checked (``checked``, when the caller has them) must
+    fit it (its sequence length, its vocabulary), and what the trials need of it travels in the context, so no
+    trial opens it."""
     from attnlab.data.source import data_label, open_data, resolve_data
     from attnlab.train.ray_train import forwarded_env
 
-    data = resolve_data(spec.train.data)
-    source = open_data(data)
-    return StudyContext(spec=spec, state=state, store=store, data=data, data_fingerprint=str(source.fingerprint),
-                        vocab_size=int(source.vocab_size), data_label=data_label(data), env=forwarded_env(),
-                        launched=launched)
+    resolved = resolve_data(spec.train.data)
+    source = open_data(resolved)
+    data = StudyData(resolved=resolved, fingerprint=str(source.fingerprint), vocab_size=int(source.vocab_size),
+                     label=data_label(resolved), min_tokens=int(source.min_tokens()), described=source.describe())
+    for searched in spec.search_space().checked() if checked is None else checked:
+        searched.config.check_fits_data(data.vocab_size, data.min_tokens, data.described)
+    return StudyContext(spec=spec, state=state, store=store, data=data, env=forwarded_env(), launched=launched)
 
 
 # ------------------------------------------------------------------------------------------------ search
 class DefineByRunSpace:
-    """Optuna's define-by-run space for a study (picklable: Tune saves the searcher with it)."""
+    """Optuna's define-by-run space for a study: its search space's suggestions (picklable: Tune saves the searcher
+    with it)."""
 
     def __init__(self, spec: StudySpec):
         self.spec = spec
 
     def __call__(self, trial):
-        spec = self.spec
-        name = spec.attentions()[0]
-        if spec.space.attention:
-            name = trial.suggest_categorical("attention", list(spec.space.attention))
-        for key, axis in spec.space.knobs().items():
-            if not axis.applies_to(name):
-                continue
-            if not axis.is_range:
-                trial.suggest_categorical(key, list(axis.values))
-            elif axis.is_int_range:
-                trial.suggest_int(key, int(axis.low), int(axis.high), step=int(axis.step or 1), log=axis.log)
-            else:
-                trial.suggest_float(key, float(axis.low), float(axis.high), step=axis.step, log=axis.log)
-        if spec.space.seeds:
-            trial.suggest_categorical("seed", list(spec.space.seeds))
+        self.spec.search_space().suggest(trial)
         return None
 
 
@@ -91,7 +88,7 @@ def _optuna_search(spec: StudySpec, url: str):
             ot_trial = self._ot_trials.get(trial_id)
             if ot_trial is None:
                 return
-            for attr, key in (("config_hash", "config_hash"), ("run", "run_dir")):
+            for attr, key in (("train_key", "train_key"), ("run", "run_dir")):
                 if result.get(key):
                     ot_trial.set_user_attr(attr, str(result[key]))
             if isinstance(self.metric, list) or progress_metric not in result or "step" not in result:
@@ -129,7 +126,7 @@ def _scheduler(spec: StudySpec):
 
     return ASHAScheduler(time_attr="step", metric=spec.scheduler.metric,
                          mode="max" if spec.scheduler.metric == "val_acc" else "min",
-                         max_t=spec.scheduler_max_steps(), grace_period=spec.scheduler.grace_period,
+                         max_t=spec.search_space().max_steps(), grace_period=spec.scheduler.grace_period,
                          reduction_factor=spec.scheduler.reduction_factor, stop_last_trials=False)
 
 
@@ -167,8 +164,8 @@ def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> boo
         state.loc.move("tune", aside)
         print(f"attnlab: previous Tune state moved to {state.loc.child(aside).uri}", flush=True)
         return False
-    saved = state.saved_spec()
-    if exists and saved and saved.get("fingerprint") != spec.search_fingerprint():
+    saved = state.saved_study()
+    if exists and saved and saved.fingerprint != spec.search_fingerprint():
         raise UserError(f"study {spec.name!r}: its search (train, space, search, objective, scheduler or resources) "
                         f"changed since its Tune state at {exp.uri} was written; run with --fresh to start a new "
                         "search (finished training runs and stored cells are reused) or rename the study")
@@ -180,10 +177,10 @@ def study_plan(spec: StudySpec, dashboard=None) -> str:
     ``dashboard``, an :class:`attnlab.ray_runtime.Dashboard`) the Ray dashboard of the cluster it runs on."""
     cfg = spec.train
     cells = len(spec.eval.cells(cfg.seq_length))
-    return (f"plan: study {spec.name}: {spec.num_trials()} trial(s) ({spec.search.engine}), each {cfg.steps:,} steps x "
-            f"{cfg.tokens_per_step:,} tokens on {cfg.workers} worker(s), then {cells} evaluation cell(s) "
-            f"(lengths {spec.eval.eval_lengths(cfg.seq_length)}, {spec.eval.max_tokens:,} tokens each); at most "
-            f"{spec.resources.max_concurrent_trials} trial(s) at once"
+    return (f"plan: study {spec.name}: {spec.search_space().size()} trial(s) ({spec.search.engine}), each "
+            f"{cfg.steps:,} steps x {cfg.tokens_per_step:,} tokens on {cfg.workers} worker(s), then {cells} "
+            f"evaluation cell(s) (lengths {spec.eval.eval_lengths(cfg.seq_length)}, {spec.eval.max_tokens:,} tokens "
+            f"each); at most {spec.resources.max_concurrent_trials} trial(s) at once"
             + (f"; {dashboard.line()}" if dashboard is not None else ""))
 
 
@@ -209,9 +206,10 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     from attnlab.study.console import LiveView, say
 
     store_loc = store_location(store or spec.store)
-    results = ResultsStore(store_loc)
     state = study_state(spec, runs)
-    ctx = study_context(spec, state, results, launched=time.time())
+    space = spec.search_space()
+    checked = space.checked()  # the points validation checked, with their configs: fitted to the data, warned about
+    ctx = study_context(spec, state, ResultsStore(store_loc), launched=time.time(), checked=checked)
     if spec.eval.downstream is not None:  # a missing task folder or task: one line before any trial starts
         from attnlab.evaluate.downstream import check_tasks
 
@@ -229,13 +227,12 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     ensure_ray(log_to_driver=not quiet)
     board = dashboard()  # the cluster this study runs on: embedded, RAY_ADDRESS's or the Ray job's
     say(study_plan(spec, board), log)  # the terminal and the log file both name the dashboard
-    for warning in dict.fromkeys(w for point in (spec.grid_points() if spec.search.engine == "grid" else [{}])[:50]
-                                 for w in spec.train_config(point).warnings()):
+    for warning in dict.fromkeys(w for searched in checked[:50] for w in searched.config.warnings()):
         print(f"attnlab: warning: {warning}", flush=True)
     if log:
         print(f"Ray's and Tune's own output: {log} (--verbose shows it here)", flush=True)
     restore = _check_state(spec, state, resume)
-    state.write_spec(spec.to_json(), spec.search_fingerprint(), ray=board.record())  # `attnlab serve` links it
+    state.write_study(spec.to_json(), spec.search_fingerprint(), ray=board.record())  # `attnlab serve` links it
     trained_before = state.trainings_started()
 
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
@@ -253,8 +250,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
         if spec.search.engine == "optuna":
             search_alg, param_space, num_samples = _optuna_search(spec, url), None, spec.search.num_samples
         else:
-            points = spec.grid_points() if spec.search.engine == "grid" else spec.random_points()
-            search_alg, param_space, num_samples = None, {"point": tune.grid_search(points)}, 1
+            search_alg, param_space, num_samples = None, {"point": tune.grid_search(space.points())}, 1
         tuner = tune.Tuner(
             trainable, param_space=param_space,
             tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=_scheduler(spec), num_samples=num_samples,
@@ -269,11 +265,11 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
         grid = tuner.fit()
     _record_pruned(spec, state, grid)
     summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri)
-    summary.evaluated = evaluate_missing(spec, ctx, state, results)
+    summary.evaluated = evaluate_missing(ctx)
     summary.trained = state.trainings_started() - trained_before
     summary.trials = state.statuses()
     summary.searched = len(grid)
-    _report(spec, summary, state, results, curves_dir)
+    _report(spec, summary, state, ctx.store, curves_dir)
     return summary
 
 
@@ -282,7 +278,7 @@ def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
     objective = spec.objective[0].key
     for result in grid:
         metrics = result.metrics or {}
-        key = metrics.get("config_hash")
+        key = metrics.get("train_key")
         if not key or result.error is not None or objective in metrics:
             continue
         current = state.status(key) or {}
@@ -293,11 +289,12 @@ def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
                                       f"({spec.scheduler.metric}={metrics.get(spec.scheduler.metric)})")
 
 
-def _report(spec: StudySpec, summary: StudySummary, state: StudyState, results, curves_dir: str | None) -> None:
+def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: ResultsStore,
+            curves_dir: str | None) -> None:
     """Print the results table, the trials that did not complete, and write the curves."""
     from attnlab.results import reports
 
-    df = results.read(study=spec.name)
+    df = store.read(study=spec.name)
     statuses = {}
     for t in summary.trials:
         statuses[t.get("status")] = statuses.get(t.get("status"), 0) + 1
@@ -309,7 +306,7 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, results, 
           + (f", {summary.evaluated} new evaluation cell(s) of earlier trials" if summary.evaluated else ""))
     for t in summary.trials:
         if t.get("status") in ("diverged", "failed", "pruned"):
-            print(f"  {t['status']}: {t.get('config_hash')} {t.get('point')}: {t.get('reason')}")
+            print(f"  {t['status']}: {t.get('train_key')} {t.get('point')}: {t.get('reason')}")
     metric = spec.objective[0].parts["metric"]  # the study's own measure: val_loss, or acc for a probe
     if len(df) == 0 or not (df["metric"] == metric).any():
         print("no results in the store yet")

@@ -1,4 +1,5 @@
-"""The study spec: one YAML file in ``studies/``, validated into a typed tree (pydantic v2, extra fields refused).
+"""The study spec: the schema of one YAML file in ``studies/``, validated into a typed tree (pydantic v2, extra
+fields refused).
 
 A study **embeds** the two configurations the rest of attnlab uses, rather than a second language remapped into
 them: ``train:`` is a :class:`attnlab.train.config.TrainConfig` (the base training config of every trial, the
@@ -7,7 +8,12 @@ fields ``attnlab train --config`` reads) and ``eval:`` is an :class:`attnlab.eva
 space (each point sets fields of ``train``), objectives and a pruning scheduler. Every problem is ONE line
 naming the field, the value and what is allowed (``UserError``), YAML syntax errors included.
 
-Never imports Ray or Optuna, never touches the network or the file system beyond reading the YAML file.
+The search space (the ``space:`` block's axes, the points they make and each point's training config) is
+:mod:`attnlab.study.space`'s: :meth:`StudySpec.search_space` hands it the study's ``train``, ``space`` and
+``search``, and validation asks it whether every point makes a valid training config.
+
+Never imports Ray or Optuna, never touches the network or the file system beyond reading the YAML file: its
+validators open no data (``train.data`` is checked from its text alone, :func:`attnlab.data.source.check_data`).
 
 Shape (``name`` and ``train.preset`` / ``train.data`` required)::
 
@@ -35,10 +41,11 @@ Shape (``name`` and ``train.preset`` / ``train.data`` required)::
     store: results                            # results store (path or URI)
     trackers: [mlflow, wandb]                 # opt-in: Tune's MLflow / W&B logger callbacks
 
-Axes: a plain list is a choice; a mapping ``{values: [...]}`` or ``{low, high[, log][, step]}`` is a choice or
-a range (int range when both bounds are integers, float otherwise), and ``when: [attention names]`` makes the
-axis conditional: it is only sampled for those attention variants (elsewhere the field keeps its ``train``
-value). RoPE scaling and p_eval are not searched: every trial is evaluated with all of ``eval``'s settings.
+Axes (:class:`attnlab.study.space.Axis`): a plain list is a choice; a mapping ``{values: [...]}`` or ``{low,
+high[, log][, step]}`` is a choice or a range (int range when both bounds are integers, float otherwise), and
+``when: [attention names]`` makes the axis conditional: it is only sampled for those attention variants
+(elsewhere the field keeps its ``train`` value). RoPE scaling and p_eval are not searched: every trial is
+evaluated with all of ``eval``'s settings.
 
 Objective syntax: ``METRIC@AT[,p_eval=P][,rope=R]`` where ``AT`` is a multiple of the training length (``16x``)
 or a length in tokens (``1024``, ``16k``); ``p_eval`` defaults to ``none`` (as trained) and ``rope`` to the
@@ -48,19 +55,15 @@ metric's direction (loss: min, accuracy: max).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import itertools
 import json
-import math
-import random
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalConfig
@@ -68,23 +71,16 @@ from attnlab.names import (
     ROPE_SCALINGS,
     STUDY_NAME,
     STUDY_NAME_RULE,
-    is_none_word,
     parse_at,
     parse_optional_number,
     resolve_at,
 )
-from attnlab.train.config import RUN_SETTINGS, TrainConfig
+from attnlab.study.space import Axis, SearchSpace, Space
+from attnlab.train.config import TrainConfig
 from attnlab.validation import describe
 
 ENGINES = ("grid", "random", "optuna")
 SAMPLERS = ("tpe", "random", "nsgaii")
-# Space axes with their own field; any other key is a training field or model.<field>.
-_NAMED_AXES = ("attention", "scale", "p_train", "seeds")
-# Training fields a search axis may not set: the named axes' own, the data and model blocks, and how a run is
-# executed (RUN_SETTINGS: they do not change the weights).
-_NOT_SEARCHED = {"preset": "train.preset", "model": "model.<field> axes", "data": "train.data",
-                 "seed": "space.seeds", "attention": "space.attention", **{k: f"train.{k}" for k in RUN_SETTINGS}}
-_MODEL_NOT_SEARCHED = ("attention", "p_train", "scale", "train_len", "attn_impl", "vocab_size")
 # Where the blocks of the earlier study layout went: refused with a pointer, never silently remapped.
 _MOVED = {
     "model": "the model is part of the training config: write train.preset and train.model (overrides)",
@@ -99,150 +95,6 @@ _MOVED = {
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Axis(_Strict):
-    """One search axis: a choice (``values``) or a range (``low``/``high``), optionally only ``when`` the
-    attention variant is one of a list."""
-
-    values: list[Any] | None = None
-    low: int | float | None = None  # both ints: an int range; otherwise a float range
-    high: int | float | None = None
-    log: bool = False
-    step: int | float | None = None
-    when: list[str] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, data):
-        if isinstance(data, (list, tuple)):
-            return {"values": list(data)}
-        if isinstance(data, (str, int, float)) or data is None:
-            return {"values": [data]}
-        return data
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> "Axis":
-        is_range = self.low is not None or self.high is not None
-        if self.values is not None and is_range:
-            raise ValueError("give either values: [...] or low/high, not both")
-        if self.values is None and not is_range:
-            raise ValueError("give values: [...] (a choice) or low/high (a range)")
-        if self.values is not None:
-            if not self.values:
-                raise ValueError("values must not be empty")
-            object.__setattr__(self, "values", [None if is_none_word(v) else v for v in self.values])
-        else:
-            if self.low is None or self.high is None:
-                raise ValueError("a range needs both low and high")
-            if not self.low < self.high:
-                raise ValueError(f"low={self.low:g} must be below high={self.high:g}")
-            if self.log and self.low <= 0:
-                raise ValueError("a log range needs low > 0")
-        if self.step is not None and (self.values is not None or self.step <= 0):
-            raise ValueError("step must be > 0 and only goes with a low/high range")
-        if self.when is not None and not self.when:
-            raise ValueError("when must list at least one attention name")
-        return self
-
-    @property
-    def is_range(self) -> bool:
-        return self.values is None
-
-    @property
-    def is_int_range(self) -> bool:
-        return self.is_range and all(isinstance(v, int) for v in (self.low, self.high)) and \
-            (self.step is None or isinstance(self.step, int))
-
-    def applies_to(self, attention: str | None) -> bool:
-        return self.when is None or attention in self.when
-
-    def sample(self, rng: random.Random):
-        """One value drawn with ``rng`` (uniform choice; uniform or log-uniform range, snapped to ``step``)."""
-        if not self.is_range:
-            return rng.choice(self.values)
-        lo, hi = float(self.low), float(self.high)
-        x = math.exp(rng.uniform(math.log(lo), math.log(hi))) if self.log else rng.uniform(lo, hi)
-        if self.is_int_range:
-            step = int(self.step or 1)
-            return int(lo + step * round((x - lo) / step))
-        if self.step:
-            x = lo + self.step * round((x - lo) / self.step)
-        return min(max(x, lo), hi)
-
-
-class Space(BaseModel):
-    """The search space. Named axes plus any training field that changes the weights (``lr``) or a model field
-    (``model.n_layer``)."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    attention: list[str] | None = None
-    scale: Axis | None = None
-    p_train: Axis | None = None
-    seeds: list[int] | None = None
-
-    @field_validator("attention", mode="before")
-    @classmethod
-    def _attention_list(cls, value):
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("attention")
-    @classmethod
-    def _known_attention(cls, value):
-        if value is None:
-            return value
-        if not value:
-            raise ValueError("must list at least one attention variant")
-        from attnlab.attention import variant_names
-
-        names = variant_names()
-        for i, name in enumerate(value):
-            if name not in names:
-                raise ValueError(f"{name!r} (item {i}) is not an attention variant; use one of {', '.join(names)}")
-        if len(set(value)) != len(value):
-            raise ValueError("lists the same variant twice")
-        return value
-
-    @field_validator("seeds")
-    @classmethod
-    def _seeds(cls, value):
-        if value is not None and (not value or len(set(value)) != len(value)):
-            raise ValueError("must be a non-empty list of distinct integers")
-        return value
-
-    @model_validator(mode="after")
-    def _extra_knobs(self) -> Space:
-        from attnlab.model.config import GPTConfig
-
-        model_fields = {f.name for f in dataclasses.fields(GPTConfig)} - set(_MODEL_NOT_SEARCHED)
-        parsed = {}
-        for key, raw in (self.model_extra or {}).items():
-            if key.startswith("model."):
-                if key[6:] not in model_fields:
-                    raise ValueError(f"{key} is not a searchable model field; use model.<one of "
-                                     f"{', '.join(sorted(model_fields))}>")
-            elif key in _NOT_SEARCHED:
-                raise ValueError(f"{key} cannot be searched here (set {_NOT_SEARCHED[key]})")
-            elif key not in TrainConfig.model_fields:
-                raise ValueError(f"{key} is not a search axis: use attention, scale, p_train, seeds, a training field "
-                                 "(lr, steps, ...) or model.<field>")
-            try:
-                parsed[key] = Axis.model_validate(raw)
-            except pydantic.ValidationError as exc:
-                raise ValueError(describe(exc, key).replace("Value error, ", "")) from None
-        object.__setattr__(self, "__pydantic_extra__", parsed)
-        return self
-
-    def knobs(self) -> dict[str, Axis]:
-        """Every training axis (not attention/seeds), by its point key."""
-        out = {}
-        if self.scale is not None:
-            out["scale"] = self.scale
-        if self.p_train is not None:
-            out["p_train"] = self.p_train
-        out.update(self.model_extra or {})
-        return out
 
 
 class Resources(_Strict):
@@ -292,10 +144,11 @@ class Scheduler(_Strict):
 
 
 class Objective(_Strict):
-    """One objective: ``METRIC@AT[,p_eval=P][,rope=R]`` and a mode."""
+    """One objective: ``METRIC@AT[,p_eval=P][,rope=R]`` and a mode; parsed once, when validated (:attr:`parts`)."""
 
     metric: str
     mode: Literal["min", "max"] | None = None
+    _parts: dict = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -304,21 +157,22 @@ class Objective(_Strict):
 
     @model_validator(mode="after")
     def _parse(self) -> "Objective":
-        parsed = parse_objective(self.metric)  # raises ValueError
+        self._parts = parse_objective(self.metric)  # raises ValueError
         if self.mode is None:
             from attnlab.results.schema import METRICS
 
-            object.__setattr__(self, "mode", "max" if METRICS[parsed["metric"]].higher_is_better else "min")
+            object.__setattr__(self, "mode", "max" if METRICS[self._parts["metric"]].higher_is_better else "min")
         return self
 
     @property
     def parts(self) -> dict:
-        return parse_objective(self.metric)
+        """``{"metric", "multiple", "length", "p_eval", "rope", "key"}`` (:func:`parse_objective`)."""
+        return self._parts
 
     @property
     def key(self) -> str:
         """The Tune metric name (canonical spelling)."""
-        return self.parts["key"]
+        return self._parts["key"]
 
 
 _OBJECTIVE = re.compile(r"^(?P<metric>[a-z][a-z0-9_]*)@(?P<at>\d+(?:\.\d+)?x|\d+k?)(?P<opts>(?:,[a-z_]+=[^,]+)*)$")
@@ -411,22 +265,14 @@ class StudySpec(_Strict):
                 raise ValueError(f"train.data is required: {data_rule}")
             if isinstance(data, dict) and "synthetic" not in data:
                 raise ValueError("train.data: a data mapping needs a synthetic: TASK key")
-            if isinstance(data, dict):  # a generated source: its parameters are checked now (nothing is generated)
-                from attnlab.data.source import open_data
-
-                try:
-                    open_data(data)
-                except UserError as exc:
-                    raise ValueError(str(exc)) from None
             if not isinstance(data, (str, dict)):
                 raise ValueError(f"train.data={data!r} is not allowed: use {data_rule}")
-            if isinstance(data, str):
-                from attnlab.location import check_bucket
+            from attnlab.data.source import check_data
 
-                try:
-                    check_bucket(data, "train.data")
-                except UserError as exc:
-                    raise ValueError(str(exc)) from None
+            try:  # from the text alone: a generated source's parameters, a bucket URI's form; nothing is opened
+                check_data(data, "train.data")
+            except UserError as exc:
+                raise ValueError(str(exc)) from None
         return value
 
     @field_validator("objective", mode="before")
@@ -466,7 +312,8 @@ class StudySpec(_Strict):
         for key in self.space.model_extra or {}:
             if key in set_in_train or (key.startswith("model.") and key[6:] in self.train.model):
                 raise ValueError(f"{key} is set both in space and in train: keep one")
-        names = self.attentions()
+        space = self.search_space()
+        names = space.attentions()
         for key, axis in self.space.knobs().items():
             for name in axis.when or []:
                 if name not in names:
@@ -497,43 +344,20 @@ class StudySpec(_Strict):
         if self.eval.downstream is not None and isinstance(self.train.data, dict):
             raise ValueError("eval.downstream scores English tasks: it needs train.data of GPT-2 text (demo or a "
                              "prepared folder), not a synthetic task; drop eval.downstream for probe studies")
-        # Every point must make a valid training config (checked on the grid, or axis by axis).
-        self._check_points()
-        if self.scheduler.type == "asha" and self.scheduler.grace_period >= self.scheduler_max_steps():
+        # Every point must make a valid training config (the space's checked points: attnlab.study.space).
+        try:
+            space.checked(batches=True)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        if self.scheduler.type == "asha" and self.scheduler.grace_period >= space.max_steps():
             raise ValueError(f"scheduler.grace_period={self.scheduler.grace_period} must be below the training "
-                             f"steps ({self.scheduler_max_steps()}), or ASHA can never prune")
+                             f"steps ({space.max_steps()}), or ASHA can never prune")
         return self
 
-    def _check_points(self) -> None:
-        if self.search.engine == "grid" and self.num_trials() <= 4096:
-            points = self.grid_points()
-        else:
-            points = []
-            for name in self.attentions():
-                points.append({"attention": name} if self.space.attention else {})
-            for key, axis in self.space.knobs().items():
-                name = (axis.when or self.attentions())[0]
-                base = {"attention": name} if self.space.attention else {}
-                values = axis.values if not axis.is_range else [axis.low, axis.high]
-                if axis.is_int_range:
-                    values = [int(v) for v in values]
-                points += [{**base, key: v} for v in values]
-        from attnlab.train.config import AUTO
-
-        for point in points:
-            try:
-                cfg = self.train_config(point)
-                if cfg.micro_batch != AUTO:  # what every trial would refuse inside Tune: refused here, once
-                    cfg.batch_plan(cfg.workers)
-            except UserError as exc:
-                shown = ", ".join(f"{k}={v}" for k, v in point.items())
-                raise ValueError(f"the trial ({shown}) is not a valid training config: {exc}") from None
-
     # --------------------------------------------------------------------------------------- queries
-    def attentions(self) -> list[str]:
-        if self.space.attention:
-            return list(self.space.attention)
-        return [self.train.attention or "softmax"]
+    def search_space(self) -> SearchSpace:
+        """The study's points and each one's training config (:mod:`attnlab.study.space`)."""
+        return SearchSpace(self.train, self.space, self.search.engine, self.search.num_samples, self.search.seed)
 
     def resource_request(self) -> dict:
         """The request :func:`attnlab.cluster.fit.check_fits` takes (its one shape)."""
@@ -549,79 +373,6 @@ class StudySpec(_Strict):
         t = self.train
         return {"CPU": self.resources.trial_cpus + t.workers * t.cpus_per_worker, "GPU": t.workers * t.gpus_per_worker}
 
-    def num_trials(self) -> int:
-        """Trials the search will run (before any is found already done)."""
-        if self.search.engine == "grid":
-            return self._grid_size()
-        seeds = len(self.space.seeds or [0]) if self.search.engine == "random" else 1
-        return (self.search.num_samples or 1) * seeds
-
-    def _grid_size(self) -> int:
-        total = 0
-        for name in self.attentions():
-            n = len(self.space.seeds or [0])
-            for axis in self.space.knobs().values():
-                if axis.applies_to(name):
-                    n *= len(axis.values)
-            total += n
-        return total
-
-    def grid_points(self) -> list[dict]:
-        """Every point of the grid (conditional axes only where their ``when`` holds), in a stable order."""
-        points = []
-        knobs = self.space.knobs()
-        for name in self.attentions():
-            keys = [k for k, a in knobs.items() if a.applies_to(name)]
-            for values in itertools.product(*(knobs[k].values for k in keys)):
-                for seed in self.space.seeds or [None]:
-                    point = {"attention": name} if self.space.attention else {}
-                    point.update(zip(keys, values))
-                    if seed is not None:
-                        point["seed"] = seed
-                    points.append(point)
-        return points
-
-    def random_points(self) -> list[dict]:
-        """``num_samples`` points drawn with ``search.seed``, each run with every seed of ``space.seeds``."""
-        rng = random.Random(self.search.seed)
-        points = []
-        for _ in range(self.search.num_samples or 1):
-            point = {}
-            name = self.attentions()[0]
-            if self.space.attention:
-                name = rng.choice(self.space.attention)
-                point["attention"] = name
-            for key, axis in self.space.knobs().items():
-                if axis.applies_to(name):
-                    point[key] = axis.sample(rng)
-            for seed in self.space.seeds or [None]:
-                points.append(point if seed is None else {**point, "seed": seed})
-        return points
-
-    def train_config(self, point: dict, data: str | dict | None = None) -> TrainConfig:
-        """The trial's ``TrainConfig``: ``train`` with the point's fields set (``model.<field>`` into its model
-        overrides) and, when given, the resolved data. Raises UserError naming the bad field."""
-        from attnlab.train.config import load_train_config
-
-        fields = self.train.model_dump(exclude_unset=False)
-        model = dict(fields.get("model") or {})
-        for key, value in point.items():
-            if key.startswith("model."):
-                model[key[6:]] = value
-            else:
-                fields[key] = value
-        fields["model"] = model
-        if data is not None:
-            fields["data"] = data
-        return load_train_config(fields)
-
-    def scheduler_max_steps(self) -> int:
-        """The largest training step count any trial can have (ASHA's max_t)."""
-        axis = (self.space.model_extra or {}).get("steps")
-        if axis is None:
-            return self.train.steps
-        return int(max(axis.values) if not axis.is_range else axis.high)
-
     def to_json(self) -> dict:
         """The spec as the user wrote it (unset fields left out), so that validating it again checks the same
         things: e.g. ``train.attention`` set next to ``space.attention`` is only an error when the user set it."""
@@ -636,16 +387,15 @@ class StudySpec(_Strict):
     def describe(self) -> str:
         """A few lines for ``attnlab study validate``."""
         req = self.trial_resources()
+        space = self.search_space()
         t = self.train
         data = t.data if isinstance(t.data, str) else f"{{synthetic: {t.data.get('synthetic')}, ...}}"
         lines = [
-            f"study {self.name}: engine {self.search.engine}, {self.num_trials()} trial(s)"
+            f"study {self.name}: engine {self.search.engine}, {space.size()} trial(s)"
             + (f" (num_samples {self.search.num_samples})" if self.search.engine != "grid" else ""),
             f"train: preset {t.preset}{f' {t.model}' if t.model else ''}, data {data}, {t.steps} steps of "
             f"{t.tokens_per_step} tokens at {t.seq_length}",
-            f"attention: {', '.join(self.attentions())}; axes: "
-            + (", ".join(f"{k}{' when ' + '/'.join(a.when) if a.when else ''}" for k, a in self.space.knobs().items())
-               or "none") + (f"; seeds: {self.space.seeds}" if self.space.seeds else ""),
+            space.describe(),
             f"objective: {', '.join(f'{o.key} ({o.mode})' for o in self.objective)}; scheduler: {self.scheduler.type}",
             f"eval: lengths {self.eval.eval_lengths(t.seq_length)}, p_eval "
             f"{['none' if p is None else f'{p:g}' for p in self.eval.p_eval]}, rope {self.eval.rope_scaling}, "

@@ -2,18 +2,21 @@
 folder or object storage), and how the study's files are read and written. The one place that knows this layout
 (``attnlab serve`` reads it too)::
 
-    <runs>/<study>/study.json               the spec and its search fingerprint (a resumed search must match),
-                                            and the Ray dashboard of the cluster its latest run runs on
+    <runs>/<study>/study.json               the saved study: its spec as written and its search fingerprint (a
+                                            resumed search must match), and the Ray dashboard of the cluster its
+                                            latest run runs on (read back typed: :class:`SavedStudy`)
     <runs>/<study>/tune/                    the Tune experiment (trial logs, TensorBoard files, searcher state)
     <runs>/<study>/runs/<train_key>/        each training run (metrics.jsonl, provenance.json, checkpoints)
-    <runs>/<study>/trials/<train_key>.json  each trial's status: running, complete, cached, diverged, pruned,
-                                            failed; its point, reason, config, objectives, progress
+    <runs>/<study>/trials/<train_key>.json  each training run's status: running, complete, cached, diverged,
+                                            pruned, failed; its train_key, the Tune trial that holds it (trial),
+                                            its point, reason, config, objectives, progress
     <runs>/<study>/events/*.json            one file per training started (a counter for people and tests)
     <runs>/<study>/curves/                  the study's figures
     <runs>/<study>/optuna.db                the Optuna SQLite file when the runs folder is local
 
 Every file is written whole (``attnlab.location``); nothing is appended, so the layout works on a bucket.
-No Ray, no torch here.
+Files written before the run's key was named ``train_key`` say ``config_hash``: they are read here, the one place
+that knows the older name. No Ray, no torch here.
 """
 
 from __future__ import annotations
@@ -21,12 +24,90 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from dataclasses import dataclass
 
 from attnlab.location import Location
 
-TUNE_DIR, RUNS_DIR, TRIALS_DIR, EVENTS_DIR, CURVES_DIR, SPEC_FILE = "tune", "runs", "trials", "events", "curves", \
+TUNE_DIR, RUNS_DIR, TRIALS_DIR, EVENTS_DIR, CURVES_DIR, STUDY_FILE = "tune", "runs", "trials", "events", "curves", \
     "study.json"
 STATUSES = ("running", "complete", "cached", "diverged", "pruned", "failed")
+
+
+@dataclass(frozen=True)
+class SavedStudy:
+    """A study's ``study.json``, typed: the spec as the user wrote it (``StudySpec.to_json``), its search
+    fingerprint, the Ray cluster its latest run ran on, and what a reader shows of the spec (the search engine,
+    the description, the Optuna storage, the objectives), each parsed here once."""
+
+    spec: dict
+    fingerprint: str | None
+    ray: dict | None  # {"dashboard": URL or None, "note", "recorded"}: ray_runtime.Dashboard.record()
+    objectives: tuple  # attnlab.study.spec.Objective, in the spec's order (those that no longer parse left out)
+
+    @classmethod
+    def parse(cls, record: dict) -> SavedStudy:
+        from attnlab.study.spec import Objective
+
+        spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
+        raw = spec.get("objective")
+        objectives = []
+        for item in raw if isinstance(raw, list) else ([raw] if raw else []):
+            try:
+                objectives.append(Objective.model_validate(item))
+            except ValueError:
+                continue
+        ray = record.get("ray")
+        return cls(spec, record.get("fingerprint"), ray if isinstance(ray, dict) else None, tuple(objectives))
+
+    @property
+    def engine(self) -> str:
+        return (self.spec.get("search") or {}).get("engine", "grid")
+
+    @property
+    def description(self) -> str | None:
+        return self.spec.get("description")
+
+    @property
+    def optuna_storage(self) -> str | None:
+        return self.spec.get("optuna_storage") or self.spec.get("storage")  # "storage": an older study.json
+
+
+@dataclass(frozen=True)
+class TrialStatus:
+    """A training run's status file (``trials/<train_key>.json``) read back typed: what the console and the page
+    show of it. The file is a mapping its trial updates (:meth:`StudyState.write_status`); fields a file written
+    by an older attnlab lacks read as None."""
+
+    train_key: str | None
+    status: str  # one of STATUSES, or "unknown"
+    trial: str | None  # the Tune trial that holds the run
+    point: dict
+    attention: str | None  # the variant trained, as its TrainConfig resolved it
+    reason: str | None
+    steps: int | None  # the run's target (the cap, with a stopping rule)
+    step: int | None  # the step reached, when the trial recorded it
+    objectives: dict
+    run_dir: str | None
+    started: float | None
+    updated: float | None
+
+    @classmethod
+    def parse(cls, record: dict) -> TrialStatus:
+        record = _with_train_key(record) or {}
+        point = dict(record.get("point") or {})
+        return cls(train_key=record.get("train_key"), status=record.get("status") or "unknown",
+                   trial=record.get("trial"), point=point,
+                   attention=record.get("attention") or point.get("attention"), reason=record.get("reason"),
+                   steps=record.get("steps"), step=record.get("step"), objectives=dict(record.get("objectives") or {}),
+                   run_dir=record.get("run_dir"), started=record.get("started"), updated=record.get("updated"))
+
+
+def _with_train_key(record: dict | None) -> dict | None:
+    """A status record with its run's key under ``train_key`` (older files say ``config_hash``)."""
+    if record and "train_key" not in record and "config_hash" in record:
+        record = {**record, "train_key": record["config_hash"]}
+        record.pop("config_hash")
+    return record
 
 
 class StudyState:
@@ -51,42 +132,41 @@ class StudyState:
     def run(self, train_key: str) -> Location:
         return self.loc.child(RUNS_DIR, train_key)
 
-    # ------------------------------------------------------------------------------------- the spec
-    def saved_spec(self) -> dict | None:
-        return self.loc.read_json(SPEC_FILE)
+    # ------------------------------------------------------------------------------------- the saved study
+    def saved_study(self) -> SavedStudy | None:
+        """``study.json`` read back typed; None before the study first ran."""
+        record = self.loc.read_json(STUDY_FILE)
+        return SavedStudy.parse(record) if isinstance(record, dict) else None
 
-    def write_spec(self, spec_json: dict, search_fingerprint: str, ray: dict | None = None) -> None:
+    def write_study(self, spec_json: dict, search_fingerprint: str, ray: dict | None = None) -> None:
         """``ray``: the cluster the study runs on, ``{"dashboard": URL or None, "note": why none, "recorded":
         time}`` (:meth:`attnlab.ray_runtime.Dashboard.record`); ``attnlab serve`` links to that dashboard."""
         record = {"fingerprint": search_fingerprint, "spec": spec_json}
         if ray is not None:
             record["ray"] = ray
-        self.loc.write_json(SPEC_FILE, record)
-
-    def ray_cluster(self, saved: dict | None = None) -> dict | None:
-        """The ``ray`` record of the study's latest run (see :meth:`write_spec`), None when none was recorded (a
-        study written before it was, or not started yet). ``saved``: the already read ``study.json``."""
-        saved = self.saved_spec() if saved is None else saved
-        ray = (saved or {}).get("ray")
-        return ray if isinstance(ray, dict) else None
+        self.loc.write_json(STUDY_FILE, record)
 
     # ------------------------------------------------------------------------------------- trials
     def status(self, train_key: str) -> dict | None:
-        return self.loc.read_json(f"{TRIALS_DIR}/{train_key}.json")
+        return _with_train_key(self.loc.read_json(f"{TRIALS_DIR}/{train_key}.json"))
 
     def write_status(self, train_key: str, **fields) -> dict:
-        """Update a trial's status file with ``fields`` (the trial is its only writer)."""
+        """Update a training run's status file with ``fields`` (the trial that holds it is its only writer)."""
         current = self.status(train_key) or {}
-        record = {**current, **fields, "config_hash": train_key, "updated": time.time()}
+        record = {**current, **fields, "train_key": train_key, "updated": time.time()}
         self.loc.write_json(f"{TRIALS_DIR}/{train_key}.json", record)
         return record
 
+    def trials(self) -> list[TrialStatus]:
+        """Every training run's status, typed (:class:`TrialStatus`), ordered by train key."""
+        return [TrialStatus.parse(record) for record in self.statuses()]
+
     def statuses(self) -> list[dict]:
-        """Every trial's status record, ordered by train key."""
+        """Every training run's status record as written, ordered by train key."""
         out = []
         for name in self.loc.list_names(TRIALS_DIR, hidden=False):
             if name.endswith(".json"):
-                record = self.loc.read_json(f"{TRIALS_DIR}/{name}")
+                record = _with_train_key(self.loc.read_json(f"{TRIALS_DIR}/{name}"))
                 if record:
                     out.append(record)
         return out
@@ -94,7 +174,7 @@ class StudyState:
     # ------------------------------------------------------------------------------------- events
     def record_training_started(self, train_key: str, point: dict) -> None:
         name = f"{time.strftime('%Y%m%dT%H%M%S')}-{train_key}-{uuid.uuid4().hex[:8]}.json"
-        self.loc.write_json(f"{EVENTS_DIR}/{name}", {"event": "train", "config_hash": train_key, "point": point,
+        self.loc.write_json(f"{EVENTS_DIR}/{name}", {"event": "train", "train_key": train_key, "point": point,
                                                      "time": time.time()})
 
     def trainings_started(self) -> int:

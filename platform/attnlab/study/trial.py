@@ -34,6 +34,19 @@ if TYPE_CHECKING:
     from attnlab.results import ResultsStore
 
 
+@dataclass(frozen=True)
+class StudyData:
+    """The study's data as the driver found it when it opened it, once (:func:`attnlab.study.runner.study_context`):
+    what every process that reads it opens, and what a trial needs to know of it without opening it."""
+
+    resolved: str | dict  # an absolute path or URI, or a generated source's mapping
+    fingerprint: str  # the content hash a training run's key uses
+    vocab_size: int
+    label: str  # the results' data column
+    min_tokens: int  # the shortest split, in tokens
+    described: str
+
+
 @dataclass
 class StudyContext:
     """What every trial of a study shares, built and validated once by the study driver. Its values travel as
@@ -42,10 +55,7 @@ class StudyContext:
     spec: StudySpec
     state: StudyState  # <runs>/<study>
     store: ResultsStore
-    data: str | dict  # resolved: an absolute path or URI, or a probe mapping
-    data_fingerprint: str
-    vocab_size: int
-    data_label: str
+    data: StudyData
     env: dict = field(default_factory=dict)  # attnlab's and the object store's settings, for every process
     launched: float = 0.0  # when this `study run` started: a status written since is this run's
 
@@ -57,7 +67,8 @@ class TrialPlan:
     train_key: str
     run: Location
     cells: list[tuple[EvalCell, str]]  # (cell, eval_key)
-    row_context: dict  # the study's columns of every row (study, trial, seed, config_hash, data, knobs, ...)
+    row_context: dict  # the study's columns of every row (study, seed, data, knobs; the run's key as trial and
+    # config_hash, the results columns that carry it)
 
 
 def knob_label(spec: StudySpec, point: dict) -> str | None:
@@ -68,15 +79,17 @@ def knob_label(spec: StudySpec, point: dict) -> str | None:
                     for k in sorted(extra)) or None
 
 
-def plan_trial(spec: StudySpec, ctx: StudyContext, point: dict, cfg: TrainConfig | None = None) -> TrialPlan:
-    """Step 1: everything a trial will do, and the keys that say what is already done."""
+def plan_trial(ctx: StudyContext, point: dict, cfg: TrainConfig | None = None) -> TrialPlan:
+    """Step 1: everything a trial will do, and the keys that say what is already done. ``cfg``: the point's
+    training config when already known (a status file's), else the study's search space makes it."""
     from attnlab.provenance import git_info
 
-    cfg = cfg or spec.train_config(point, data=ctx.data)
-    key = cfg.train_key(ctx.data_fingerprint, ctx.vocab_size)
-    cells = [(cell, cell.key(key, cfg.steps, ctx.data_fingerprint)) for cell in spec.eval.cells(cfg.seq_length)]
+    spec = ctx.spec
+    cfg = cfg or spec.search_space().config(point, data=ctx.data.resolved)
+    key = cfg.train_key(ctx.data.fingerprint, ctx.data.vocab_size)
+    cells = [(cell, cell.key(key, cfg.steps, ctx.data.fingerprint)) for cell in spec.eval.cells(cfg.seq_length)]
     row_context = {"study": spec.name, "trial": key, "seed": cfg.seed, "config_hash": key,
-                   "git_sha": git_info()["sha"], "data": ctx.data_label, "knobs": knob_label(spec, point)}
+                   "git_sha": git_info()["sha"], "data": ctx.data.label, "knobs": knob_label(spec, point)}
     return TrialPlan(point, cfg, key, ctx.state.run(key), cells, row_context)
 
 
@@ -95,8 +108,8 @@ def train_step(plan: TrialPlan, state: StudyState, callbacks=()):
 
 
 # ------------------------------------------------------------------------------------------ step 3: evaluate
-def _evaluate_task(run: Location, eval_config: EvalConfig, data, row_context: dict, store, skip: list[str],
-                   threads: int | None, env: dict) -> list[dict]:
+def _evaluate_task(run: Location, eval_config: EvalConfig, data: str | dict, row_context: dict, store: ResultsStore,
+                   skip: list[str], threads: int | None, env: dict) -> list[dict]:
     """Runs inside a Ray task with one training worker's resources (a GPU when the workers had one)."""
     import torch
 
@@ -108,11 +121,12 @@ def _evaluate_task(run: Location, eval_config: EvalConfig, data, row_context: di
     return evaluate_checkpoint(run, eval_config, data=data, context=row_context, store=store, skip=set(skip))
 
 
-def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bool = False) -> int:
-    """Measure the plan's cells that have no rows in ``store`` yet; a diverged run's cells get NaN rows (so
+def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = False) -> int:
+    """Measure the plan's cells that have no rows in the study's store yet; a diverged run's cells get NaN rows (so
     tables show it and nothing retries a deterministic failure). Returns the number of cells evaluated."""
-    from attnlab.evaluate.rows import nan_rows
+    from attnlab.evaluate.cell_rows import nan_rows
 
+    store = ctx.store
     stored = store.stored_eval_keys(ctx.spec.name, plan.train_key)
     missing = [(cell, key) for cell, key in cell_keys(plan, ctx, outcome) if key not in stored]
     if not missing:
@@ -128,9 +142,9 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, store, outcome, inline: bo
             store.write(rows, key=("eval", plan.train_key, "diverged"))
         return len(missing)
     if outcome.status != "finished":
-        raise UserError(f"trial {plan.train_key}: the run at {plan.run.uri} has not finished ({outcome.status}); "
+        raise UserError(f"training run {plan.train_key} at {plan.run.uri} has not finished ({outcome.status}); "
                         "nothing to evaluate")
-    args = (plan.run, ctx.spec.eval, ctx.data, {**plan.row_context, **stop_columns(plan, outcome)}, store,
+    args = (plan.run, ctx.spec.eval, ctx.data.resolved, {**plan.row_context, **stop_columns(plan, outcome)}, store,
             sorted(stored), plan.cfg.threads_per_worker, ctx.env)
     if inline:
         _evaluate_task(*args)
@@ -157,7 +171,7 @@ def cell_keys(plan: TrialPlan, ctx: StudyContext, outcome) -> list[tuple[EvalCel
     step = outcome.steps_trained if plan.cfg.stop_when is not None and outcome.status == "finished" else None
     if not step or step == plan.cfg.steps:
         return plan.cells
-    return [(cell, cell.key(plan.train_key, step, ctx.data_fingerprint)) for cell, _ in plan.cells]
+    return [(cell, cell.key(plan.train_key, step, ctx.data.fingerprint)) for cell, _ in plan.cells]
 
 
 def stop_columns(plan: TrialPlan, outcome) -> dict:
@@ -170,8 +184,8 @@ def stop_columns(plan: TrialPlan, outcome) -> dict:
 
 def diverged_base_row(plan: TrialPlan, step: int) -> dict:
     gpt = plan.cfg.gpt_config()
-    spec = gpt.attention_spec()
-    return {**plan.row_context, "attention": gpt.attention, "scale": spec.scale_label, "p_train": spec.p,
+    attention = gpt.attention_spec()
+    return {**plan.row_context, "attention": gpt.attention, "scale": attention.scale_label, "p_train": attention.p,
             "step": int(step), "tokens": int(step) * plan.cfg.tokens_per_step, "train_len": plan.cfg.seq_length,
             "preset": plan.cfg.preset}
 
@@ -198,8 +212,9 @@ def cell_value(rows: list[dict], metric: str, length: int, p_eval, rope: str) ->
     return float(values[0]) if values else float("nan")
 
 
-def trial_rows(store, spec: StudySpec, train_key: str) -> list[dict]:
-    return store.read(study=spec.name, config_hash=train_key).to_dict("records")
+def run_rows(ctx: StudyContext, train_key: str) -> list[dict]:
+    """The rows of one training run (the results column carrying its key is ``config_hash``)."""
+    return ctx.store.read(study=ctx.spec.name, config_hash=train_key).to_dict("records")
 
 
 # ------------------------------------------------------------------------------------------ the Tune trial
@@ -225,7 +240,7 @@ def report_callback(final_step: int, train_key: str):
             if metrics and (int(metrics[0].get("step", 0)) >= final_step or metrics[0].get("stop_reached")):
                 return
             # timesteps_total: TensorBoard's and MLflow's x axis is then the training step, not Tune's report count
-            metrics = [{**metrics[0], "config_hash": train_key, "timesteps_total": int(metrics[0].get("step", 0))},
+            metrics = [{**metrics[0], "train_key": train_key, "timesteps_total": int(metrics[0].get("step", 0))},
                        *metrics[1:]]
             super().after_report(run_context, metrics, checkpoint)
 
@@ -282,11 +297,12 @@ def study_trial(config: dict, context: StudyContext) -> None:
     from ray import tune
 
     os.environ.update(context.env)
-    spec, state, store = context.spec, context.state, context.store
+    spec, state = context.spec, context.state
     point = point_of(config)
-    plan = plan_trial(spec, context, point)
+    plan = plan_trial(context, point)
     status = {"point": point, "trial": tune.get_context().get_trial_name(), "run_dir": plan.run.uri,
-              "config": plan.cfg.model_dump(mode="json"), "steps": plan.cfg.steps}
+              "config": plan.cfg.model_dump(mode="json"), "attention": plan.cfg.gpt_config().attention,
+              "steps": plan.cfg.steps}
     before = claim_point(state, plan.train_key, context.launched, status)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
@@ -294,13 +310,13 @@ def study_trial(config: dict, context: StudyContext) -> None:
 
             check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
         outcome, trained = train_step(plan, state, callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
-        evaluated = evaluate_step(plan, context, store, outcome)
-        rows = trial_rows(store, spec, plan.train_key)
+        evaluated = evaluate_step(plan, context, outcome)
+        rows = run_rows(context, plan.train_key)
         objectives = objective_values(spec, rows, plan.cfg.seq_length)
         final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
         # Tune's time is the cap (the trial is over); steps trained: the cap, or where the stopping rule was met
         steps = outcome.steps_trained if outcome.stopped == "reached" and outcome.steps_trained else plan.cfg.steps
-        base = {"config_hash": plan.train_key, "run_dir": plan.run.uri, "step": plan.cfg.steps,
+        base = {"train_key": plan.train_key, "run_dir": plan.run.uri, "step": plan.cfg.steps,
                 "timesteps_total": plan.cfg.steps, "steps_trained": steps, "cached": int(not trained and not evaluated)}
         if outcome.status == "diverged":
             state.write_status(plan.train_key, status="diverged", reason=outcome.failure,
@@ -321,18 +337,18 @@ def study_trial(config: dict, context: StudyContext) -> None:
 
 
 # ------------------------------------------------------------------------------------------ catching up
-def evaluate_missing(spec: StudySpec, ctx: StudyContext, state: StudyState, store, log=print) -> int:
+def evaluate_missing(ctx: StudyContext, log=print) -> int:
     """For every trial that finished training, evaluate the cells of the current ``eval`` with no rows yet
     (after a p_eval value, a length or a RoPE setting was added). Returns the number of cells evaluated."""
     from attnlab.runfolder import outcome
 
     pending = []
-    for record in state.statuses():
+    for record in ctx.state.statuses():
         if record.get("status") not in ("complete", "cached", "diverged") or not record.get("config"):
             continue
-        cfg = TrainConfig.model_validate(record["config"])
-        plan = plan_trial(spec, ctx, record.get("point") or {}, cfg=cfg)
-        stored = store.stored_eval_keys(spec.name, plan.train_key)
+        cfg = TrainConfig.model_validate(record["config"])  # the config as the trial recorded it
+        plan = plan_trial(ctx, record.get("point") or {}, cfg=cfg)
+        stored = ctx.store.stored_eval_keys(ctx.spec.name, plan.train_key)
         if all(key in stored for _, key in plan.cells):
             continue
         done = outcome(plan.run, steps=plan.cfg.steps)  # a stopping rule keys the cells by the step it stopped at
@@ -341,11 +357,11 @@ def evaluate_missing(spec: StudySpec, ctx: StudyContext, state: StudyState, stor
         pending.append((plan, done))
     total = 0
     for plan, done in pending:
-        log(f"attnlab: evaluating new cells of trial {plan.train_key} (training reused)")
-        total += evaluate_step(plan, ctx, store, done)
+        log(f"attnlab: evaluating new cells of run {plan.train_key} (training reused)")
+        total += evaluate_step(plan, ctx, done)
     return total
 
 
-__all__ = ["StudyContext", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason", "knob_label",
-           "objective_values", "plan_trial", "cell_keys", "claim_point", "stop_columns", "study_trial", "train_step",
-           "wait_for_twin"]
+__all__ = ["StudyContext", "StudyData", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason",
+           "knob_label", "objective_values", "plan_trial", "cell_keys", "claim_point", "stop_columns", "study_trial",
+           "train_step", "wait_for_twin"]

@@ -89,14 +89,12 @@ def run(args: argparse.Namespace) -> int:
         data["data"] = args.data
     if data.get("data"):
         data["data"] = resolve_data(data["data"])  # workers run elsewhere: never hand them a relative path
-    run = Location.parse(args.out, field="--out")
+    run = Location.parse(args.out, field="--out")  # the user's flag: parsed here, a Location from now on
     cfg = load_train_config(data, preset=args.preset, attention=args.attention, p_train=args.p_train,
                             scale=args.scale, steps=args.steps, seq_len=args.seq_len,
                             tokens_per_step=args.tokens_per_step, micro_batch=args.micro_batch,
                             workers=args.workers, gpus_per_worker=1.0 if args.gpu else None)
-    from attnlab.train.ray_train import preflight
-
-    preflight(cfg)
+    source = _open_checked(cfg)
     print(cfg.plan(), flush=True)
     for warning in cfg.warnings():
         print(f"attnlab: warning: {warning}", flush=True)
@@ -106,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             from attnlab.train.loop import LocalSession, train_worker
             from attnlab.runfolder import outcome
 
-            train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run)
+            train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run, source=source)  # opened once
             result = outcome(run, steps=cfg.steps)
         else:
             from attnlab.ray_runtime import ensure_ray, log_file, quiet_ray
@@ -128,6 +126,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"failure: {result.failure}")
         return 1
     return 0
+
+
+def _open_checked(cfg):
+    """Open the run's data (once, in this process) and check the config fits it before any worker starts."""
+    from attnlab.data.source import open_data
+
+    if not cfg.data:
+        raise UserError("train.data is required: a folder made by `attnlab data prepare`, or {synthetic: TASK}")
+    source = open_data(cfg.data)
+    cfg.check_fits_data(source.vocab_size, source.min_tokens(), source.describe())
+    cfg.batch_plan(cfg.workers)
+    return source
 
 
 @contextlib.contextmanager

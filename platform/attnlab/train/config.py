@@ -1,7 +1,13 @@
 """The one typed training configuration: every knob of a run, validated, with errors naming the field.
 
 A study embeds it (a study file's ``train:`` block is a ``TrainConfig`` whose searched fields each trial
-sets), ``attnlab train --config FILE`` reads the same fields, and a checkpoint stores it.
+sets: :meth:`attnlab.study.space.SearchSpace.config`), ``attnlab train --config FILE`` reads the same fields, and a
+checkpoint stores it. It owns every default: nothing else restates one.
+
+Between processes (a Ray Train worker) the object itself travels, pickled. Its one serialised form is
+``model_dump(mode="json")``, every field written: what ``provenance.json``, every checkpoint and a study's trial
+status files record. ``TrainConfig.model_validate`` reads it back whole; :class:`attnlab.runfolder.TrainRecord` is
+the typed view of it for the stages that may not import training (evaluation).
 
 Defaults are the paper's recipe (docs/protocol.md#training, llm.c's GPT-2 124M): AdamW(0.9, 0.95), lr 6e-4, 700
 warm-up steps then cosine decay to 0, weight decay 0.1 on 2-D weights only, gradient clipping 1.0,
@@ -367,6 +373,16 @@ class TrainConfig(BaseModel):
                 f"not a multiple of micro_batch={micro_batch} x workers={world_size}; adjust one of them")
         return global_batch, global_batch // per_micro
 
+    def check_fits_data(self, vocab_size: int, min_tokens: int, described: str) -> None:
+        """Refuse (one UserError line) data this config cannot train on: a split shorter than ``seq_len + 1`` tokens,
+        or a vocabulary the model cannot be built for. The arguments are what opening the data told
+        (``DataSource.vocab_size``, ``min_tokens()``, ``describe()``): whoever opened it checks, and nothing
+        opens it again for this."""
+        if min_tokens < self.seq_length + 1:
+            raise UserError(f"train.seq_len={self.seq_length} does not fit the data: {described} has a split of "
+                            f"{min_tokens} tokens (needs at least seq_len + 1)")
+        self.gpt_config(vocab_size=vocab_size)
+
     def warnings(self, world_size: int | None = None) -> list[str]:
         """One line per setting that makes a run pointless or very slow (shown before it starts)."""
         out = []
@@ -390,8 +406,8 @@ class TrainConfig(BaseModel):
         workers = world_size or self.workers
         global_batch, accum = self.batch_plan(workers)
         gpt = self.gpt_config()
-        spec = gpt.attention_spec()
-        attention = spec.name + ("" if spec.p is None else f" (p={spec.p:g})")
+        variant = gpt.attention_spec()
+        attention = variant.name + ("" if variant.p is None else f" (p={variant.p:g})")
         size = f" ({num_params / 1e6:.1f}M params)" if num_params else ""
         data = self.data if isinstance(self.data, str) else f"synthetic:{self.data.get('synthetic')}"
         device = f"{self.gpus_per_worker:g} GPU" if self.gpu else f"{self.cpus_per_worker:g} CPU"
@@ -407,14 +423,14 @@ class TrainConfig(BaseModel):
         """What determines the trained weights: the resolved model (attention spec included), the data by its
         content fingerprint, and the recipe. Execution settings (:data:`RUN_SETTINGS`) are left out."""
         gpt = self.gpt_config(vocab_size=vocab_size)
-        spec = gpt.attention_spec()
+        variant = gpt.attention_spec()
         model = dataclasses.asdict(gpt)
         for key in ("attention", "p_train", "scale", "attn_impl"):
             model.pop(key)
         for key, default in (("position", "rope"), ("block", "gpt2")):  # added later: old keys stay the same
             if model.get(key) == default:
                 model.pop(key)
-        model["attention"] = {"variant": get_variant(spec.name).name, "scale": spec.scale_label, "p": spec.p}
+        model["attention"] = {"variant": get_variant(variant.name).name, "scale": variant.scale_label, "p": variant.p}
         recipe = {k: v for k, v in self.model_dump(mode="json").items()
                   if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
                                                          "seq_len", "stop_when")}

@@ -4,7 +4,9 @@
 CPU, NCCL on GPU; ``FailureConfig`` restarts a dead worker group from the latest checkpoint; calling it again
 with the same ``run`` resumes (Ray finds the run snapshot in the storage). ``run`` is a local folder or an
 object-storage URI: it is Ray Train's ``storage_path/name`` itself, so checkpoints and the run's own files
-(``attnlab.runfolder``) all end up there, whichever node rank 0 ran on.
+(``attnlab.runfolder``) all end up there, whichever node rank 0 ran on. The training config and the run's location
+reach every worker as the objects they are (Ray pickles them), never as dicts or strings parsed again; the
+caller has already checked the config against its data (``TrainConfig.check_fits_data``): this process opens none.
 Inside a Tune trial pass ``callbacks=[TuneReportCallback()]`` so each report reaches Tune.
 """
 
@@ -14,8 +16,6 @@ import contextlib
 import os
 from pathlib import Path
 
-from attnlab.data.source import open_data
-from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.train.config import TrainConfig
 from attnlab.train.loop import train_worker
@@ -75,21 +75,8 @@ class RayTrainSession:
 
 
 def _worker(config: dict) -> None:
-    cfg = TrainConfig.model_validate(config["cfg"])
-    train_worker(cfg, RayTrainSession(), config["run"])
-
-
-def preflight(cfg: TrainConfig):
-    """Check what can be checked before any worker starts: the data, and that seq_len fits it."""
-    if not cfg.data:
-        raise UserError("train.data is required: a folder made by `attnlab data prepare`, or {synthetic: TASK}")
-    data = open_data(cfg.data)
-    if data.min_tokens() < cfg.seq_length + 1:
-        raise UserError(f"train.seq_len={cfg.seq_length} does not fit the data: {data.describe()} has a split of "
-                        f"{data.min_tokens()} tokens (needs at least seq_len + 1)")
-    cfg.gpt_config(vocab_size=data.vocab_size)
-    cfg.batch_plan(cfg.workers)
-    return data
+    """A Ray Train worker: ``config`` holds the ``TrainConfig`` and the run's ``Location`` themselves."""
+    train_worker(config["cfg"], RayTrainSession(), config["run"])
 
 
 def worker_resources(cfg: TrainConfig) -> dict[str, float]:
@@ -107,14 +94,13 @@ def run_training(cfg: TrainConfig, run: str | Path | Location, callbacks=()) -> 
 
     from attnlab.ray_runtime import ensure_ray
 
-    preflight(cfg)
-    run = Location.parse(run, field="--out")
+    run = Location.parse(run, field="run")
     run.parent.mkdir()
     ensure_ray()
     storage_path, storage_filesystem = run.parent.ray_storage()
     trainer = TorchTrainer(
         _worker,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "run": run.uri},
+        train_loop_config={"cfg": cfg, "run": run},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.gpu,
                                                resources_per_worker=worker_resources(cfg)),
         run_config=ray.train.RunConfig(

@@ -540,13 +540,19 @@ class OrbitData:
 
 def open_orbits(spec: dict[str, Any]) -> OrbitData:
     """``{synthetic: orbits, size: cpu|paper, <field>: <value>, ...}`` -> the source; UserError on bad input."""
+    return OrbitData(orbit_task(spec))
+
+
+def orbit_task(spec: dict[str, Any]) -> OrbitTask:
+    """``{synthetic: orbits, size: cpu|paper, <field>: <value>, ...}`` -> the task's validated parameters (nothing
+    is simulated); UserError on bad input."""
     if not isinstance(spec, dict) or spec.get("synthetic") != OrbitTask.name:
         raise UserError(f"data={spec!r} is not the orbit source: use a mapping like {{synthetic: orbits, size: cpu}}")
     params = {k: v for k, v in spec.items() if k != "synthetic"}
     if "size" in params and params["size"] not in SIZES:
         raise UserError(f"data.size={params['size']!r} is not allowed: use one of {', '.join(SIZES)}")
-    return OrbitData(parse(OrbitTask, params, prefix="data"))
+    return parse(OrbitTask, params, prefix="data")
 
 
 __all__ = ["OrbitData", "OrbitTask", "ProbeSet", "SIZES", "SimulatedBlock", "SystemParams", "TokenBlock", "draw_system",
-           "draw_two_body", "from_bins", "open_orbits", "simulate_params", "to_bins"]
+           "draw_two_body", "from_bins", "open_orbits", "orbit_task", "simulate_params", "to_bins"]

@@ -276,6 +276,12 @@ class SyntheticData:
 
 def open_task(spec: dict[str, Any]) -> SyntheticData:
     """``{synthetic: <task name>, <param>: <value>, ...}`` -> the task as a data source; UserError on bad input."""
+    return SyntheticData(synthetic_task(spec))
+
+
+def synthetic_task(spec: dict[str, Any]) -> SyntheticTask:
+    """``{synthetic: <task name>, <param>: <value>, ...}`` -> the task's validated parameters (nothing is
+    generated); UserError on bad input."""
     if not isinstance(spec, dict) or "synthetic" not in spec:
         raise UserError(f"data={spec!r} is not a synthetic task: use a mapping like "
                         f"{{synthetic: copy_distractors, vocab: 512}}")
@@ -284,8 +290,8 @@ def open_task(spec: dict[str, Any]) -> SyntheticData:
     if name not in SYNTHETIC_TASKS:
         raise UserError(f"data.synthetic={name!r} is not a known task: use one of {', '.join(SYNTHETIC_TASKS)}, "
                         "or orbits (simulated orbits)")
-    return SyntheticData(parse(SYNTHETIC_TASKS[name], params, prefix="data"))
+    return parse(SYNTHETIC_TASKS[name], params, prefix="data")
 
 
 __all__ = ["SYNTHETIC_TASKS", "CopyDistractors", "MQAR", "PasskeyTokens", "SyntheticData", "SyntheticTask",
-           "open_task"]
+           "open_task", "synthetic_task"]
