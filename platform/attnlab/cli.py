@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "attnlab.data.cli",
     "attnlab.train.cli",
     "attnlab.evaluate.cli",
+    "attnlab.attention.cli",
     "attnlab.study.cli",
     "attnlab.results.cli",
     "attnlab.cluster.cli",

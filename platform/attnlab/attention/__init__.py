@@ -2,35 +2,40 @@
 
 Public API (a contract: tests and docs rely on it):
 
-- :func:`variant_names`, :func:`get_variant` -> :class:`AttentionSpec` (the registry is ``variants.py``).
-- :func:`attention_weights` ``(q, k, spec, qk_gain=None) -> (B, H, T, T)`` dense causal weights (float32 or
-  better).
-- :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None, p=None) -> (B, H, T, D)``; ``impl`` is a
-  :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by
+- :func:`variant_names`, :func:`get_variant` -> :class:`AttentionSpec` (the registry is ``variants.py``), or a
+  :class:`PluginSpec` for a variant of a loaded plugin (:func:`load_plugin`; docs/plugins.md).
+- :func:`attention_weights` ``(q, k, spec, qk_gain=None, state=None) -> (B, H, T, T)`` dense causal weights
+  (float32 or better); :func:`weights_for_rows` the same for a block of query rows (diagnostics).
+- :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None, state=None, p=None) -> (B, H, T, D)``; ``impl`` is
+  a :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by
   :func:`resolve_backend`. ``qk_gain``: for a spec with ``qk_norm_gain='learned'`` (``softmax_qknorm``,
   ``softmax_qknorm_logn``) the model's learned QK-norm gains ``(gain_q, gain_k)``, each ``(D,)`` or ``(H, D)``
-  (docs/attention.md#modern-softmax-baselines); None for every other spec. ``p``: a sharpened spec's power
-  given as a number or a 0-d tensor instead of ``spec.p`` (one compiled graph for every power).
+  (docs/attention.md#modern-softmax-baselines); None for every other spec. ``state``: for a plugin variant, the
+  layer's :class:`PluginState` (its parameters and prepared tensors; ``plugin.prepare_state``); None otherwise.
+  ``p``: a sharpened spec's power given as a number or a 0-d tensor instead of ``spec.p`` (one compiled graph
+  for every power).
 
 ``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
 reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``);
-the softmax path through ``scaled_dot_product_attention`` is ``sdpa.py``; which one runs is ``backends.py``.
-No Ray imports anywhere in this package.
+the softmax path through ``scaled_dot_product_attention`` is ``sdpa.py``; which one runs is ``backends.py``;
+variants from plugins run through ``plugin.py`` (the public plugin API). No Ray imports anywhere in this package.
 """
 
 from __future__ import annotations
 
 import torch
 
+from attnlab.attention import dense
 from attnlab.attention.backends import Backend, resolve_backend
-from attnlab.attention.dense import attend_dense, check_power, weights_for_rows
+from attnlab.attention.dense import attend_dense, check_power
 from attnlab.attention.flex import attend_flex
+from attnlab.attention.plugin import PluginState, attend_plugin, load_plugin, reference_weights
 from attnlab.attention.sdpa import attend_sdpa
-from attnlab.attention.spec import AttentionSpec, parse_scale
+from attnlab.attention.spec import AttentionSpec, PluginSpec, parse_scale
 from attnlab.attention.variants import get_variant, variant_names
 
-__all__ = ["AttentionSpec", "Backend", "attend", "attention_weights", "get_variant", "parse_scale",
-           "resolve_backend", "variant_names"]
+__all__ = ["AttentionSpec", "Backend", "PluginSpec", "PluginState", "attend", "attention_weights", "get_variant",
+           "load_plugin", "parse_scale", "resolve_backend", "variant_names", "weights_for_rows"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -51,20 +56,36 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -
         raise ValueError(f"v must share (B, H, T) with q, got {tuple(v.shape)} and {tuple(q.shape)}")
 
 
-def _check_spec(spec) -> None:
-    if not isinstance(spec, AttentionSpec):
-        raise ValueError(f"spec must be an AttentionSpec from get_variant(name), got {type(spec).__name__}")
+def _check_spec(spec, qk_gain=None, state=None) -> None:
+    if not isinstance(spec, (AttentionSpec, PluginSpec)):
+        raise ValueError(f"spec must be an AttentionSpec or PluginSpec from get_variant(name), got "
+                         f"{type(spec).__name__}")
+    if isinstance(spec, PluginSpec) and qk_gain is not None:
+        raise ValueError(f"qk_gain is given but attention {spec.name!r} is a plugin variant: pass its layer's "
+                         "state=PluginState(...) instead")
+    if isinstance(spec, AttentionSpec) and state is not None:
+        raise ValueError(f"state is given but attention {spec.name!r} is not a plugin variant: pass state=None")
 
 
-def attention_weights(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, qk_gain=None) -> torch.Tensor:
+def weights_for_rows(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec | PluginSpec, row_start: int = 0,
+                     seq_len: int | None = None, qk_gain=None, state: PluginState | None = None) -> torch.Tensor:
+    """Causal weights ``(..., R, K)`` of query rows ``row_start .. row_start + R - 1`` over keys ``0 .. K - 1`` in
+    the compute dtype (``dense.weights_for_rows`` for a built-in, the variant's reference for a plugin)."""
+    _check_spec(spec, qk_gain, state)
+    if isinstance(spec, PluginSpec):
+        return reference_weights(q, k, spec, row_start, seq_len, state)
+    return dense.weights_for_rows(q, k, spec, row_start, seq_len, qk_gain=qk_gain)
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec | PluginSpec, qk_gain=None,
+                      state: PluginState | None = None) -> torch.Tensor:
     """Dense causal attention weights ``(B, H, T, T)``, in float32 (float64 for float64 inputs)."""
     check_qkv(q, k)
-    _check_spec(spec)
-    return weights_for_rows(q, k, spec, qk_gain=qk_gain)
+    return weights_for_rows(q, k, spec, qk_gain=qk_gain, state=state)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-           impl: Backend | str = Backend.AUTO, qk_gain=None, p=None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | PluginSpec,
+           impl: Backend | str = Backend.AUTO, qk_gain=None, state: PluginState | None = None, p=None) -> torch.Tensor:
     """Causal attention output ``(B, H, T, D)`` in v's dtype.
 
     ``impl`` (a :class:`Backend` or its value): ``dense`` (the reference, chunked over query rows for long
@@ -73,14 +94,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     ValueError for the others) or ``auto``: on CUDA the fastest exact one of these for ``spec``, elsewhere
     ``dense`` (see :mod:`attnlab.attention.backends`). ``qk_gain``: the model's ``(gain_q, gain_k)`` for a
     spec with ``qk_norm_gain='learned'``, else None (ValueError, one line, when it does not fit the spec).
+    ``state``: a plugin variant's layer state (:class:`PluginState`); a plugin's ``flex`` is its fused form.
     ``p``: for a sharpened spec, the power to use instead of ``spec.p``: a number >= 1 or a 0-d tensor (a
     tensor does not specialise a compiled graph, so one graph serves every power: the model passes ``p_eval``
     this way); None: ``spec.p``.
     """
     check_qkv(q, k, v)
-    _check_spec(spec)
+    _check_spec(spec, qk_gain, state)
     check_power(spec, p)
     backend = resolve_backend(spec, q.device, impl)
+    if isinstance(spec, PluginSpec):
+        return attend_plugin(q, k, v, spec, backend.value, state)
     if backend is Backend.SDPA:
         return attend_sdpa(q, k, v, spec, qk_gain=qk_gain)
     if backend is Backend.FLEX:

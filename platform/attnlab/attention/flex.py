@@ -80,7 +80,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from attnlab.attention.dense import (EXP_CLAMP, attend_dense, check_power, check_qk_gain, compute_dtype, gain_factor,
                                     length_scale, sharpen_tolerance)
 from attnlab.attention.masks import alibi_bias, causal_block_mask, visible_keys
-from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
+from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec, PluginSpec
 from attnlab.errors import UserError
 
 # f >= 0 everywhere, so l1norm(f) is the softmax of log f ("exp" with l1 is softmax itself).
@@ -102,8 +102,10 @@ def unfusable_reason(spec: AttentionSpec) -> str | None:
     and ``count`` from FlexAttention's row sums), ``negate`` and ``recentre`` (a causal mean of v),
     ``recentre_l1`` of normalised non-negative rows (a second call for ``sum_j |A_ij - c_i|``), output
     LayerNorm, and sharpening of normalised non-negative rows. Not fused: ``recentre_l1`` of other rows and
-    sharpening on top of anything else.
+    sharpening on top of anything else. A plugin's spec answers for itself (:meth:`PluginSpec.unfusable_reason`).
     """
+    if isinstance(spec, PluginSpec):
+        return spec.unfusable_reason()
     if spec.post == "recentre_l1" and (spec.norm != "l1" or spec.phi not in NONNEGATIVE_PHIS):
         return (f"post='recentre_l1' is fused on l1-normalised non-negative rows only "
                 f"(phi={spec.phi!r}, norm={spec.norm!r})")

@@ -35,11 +35,13 @@ import torch.nn.functional as F
 
 from attnlab.attention.dense import check_qk_gain, compute_dtype, length_scale, normalise_qk
 from attnlab.attention.masks import visible_keys
-from attnlab.attention.spec import AttentionSpec
+from attnlab.attention.spec import AttentionSpec, PluginSpec
 
 
 def sdpa_unsupported_reason(spec: AttentionSpec) -> str | None:
     """Why ``spec`` is not a softmax that SDPA computes exactly (None when it is)."""
+    if isinstance(spec, PluginSpec):
+        return "a plugin variant runs its own forms: its fused form (impl='flex') or its reference ('dense')"
     if spec.phi != "exp":
         return f"phi={spec.phi!r} is not exp, and SDPA computes only softmax"
     if spec.norm != "l1":

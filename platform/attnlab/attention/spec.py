@@ -5,6 +5,11 @@ An :class:`AttentionSpec` names the choices of the general form (docs/attention.
 bias, a post-processing step (Table 1's inverse/re-centred rows), the sharpening power ``p`` (docs/attention.md#sharpening)
 and an output LayerNorm (``relu_shen``). The registry of named variants lives in ``variants.py``; the math
 lives in ``dense.py``.
+
+A :class:`PluginSpec` is the same kind of description for a variant loaded from a plugin
+(``attention/plugin.py``, docs/plugins.md): the variant's own forms stand in for the fields, and it answers the
+questions the rest of attnlab asks of a spec (``name``, ``p``, ``sharpened``, ``scale_label``, ``replace``,
+``position_bias``, ``learned_qk_gain``) the same way.
 """
 
 from __future__ import annotations
@@ -181,3 +186,62 @@ def _check_float(field: str, value, minimum: float, strict: bool = False) -> flo
         raise ValueError(f"{field}={value!r} is out of range: use a finite number "
                          f"{'>' if strict else '>='} {minimum:g}")
     return value
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """A variant from a plugin (docs/plugins.md), as the model, evaluation, diagnostics and the memory plan use it.
+
+    Built by :func:`attnlab.attention.get_variant` for a loaded plugin's name (never by hand). Fields:
+        name: the variant's name (unique among the built-ins and every loaded plugin).
+        variant: the :class:`attnlab.attention.plugin.Variant` (its forms, parameters and declarations).
+        p: sharpening power (docs/attention.md#sharpening), only for a variant declared ``normalised``.
+        position_bias: ``none`` or ``alibi`` (the context offers ALiBi's bias to the variant's forms).
+        origin, sha256: where the plugin came from (a path or a module name) and the hash of its source bytes.
+        source: the :class:`attnlab.attention.plugin.PluginSource` it was loaded from (``plugin.py`` makes a spec
+            pickle as its source and name, so it is rebuilt in a process that cannot read the plugin's files).
+    """
+
+    name: str
+    variant: object = dataclasses.field(repr=False)
+    p: float | None = None
+    position_bias: str = "none"
+    origin: str = ""
+    sha256: str = ""
+    source: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    # What the rest of attnlab reads off a spec: a plugin has no QK-norm gain, no output LayerNorm and no
+    # scale field of its own (its scale, if any, is part of its forms).
+    qk_norm = False
+    learned_qk_gain = False
+    out_norm = "none"
+
+    def __post_init__(self) -> None:
+        _check_choice("position_bias", self.position_bias, POSITION_BIASES)
+        if self.p is not None:
+            object.__setattr__(self, "p", _check_float("p", self.p, minimum=1.0))
+            if not getattr(self.variant, "normalised", False):
+                raise ValueError(f"p={self.p:g} is not allowed for attention {self.name!r}: sharpening needs "
+                                 "normalised rows, and the plugin does not declare normalised=True; use p=None")
+
+    @property
+    def sharpened(self) -> bool:
+        return self.p is not None
+
+    @property
+    def scale_label(self) -> str:
+        """``plugin``: the variant's scale is part of its own forms (the results store's ``scale`` column)."""
+        return "plugin"
+
+    def replace(self, **changes) -> "PluginSpec":
+        return dataclasses.replace(self, **changes)
+
+    def unfusable_reason(self) -> str | None:
+        """Why this spec runs the variant's reference rather than a fused form (None when it has one)."""
+        if self.variant.log_score is None and self.variant.fused is None:
+            return "the plugin gives a reference form only"
+        if self.p is not None and self.variant.log_score is None:
+            # A log_score is sharpened by the two passes of flex.attend_log_scores; a fused function has no
+            # second pass to sharpen with.
+            return "sharpening is fused for a plugin's log_score form only, and this plugin gives a fused function"
+        return None

@@ -2,14 +2,18 @@
 
 Adding a variant is one entry here plus its test. Every entry is a plain :class:`AttentionSpec`; the math that
 interprets the fields is in ``dense.py``. Unless stated, scores are ``q @ k^T / sqrt(d)``, causal, no QK-norm.
+
+Variants loaded from plugins (``attention/plugin.py``, docs/plugins.md) are registered beside them as
+:class:`PluginSpec` entries by :func:`register_plugin_spec`; a name never means two things.
 """
 
 from __future__ import annotations
 
-from attnlab.attention.spec import AttentionSpec, parse_scale
+from attnlab.attention.spec import AttentionSpec, PluginSpec, parse_scale
 
 _REGISTRY: dict[str, AttentionSpec] = {}
 _ALIASES: dict[str, str] = {}
+_PLUGINS: dict[str, PluginSpec] = {}  # loaded plugin variants, by name
 
 
 def _register(spec: AttentionSpec, *aliases: str) -> None:
@@ -72,11 +76,32 @@ _register(AttentionSpec("softmax_qknorm_logn", phi="exp", norm="l1", scale="log_
 
 _OVERRIDABLE = ("p", "scale", "coef", "qk_norm", "phi", "norm", "bias", "post", "out_norm", "qk_norm_gain",
                 "position_bias")
+# A plugin variant's forms are its own: only sharpening and the position bias are chosen from outside.
+_PLUGIN_OVERRIDABLE = ("p", "position_bias")
 
 
 def variant_names() -> list[str]:
-    """Every registered name, aliases included, sorted."""
+    """Every registered name, aliases and loaded plugin variants included, sorted."""
+    return sorted([*_REGISTRY, *_ALIASES, *_PLUGINS])
+
+
+def builtin_names() -> list[str]:
+    """The built-in names and aliases (what a plugin variant's name must not be), sorted."""
     return sorted([*_REGISTRY, *_ALIASES])
+
+
+def plugin_spec(name: str) -> PluginSpec | None:
+    """The loaded plugin variant ``name`` (with no overrides), or None."""
+    return _PLUGINS.get(name)
+
+
+def register_plugin_spec(spec: PluginSpec) -> None:
+    """Register a loaded plugin's variant (``attention/plugin.py`` checks collisions first)."""
+    _PLUGINS[spec.name] = spec
+
+
+def unregister_plugin_spec(name: str) -> None:
+    _PLUGINS.pop(name, None)
 
 
 def get_variant(name: str, **overrides) -> AttentionSpec:
@@ -86,8 +111,11 @@ def get_variant(name: str, **overrides) -> AttentionSpec:
     ``log_n``, ``logd_logn``, ``coef*log_n`` (with ``coef=``), ``"2.5*log_n"``, or a bare number meaning
     ``<number>*log_n``. Other fields of :class:`AttentionSpec` may be overridden too.
     """
+    if isinstance(name, str) and name in _PLUGINS:
+        return _plugin_variant(_PLUGINS[name], overrides)
     if not isinstance(name, str) or (name not in _REGISTRY and name not in _ALIASES):
-        raise ValueError(f"attention={name!r} is unknown: use one of {', '.join(variant_names())}")
+        raise ValueError(f"attention={name!r} is unknown: use one of {', '.join(variant_names())} "
+                         "(or load the plugin that defines it: docs/plugins.md)")
     spec = _REGISTRY[_ALIASES.get(name, name)]
     unknown = sorted(set(overrides) - set(_OVERRIDABLE))
     if unknown:
@@ -105,3 +133,11 @@ def get_variant(name: str, **overrides) -> AttentionSpec:
     elif "coef" in changes and changes["coef"] is not None:
         changes["scale"] = "coef*log_n"
     return spec.replace(**changes)
+
+
+def _plugin_variant(spec: PluginSpec, overrides: dict) -> PluginSpec:
+    unknown = sorted(k for k, v in overrides.items() if k not in _PLUGIN_OVERRIDABLE and v is not None)
+    if unknown:
+        raise ValueError(f"attention override {unknown[0]!r} does not apply to plugin variant {spec.name!r} (its "
+                         f"forms are its own): only {', '.join(_PLUGIN_OVERRIDABLE)} may be overridden")
+    return spec.replace(**{k: v for k, v in overrides.items() if k in _PLUGIN_OVERRIDABLE})

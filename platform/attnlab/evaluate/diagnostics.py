@@ -1,8 +1,9 @@
 """Attention diagnostics per layer: mean row entropy and attention-sink mass (weight on the first token).
 
-The model's ``on_attention`` hook hands over q and k after RoPE; the weights are recomputed with the dense
-reference :func:`attnlab.attention.dense.weights_for_rows`, a block of query rows at a time, so a 16x window
-never materialises the full ``T x T`` matrix. Definitions (per query row i, then averaged over rows, heads and
+The model's ``on_attention`` hook hands over q and k after RoPE (and, for a plugin variant, the layer's parameters
+and prepared tensors); the weights are recomputed with the dense reference :func:`attnlab.attention.weights_for_rows`
+(a plugin's own reference form), a block of query rows at a time, so a 16x window never materialises the full
+``T x T`` matrix. Definitions (per query row i, then averaged over rows, heads and
 windows):
 
 - ``w_i = |A_i| / sum_j |A_ij|`` (for l1-normalised non-negative variants, ``w_i = A_i``; variants with
@@ -28,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnlab.attention.dense import weights_for_rows
+from attnlab.attention import weights_for_rows
 from attnlab.model.scoring import autocast_context
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
@@ -50,13 +51,14 @@ def attention_diagnostics(model, windows: np.ndarray, *, spec=None, rope_scaling
     spec = spec or model.spec
     sums: dict[int, list[float]] = {}
 
-    def observe(layer: int, q: torch.Tensor, k: torch.Tensor, qk_gain=None) -> None:
+    def observe(layer: int, q: torch.Tensor, k: torch.Tensor, qk_gain=None, state=None) -> None:
         B, H, T, _ = q.shape
         rows = max(1, min(T, chunk_bytes // max(1, B * H * T * 4 * 4)))
         acc = sums.setdefault(layer, [0.0, 0.0, 0])
         for r0 in range(0, T, rows):
             r1 = min(T, r0 + rows)
-            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, qk_gain=qk_gain)
+            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, qk_gain=qk_gain,
+                                 state=state)
             entropy, sink = row_statistics(a)
             acc[0] += float(entropy.double().sum())
             acc[1] += float(sink.double().sum())
@@ -108,7 +110,7 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
     sums: dict[int, dict] = {}
     current: dict = {}
 
-    def observe(layer: int, q: torch.Tensor, k: torch.Tensor, qk_gain=None) -> None:
+    def observe(layer: int, q: torch.Tensor, k: torch.Tensor, qk_gain=None, state=None) -> None:
         B, H, T, _ = q.shape
         wanted = torch.as_tensor(np.nonzero(current["rows"])[0], device=q.device)
         if len(wanted) == 0:
@@ -126,7 +128,7 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
             if len(inside) == 0:
                 continue
             a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T,
-                                 qk_gain=qk_gain)[0]  # (H, R, r1)
+                                 qk_gain=qk_gain, state=state)[0]  # (H, R, r1)
             a = a[:, inside - r0, :]
             w = a.abs()
             w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)

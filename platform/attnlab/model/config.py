@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from attnlab.attention import Backend, get_variant
 from attnlab.attention.sdpa import sdpa_unsupported_reason
-from attnlab.attention.spec import P_TRAIN_DEFAULT, AttentionSpec, parse_p_train
+from attnlab.attention.spec import P_TRAIN_DEFAULT, AttentionSpec, PluginSpec, parse_p_train
 from attnlab.errors import UserError
 from attnlab.names import GPT2_VOCAB
 
@@ -38,7 +38,8 @@ def alibi_override() -> dict | None:
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """A GPT-2 style decoder with RoPE. ``attention``/``p_train``/``scale`` select the attention variant.
+    """A GPT-2 style decoder with RoPE. ``attention``/``p_train``/``scale`` select the attention variant: a
+    registered name, or the name of a variant from a loaded plugin (docs/plugins.md; it has no ``scale``).
 
     ``p_train``: ``"default"`` (the variant's own sharpening power: 15 for lssar, none for the others), None
     (no sharpening) or a number >= 1 (docs/attention.md#sharpening). ``position``: ``rope``, ``nope`` or
@@ -102,9 +103,9 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    def attention_spec(self, p: float | None | str = "train") -> AttentionSpec:
+    def attention_spec(self, p: float | None | str = "train") -> AttentionSpec | PluginSpec:
         """The training-time spec (``p="train"``), or the same variant with sharpening power ``p`` (None:
-        no sharpening; ``"default"``: the variant's own)."""
+        no sharpening; ``"default"``: the variant's own); a :class:`PluginSpec` for a plugin's variant."""
         overrides = {}
         if self.scale is not None:
             overrides["scale"] = self.scale

@@ -5,10 +5,12 @@ init N(0, 0.02) with residual projections at 0.02/sqrt(2 * n_layer). The learned
 by RoPE. ``cfg.block = "llama"`` swaps in Llama's block (pre-RMSNorm with a learnable gain, SwiGLU MLP, no
 biases, final RMSNorm; the same embeddings, init and attention). ``cfg.position``: ``rope`` (rotate q and k),
 ``nope`` (no position signal: the causal mask only) or ``alibi`` (no rotation; the attention spec carries
-ALiBi's bias, added by the attention backends). Per forward call one can choose the RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another
-attention spec (e.g. a different sharpening power ``p_eval``) without touching the weights; the power reaches
-the attention as a tensor (:func:`power_as_tensor`), so a compiled block has one graph per length for every
-``p_eval``. No Ray imports here.
+ALiBi's bias, added by the attention backends). A variant from a plugin (docs/plugins.md) gets its learned
+parameters as the attention layer's ``plugin`` module (``blocks.N.attn.plugin.*``, initialised by the plugin, not
+by the model) and its prepared tensors from the layer's input on every call. Per forward call one can choose the
+RoPE scaling (``none``/``ntk``/``pi``/``yarn``) and, for evaluation, another attention spec (e.g. a different
+sharpening power ``p_eval``) without touching the weights; the power reaches the attention as a tensor
+(:func:`power_as_tensor`), so a compiled block has one graph per length for every ``p_eval``. No Ray imports here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlab.attention import attend
+from attnlab.attention import PluginSpec, attend
+from attnlab.attention.plugin import Shape, build_params, prepare_state
 from attnlab.attention.spec import AttentionSpec
 from attnlab.model.config import GPTConfig, alibi_override
 from attnlab.model.rope import apply_rope, check_scaling, scaled_rope_tables
@@ -30,10 +33,11 @@ from attnlab.model.rope import apply_rope, check_scaling, scaled_rope_tables
 RMS_EPS = 1e-5
 
 # Called as on_attention(layer_index, q, k, qk_gain) with q, k after RoPE, (B, H, T, D), and the layer's learned
-# QK-norm gains (g_q, g_k) or None: for attention diagnostics, which recompute the weights the layer used.
-AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, "tuple | None"], None]
-# What a block sees: the observer with its layer index bound, called as observe(q, k, qk_gain). Blocks take no
-# layer index, so one compiled block serves every layer (see compile.py).
+# QK-norm gains (g_q, g_k) or None: for attention diagnostics, which recompute the weights the layer used. A layer
+# of a plugin variant adds a fifth argument, its PluginState (parameters and prepared tensors, detached).
+AttentionObserver = Callable[..., None]
+# What a block sees: the observer with its layer index bound, called as observe(q, k, qk_gain[, state]). Blocks
+# take no layer index, so one compiled block serves every layer (see compile.py).
 LayerObserver = Callable[[torch.Tensor, torch.Tensor, "tuple | None"], None]
 
 
@@ -70,6 +74,13 @@ class CausalSelfAttention(nn.Module):
             # (docs/attention.md#softmax_qknorm): parameters of the model, passed to every attention call
             self.q_gain = nn.Parameter(torch.ones(cfg.head_dim))
             self.k_gain = nn.Parameter(torch.ones(cfg.head_dim))
+        self.layer_shape = Shape(cfg.n_embd, cfg.n_head, cfg.head_dim)
+        spec = cfg.attention_spec()
+        plugin = build_params(spec, self.layer_shape) if isinstance(spec, PluginSpec) else None
+        if plugin is not None:  # a plugin variant's learned parameters, as the plugin initialised them
+            for module in plugin.modules():
+                module.plugin_init = True
+            self.plugin = plugin
 
     def forward(self, x, cos, sin, spec: AttentionSpec, impl: str, p: torch.Tensor | None = None,
                 observe: LayerObserver | None = None):
@@ -79,9 +90,17 @@ class CausalSelfAttention(nn.Module):
         if cos is not None:  # position rope; nope and alibi leave q and k as they are
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gain = (self.q_gain, self.k_gain) if getattr(spec, "learned_qk_gain", False) else None
+        # a plugin variant: its per-token tensors from the layer's input x (e.g. FoX's forget gates)
+        state = None
+        if isinstance(spec, PluginSpec):
+            state = prepare_state(spec, x, getattr(self, "plugin", None), self.layer_shape)
         if observe is not None:
-            observe(q.detach(), k.detach(), None if gain is None else tuple(g.detach() for g in gain))
-        y = attend(q, k, v, spec, impl=impl, qk_gain=gain, p=p)
+            seen = (q.detach(), k.detach(), None if gain is None else tuple(g.detach() for g in gain))
+            if state is None:
+                observe(*seen)
+            else:
+                observe(*seen, state.detach())
+        y = attend(q, k, v, spec, impl=impl, qk_gain=gain, state=state, p=p)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -140,6 +159,8 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
+        if getattr(module, "plugin_init", False):  # a plugin's parameters keep the plugin's own initialisation
+            return
         std = self.cfg.init_std
         if isinstance(module, nn.Linear):
             if getattr(module, "residual_scaled", False):

@@ -15,6 +15,13 @@ An analytic model: what lives at the peak of a step, counted tensor by tensor fr
   temporaries at the start of the backward: 12 x vocab bytes per token eager, fewer compiled).
 - ``transient``: the largest short-lived working set on top (the dense path's chunk of weights).
 
+A variant from a plugin (docs/plugins.md#the-gpu-memory-plan) is counted from its own code: its parameters by
+building its parameter module on the meta device; what its attention saves per layer from its declared
+``saved_bytes`` (fused form), else by running the layer's ``prepare`` and attention once on meta tensors of the
+planned size under ``saved_tensors_hooks``; its evaluation working set as the peak of that run without gradients
+(torch's ``MemTracker`` on meta tensors). FlexAttention calls count as the CUDA kernel (their outputs, what they save
+and their gradients: ``plugin.flex_calls_as_kernels``).
+
 ``MemoryEstimate.tensor_bytes`` is what ``torch.cuda.max_memory_allocated`` (or torch's ``MemTracker`` on
 CPU) would report; ``MemoryEstimate.total`` adds the allocator's fragmentation (``ALLOCATOR_OVERHEAD``) and
 the CUDA context with cuBLAS/Triton workspaces (``CUDA_CONTEXT_BYTES``): the figure checked against a GPU's
@@ -41,6 +48,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from attnlab.attention.spec import PluginSpec
 from attnlab.model.config import GPTConfig
 
 # The CUDA context, cuBLAS and Triton workspaces, NCCL buffers: outside torch's allocator, per process.
@@ -90,8 +98,9 @@ def _llama(cfg: GPTConfig) -> bool:
 def num_params(cfg: GPTConfig) -> int:
     """Parameters of :class:`attnlab.model.GPT` (tied embedding counted once), without building it."""
     C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
-    # QK-norm with learned gains (softmax_qknorm): two (head_dim,) gains per layer
+    # QK-norm with learned gains (softmax_qknorm): two (head_dim,) gains per layer; a plugin's parameters per layer
     gains = L * 2 * cfg.head_dim if getattr(cfg.attention_spec(), "learned_qk_gain", False) else 0
+    gains += L * plugin_layer_params(cfg)
     if _llama(cfg):  # no biases; attention 4 C^2, SwiGLU 3 C H, two RMSNorm gains; the final RMSNorm's gain
         return V * C + L * (4 * C * C + 3 * C * cfg.mlp_hidden + 2 * C) + C + gains
     b = 1 if cfg.bias else 0
@@ -120,6 +129,79 @@ def resolve_backend_name(cfg: GPTConfig, backend: str = "auto") -> str:
     if backend == "auto" and sdpa_unsupported_reason(spec) is None:
         return "sdpa"
     return "dense" if unfusable_reason(spec) is not None else "flex"
+
+
+def _plugin(cfg: GPTConfig) -> PluginSpec | None:
+    spec = cfg.attention_spec()
+    return spec if isinstance(spec, PluginSpec) else None
+
+
+def plugin_layer_params(cfg: GPTConfig) -> int:
+    """Parameters one attention layer holds for a plugin variant (0 for a built-in): its module built on meta."""
+    spec = _plugin(cfg)
+    if spec is None:
+        return 0
+    import torch
+
+    from attnlab.attention.plugin import Shape, build_params
+
+    with torch.device("meta"):
+        module = build_params(spec, Shape(cfg.n_embd, cfg.n_head, cfg.head_dim))
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def plugin_attention_bytes(cfg: GPTConfig, batch: int, seq_len: int, precision: str, backend: str,
+                           grad: bool) -> int:
+    """One layer of a plugin variant on meta tensors of the planned size: with ``grad`` the bytes its ``prepare``
+    and attention save for the backward (q, k, v included; the layer input ``x`` and the parameters excluded, the
+    block counts them), without it the peak of their working set (q, k, v not included). A declared
+    ``saved_bytes(shape, seq_len, batch)`` of a fused form replaces the traced figure with gradients."""
+    return _plugin_attention_bytes(cfg, _plugin(cfg).sha256, batch, seq_len, precision, backend, grad)
+
+
+@functools.lru_cache(maxsize=64)
+def _plugin_attention_bytes(cfg: GPTConfig, sha256: str, batch: int, seq_len: int, precision: str, backend: str,
+                            grad: bool) -> int:
+    # Cached per plugin source too: a name may come back from edited code in the same process.
+    import torch
+
+    from attnlab.attention import attend
+    from attnlab.attention.plugin import Shape, build_params, flex_calls_as_kernels, prepare_state
+
+    spec = _plugin(cfg)
+    shape = Shape(cfg.n_embd, cfg.n_head, cfg.head_dim)
+    if grad and backend == "flex" and spec.variant.saved_bytes is not None:
+        return int(spec.variant.saved_bytes(shape, seq_len, batch))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    with torch.device("meta"):
+        params = build_params(spec, shape)
+    x = torch.empty(batch, seq_len, cfg.n_embd, device="meta", requires_grad=grad)  # ln_1's float32 output
+    q, k, v = (torch.empty(batch, cfg.n_head, seq_len, cfg.head_dim, device="meta", dtype=dtype, requires_grad=grad)
+               for _ in range(3))
+    excluded = {t.untyped_storage()._cdata for t in [x, *(params.parameters() if params is not None else ())]}
+
+    def run():
+        state = prepare_state(spec, x, params, shape)
+        return attend(q, k, v, spec, impl=backend, state=state)
+
+    if not grad:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        with torch.no_grad(), flex_calls_as_kernels(), tracker:
+            run()
+        return int(tracker.get_tracker_snapshot("peak")[torch.device("meta")]["Total"])
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage._cdata not in excluded:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flex_calls_as_kernels():
+        run()
+    return sum(saved.values())
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,21 +266,25 @@ def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backe
     else:
         saved = {"ln_1 input": r * C + 8, "c_attn input": a * C, "c_proj input": a * C, "ln_2 input": r * C + 8,
                  "c_fc input": a * C, "c_fc output": 4 * a * C, "gelu output": 4 * a * C}
-    if backend == "dense":  # q, k^T and v copied to float32 (and contiguous) for the two matmuls
+    if _plugin(cfg) is not None:  # traced per layer (plugin_attention_bytes), q and k beside the qkv projection's
+        saved["q, k"] = 2 * a * C  # output (rotated, or copied from its transposed views: measured both ways)
+    elif backend == "dense":  # q, k^T and v copied to float32 (and contiguous) for the two matmuls
         saved["q, k, v"] = 3 * 4 * C
     else:  # the fused kernels save q and k after RoPE, v as a view of the qkv projection, output + logsumexp
         saved["q, k, v"] = 5 * a * C + a * C + 4 * cfg.n_head
-    if backend == "flex":  # FlexAttention calls beyond the first (attention/flex.py): each saves its output + LSE
+    if backend == "flex":  # FlexAttention calls beyond the first (attention/flex.py): each saves its output + LSE;
+        # a plugin's one call is in its trace, its sharpening's extra pass and LSE gradient direction are not
         from attnlab.attention.flex import parts_of
 
         spec = cfg.attention_spec()
-        full = len(parts_of(spec)) - 1  # f = f+ - f-: a second full-width call, combined in float32
-        narrow = int(spec.p is not None) + int(spec.post == "recentre_l1")  # statistics passes (16-wide values)
+        plugin = _plugin(cfg) is not None
+        full = 0 if plugin else len(parts_of(spec)) - 1  # f = f+ - f-: a second full-width call, in float32
+        recentre = 0 if plugin else int(spec.post == "recentre_l1")
+        narrow = int(spec.p is not None) + recentre  # statistics passes (16-wide values)
         saved["more FlexAttention calls"] = full * (4 * C + 4 * cfg.n_head) + narrow * cfg.n_head * (16 * a + 4)
         # the direction of pass 1's LSE gradient (docs/attention.md#the-backward-of-the-two-passes): float32 w_i
         # (B, H, T, d) for sharpening, a float32 c_i per row for recentre_l1
-        saved["LSE gradient direction"] = 4 * C * int(spec.p is not None) + 4 * cfg.n_head * int(
-            spec.post == "recentre_l1")
+        saved["LSE gradient direction"] = 4 * C * int(spec.p is not None) + 4 * cfg.n_head * recentre
     if compiled:  # inductor recomputes the cheap pointwise GELU / SiLU in the backward instead of saving it
         saved.pop("silu output" if _llama(cfg) else "gelu output")
     return sum(saved.values())
@@ -232,7 +318,9 @@ def estimate_train_step(cfg: GPTConfig, seq_len: int, micro_batch: int, precisio
     parts = {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P, "ddp_buckets": 4 * P if ddp else 0,
              "autocast_weights": 2 * _matrix_params(cfg) if precision == "bf16" else 0}
     layer = _layer_bytes_per_token(cfg, precision, compiled, backend) * N
-    if backend == "dense":
+    if _plugin(cfg) is not None:
+        layer += plugin_attention_bytes(cfg, B, T, precision, backend, grad=True)
+    elif backend == "dense":
         layer += dense_saved_factor(cfg) * _dense_rows_keys(B, cfg.n_head, T)
     C = cfg.n_embd
     head_in = ((8 * C + 4) if _llama(cfg) else (4 * C + 8)) + (2 if precision == "bf16" else 4) * C  # ln_f, lm_head inputs
@@ -259,7 +347,10 @@ def estimate_eval(cfg: GPTConfig, length: int, batch: int, precision: str = "bf1
     N = B * T
     parts = {"params": 4 * num_params(cfg), "autocast_weights": 2 * _matrix_params(cfg) if precision == "bf16" else 0}
     attention = (r * C + 3 * a * C + 2 * a * C + a * C) * N
-    if backend == "dense":  # attend_dense: fp32 scores, masked copy and weights of one chunk of query rows
+    if _plugin(cfg) is not None:  # residual, qkv, rotated q and k, then the traced prepare + attention
+        attention = (r * C + 3 * a * C + 2 * a * C) * N + plugin_attention_bytes(cfg, B, T, precision, backend,
+                                                                                  grad=False)
+    elif backend == "dense":  # attend_dense: fp32 scores, masked copy and weights of one chunk of query rows
         chunk = max(1, min(T, 256 * 1024**2 // max(1, B * H * T * 16)))
         per_element = max(12.0, dense_saved_factor(cfg))  # sharpening's temporaries: what training saves
         attention += int(per_element * B * H * chunk * T) + 3 * 4 * C * N  # and q, k, v in float32
@@ -301,5 +392,5 @@ def largest_eval_batch(cfg: GPTConfig, length: int, budget_bytes: int, *, precis
 
 
 __all__ = ["ALLOCATOR_OVERHEAD", "BACKENDS", "CUDA_CONTEXT_BYTES", "MemoryEstimate", "PRECISIONS",
-           "dense_saved_factor", "estimate_eval", "estimate_train_step", "largest_eval_batch",
+           "dense_saved_factor", "estimate_eval", "plugin_attention_bytes", "plugin_layer_params", "estimate_train_step", "largest_eval_batch",
            "largest_micro_batch", "num_params", "resolve_backend_name"]

@@ -1,0 +1,735 @@
+"""Attention variants from outside attnlab: the public plugin API (docs/plugins.md).
+
+A plugin is one Python file, or an importable module, that defines ``VARIANTS = [Variant(...), ...]``. Each
+:class:`Variant` gives its **reference** form (the dense oracle: the weights of a block of query rows) and at most
+one fused form (``log_score``: a FlexAttention score_mod in log space; or ``fused``: any O(T)-memory function),
+optionally the learned **params** a model layer holds and the per-token tensors it computes from the layer's
+input (**prepare**). Loaded, a variant is a :class:`attnlab.attention.spec.PluginSpec` that ``get_variant``, ``attend``,
+``GPTConfig(attention=name)``, evaluation's ``p_eval``, diagnostics and the memory plan accept like a built-in.
+
+What it is for, in three parts:
+
+- the contract a plugin is written against: :class:`Variant`, :class:`Shape`, :class:`Rows`, :class:`Context`;
+- where a plugin comes from: :func:`read_source` reads its bytes into a :class:`PluginSource` (origin, {relative
+  path: bytes}, sha256), :func:`load_source` runs those bytes (never the files: the same call works in a process
+  that cannot read them), :func:`load_plugin` does both; bad plugins get one line (:class:`PluginError`);
+- how a loaded variant runs: :func:`attend_plugin` (its reference chunked over rows, sharpening on top; or its
+  fused form) and :func:`reference_weights` (the weights, for diagnostics), both called by
+  :mod:`attnlab.attention`; :func:`build_params` and :func:`prepare_state` for the model layer.
+
+What it must never do: import Ray or model code, run a plugin's code anywhere but :func:`load_source`, or let a
+plugin change a built-in variant (a name means one thing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import dataclasses
+import functools
+import hashlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import keyword
+import linecache
+import math
+import re
+import sys
+import traceback
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from attnlab.attention.dense import compute_dtype, sharpen
+from attnlab.attention.flex import ScoreMod, Sizes, _uncached_if_compiling, attend_log_scores
+from attnlab.attention.masks import alibi_bias, causal_block_mask, causal_rows, visible_keys
+from attnlab.attention.spec import PluginSpec
+from attnlab.attention.variants import (builtin_names, get_variant, plugin_spec, register_plugin_spec,
+                                        unregister_plugin_spec)
+from attnlab.errors import UserError
+
+# The fields of a Variant, in the order docs/plugins.md describes them.
+FIELDS = ("name", "source", "reference", "log_score", "fused", "params", "prepare", "normalised", "saved_bytes")
+# The dense reference processes query rows in chunks once one chunk's weights and a plugin's temporaries (counted as
+# this many (rows x keys) tensors) would exceed DEFAULT_CHUNK_BYTES.
+DEFAULT_CHUNK_BYTES = 256 * 1024**2
+PLUGIN_TEMPORARIES = 8
+# A module plugin is a small package: more files than this is almost surely the wrong name (e.g. "torch").
+MAX_FILES = 200
+MAX_BYTES = 8 * 1024**2
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+
+class PluginError(UserError):
+    """A plugin that cannot be used, in one line: what is wrong, where (file:line when known), how to fix it."""
+
+
+# --- the contract ------------------------------------------------------------------------------------------------
+
+class Variant:
+    """One attention variant of a plugin. Keyword fields only (docs/plugins.md#the-contract):
+
+    - ``name`` (str, required): unique among the built-in variants and every loaded plugin.
+    - ``source`` (str): where the variant comes from (citation text).
+    - ``reference(q, k, rows, ctx) -> weights`` (required): the dense oracle, ``(B, H, R, K)`` weights of the
+      query rows ``rows.i`` over keys ``0 .. K - 1`` (K = last row + 1), zero on keys a row cannot see.
+    - ``log_score(score, b, h, q_idx, kv_idx, ctx) -> log weight`` or ``fused(q, k, v, ctx) -> out``: at most one
+      fused form. ``log_score``: the rows are ``softmax(log_score)`` over the visible keys (FlexAttention).
+      ``fused``: any O(T)-memory function returning ``(B, H, T, Dv)``.
+    - ``params(shape) -> torch.nn.Module``: the learned parameters one attention layer holds.
+    - ``prepare(x, params, shape) -> dict[str, Tensor]``: per-token tensors both forms read (``ctx.state``),
+      computed from the layer's input ``x`` ``(B, T, C)``.
+    - ``normalised`` (bool): rows are non-negative and sum to 1, so ``p_train``/``p_eval`` sharpening applies.
+    - ``saved_bytes(shape, seq_len, batch) -> int``: what one layer's fused form saves for the backward (for the
+      GPU memory plan; without it the plan traces the forward on meta tensors).
+
+    An unknown field, a missing name or reference, or two fused forms raise :class:`PluginError` (one line).
+    """
+
+    __slots__ = FIELDS
+
+    def __init__(self, **fields):
+        unknown = [key for key in fields if key not in FIELDS]
+        if unknown:
+            raise PluginError(f"Variant field {unknown[0]!r} is unknown: use {', '.join(FIELDS)}")
+        name = fields.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise PluginError(f"Variant name={name!r} is not allowed: give name='...' (letters, digits, _ . -, "
+                              "starting with a letter or _)")
+        if fields.get("reference") is None:
+            raise PluginError(f"variant {name!r} has no reference form: give reference=f(q, k, rows, ctx) -> "
+                              "weights (docs/plugins.md#reference)")
+        if fields.get("log_score") is not None and fields.get("fused") is not None:
+            raise PluginError(f"variant {name!r} gives both log_score and fused: give one fused form")
+        for key in ("reference", "log_score", "fused", "params", "prepare", "saved_bytes"):
+            value = fields.get(key)
+            if value is not None and not callable(value):
+                raise PluginError(f"variant {name!r}: {key}={value!r} is not callable: give a function")
+        normalised = fields.get("normalised", False)
+        if not isinstance(normalised, bool):
+            raise PluginError(f"variant {name!r}: normalised={normalised!r} is not allowed: use True or False")
+        source = fields.get("source", "")
+        if not isinstance(source, str):
+            raise PluginError(f"variant {name!r}: source={source!r} is not allowed: give citation text")
+        for key in FIELDS:
+            object.__setattr__(self, key, fields.get(key))
+        object.__setattr__(self, "normalised", normalised)
+        object.__setattr__(self, "source", source)
+
+    def __setattr__(self, key, value):
+        raise AttributeError(f"Variant {self.name!r} is frozen")
+
+    def __repr__(self) -> str:
+        return f"Variant({self.name!r}, fused form: {self.fused_form or 'none'})"
+
+    @property
+    def fused_form(self) -> str | None:
+        """``log_score``, ``fused`` or None (reference only)."""
+        return "log_score" if self.log_score is not None else "fused" if self.fused is not None else None
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of one attention layer: model width ``n_embd``, heads ``n_head``, head dimension ``head_dim``."""
+
+    n_embd: int
+    n_head: int
+    head_dim: int
+
+
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """The query rows of one reference call (``R`` rows over ``K`` keys; every tensor on q's device).
+
+    ``i`` ``(R, 1)``: their absolute indices; ``j`` ``(1, K)``: the key indices ``0 .. K - 1``; ``h`` ``(H, 1, 1)``:
+    the head indices; ``n`` ``(R, 1)``: ``N_i = i + 1``, the keys each row sees (compute dtype); ``visible``
+    ``(R, K)``: ``j <= i``. ``start`` is ``i[0]``. Index a ``(B, H, T)`` state tensor ``c`` as ``c[..., rows.i]``
+    (``(B, H, R, 1)``) and ``c[..., rows.j]`` (``(B, H, 1, K)``).
+    """
+
+    i: torch.Tensor
+    j: torch.Tensor
+    h: torch.Tensor
+    n: torch.Tensor
+    visible: torch.Tensor
+    start: int
+
+
+@dataclass(frozen=True, eq=False)
+class Context:
+    """What every form of a variant may read besides q, k (and v).
+
+    ``shape`` (:class:`Shape`), ``seq_len`` (T of this forward pass), ``state`` (``prepare``'s tensors, floating
+    ones in the compute dtype), ``params`` (the layer's parameter module; None in ``log_score``: a score_mod reads
+    tensors only, so pass what it needs through ``prepare``), ``position_bias`` (``none`` or ``alibi``) and
+    ``dtype`` (the compute dtype: float32, or float64 for float64 inputs).
+    """
+
+    shape: Shape
+    seq_len: int
+    state: dict
+    params: nn.Module | None
+    position_bias: str
+    dtype: torch.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.head_dim
+
+    @property
+    def n_head(self) -> int:
+        return self.shape.n_head
+
+    def alibi(self, h, i, j):
+        """ALiBi's bias ``-m_h (i - j)`` for head ``h``, query ``i`` and key ``j`` (tensors, broadcast), or 0.0 when
+        the model does not use ALiBi. Add it to the score before your non-linearity (docs/plugins.md#alibi)."""
+        if self.position_bias != "alibi":
+            return 0.0
+        return alibi_bias(h, i, j, self.shape.n_head, self.dtype)
+
+    def visible_keys(self, i):
+        """``N_i = i + 1`` (the keys query row ``i`` sees) in the compute dtype."""
+        return visible_keys(i, self.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class PluginState:
+    """One layer's inputs to a plugin variant besides q, k, v: its :class:`Shape`, its parameter module (or None)
+    and the tensors ``prepare`` computed from the layer's input (``prepared``)."""
+
+    shape: Shape
+    params: nn.Module | None = None
+    prepared: dict = dataclasses.field(default_factory=dict)
+
+    def detach(self) -> "PluginState":
+        return PluginState(self.shape, self.params, {k: v.detach() for k, v in self.prepared.items()})
+
+
+# --- the layer's parameters and prepared tensors -----------------------------------------------------------------
+
+def build_params(spec: PluginSpec, shape: Shape) -> nn.Module | None:
+    """The variant's parameter module for one layer of ``shape`` (None when it declares none)."""
+    variant = spec.variant
+    if variant.params is None:
+        return None
+    module = variant.params(shape)
+    if not isinstance(module, nn.Module):
+        raise PluginError(f"attention {spec.name!r}: params(shape) returned {type(module).__name__}: return a "
+                          "torch.nn.Module holding the layer's parameters")
+    return module
+
+
+def prepare_state(spec: PluginSpec, x: torch.Tensor, params: nn.Module | None, shape: Shape) -> PluginState:
+    """The layer's :class:`PluginState`: ``prepare(x, params, shape)`` on the layer's input ``x`` ``(B, T, C)``."""
+    variant = spec.variant
+    if variant.prepare is None:
+        return PluginState(shape, params, {})
+    prepared = variant.prepare(x, params, shape)
+    if not isinstance(prepared, dict) or not all(isinstance(k, str) and k.isidentifier() and
+                                                 isinstance(v, torch.Tensor) for k, v in prepared.items()):
+        raise PluginError(f"attention {spec.name!r}: prepare(x, params, shape) must return a dict of tensors "
+                          "keyed by identifiers, e.g. {'log_forget': tensor}")
+    return PluginState(shape, params, dict(prepared))
+
+
+def _state_for(spec: PluginSpec, q: torch.Tensor, state: PluginState | None) -> PluginState:
+    if state is None:
+        variant = spec.variant
+        if variant.params is not None or variant.prepare is not None:
+            raise ValueError(f"attention {spec.name!r} needs its layer's state (parameters and prepared tensors): "
+                             "pass state=PluginState(...) as the model layer builds it (prepare_state)")
+        H, D = q.shape[-3], q.shape[-1]
+        return PluginState(Shape(H * D, H, D))
+    if not isinstance(state, PluginState):
+        raise ValueError(f"state for attention {spec.name!r} must be a PluginState, got {type(state).__name__}")
+    return state
+
+
+def _autocast_off(device: torch.device):
+    """Autocast switched off (forms compute in float32 or float64); meta tensors (the memory plan) as CPU ones."""
+    return torch.autocast(device_type="cpu" if device.type == "meta" else device.type, enabled=False)
+
+
+def _context(spec: PluginSpec, state: PluginState, seq_len: int, dtype: torch.dtype) -> Context:
+    prepared = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.prepared.items()}
+    return Context(state.shape, seq_len, prepared, state.params, spec.position_bias, dtype)
+
+
+# --- the reference form, chunked over rows -----------------------------------------------------------------------
+
+def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_start: int = 0,
+                      seq_len: int | None = None, state: PluginState | None = None, p=None) -> torch.Tensor:
+    """The variant's weights ``(B, H, R, K)`` of query rows ``row_start ..`` over keys ``0 .. K - 1``, sharpened
+    when ``spec.p`` is set (with the power ``p``, a number or a 0-d tensor, when given), in the compute dtype
+    (autocast off inside). ``seq_len``: T (default K)."""
+    state = _state_for(spec, q, state)
+    with _autocast_off(q.device):
+        dtype = compute_dtype(q.dtype)
+        q, k = q.to(dtype), k.to(dtype)
+        R, K = q.shape[-2], k.shape[-2]
+        ctx = _context(spec, state, k.shape[-2] if seq_len is None else seq_len, dtype)
+        i, visible = causal_rows(row_start, R, K, q.device)
+        rows = Rows(i=i, j=torch.arange(K, device=q.device).unsqueeze(0),
+                    h=torch.arange(q.shape[-3], device=q.device).view(-1, 1, 1), n=visible_keys(i, dtype),
+                    visible=visible, start=row_start)
+        a = spec.variant.reference(q, k, rows, ctx)
+        expected = (*q.shape[:-1], K)
+        if not isinstance(a, torch.Tensor) or tuple(a.shape) != expected:
+            got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+            raise ValueError(f"attention {spec.name!r}: reference returned {got}, expected weights of shape "
+                             f"{expected} (batch, heads, rows, keys)")
+        a = a.to(dtype)
+        if spec.p is not None:
+            a = sharpen(a, rows.n, rows.i, spec.p if p is None else p)
+        return a
+
+
+def _row_bytes(q: torch.Tensor) -> int:
+    """Bytes of one query row's weights and a plugin's temporaries (all heads and batch entries)."""
+    return max(1, math.prod(q.shape[:-2]) * q.shape[-2] * torch.finfo(compute_dtype(q.dtype)).bits // 8
+               * PLUGIN_TEMPORARIES)
+
+
+def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
+    return max(1, min(q.shape[-2], chunk_bytes // _row_bytes(q)))
+
+
+def attend_reference(q, k, v, spec: PluginSpec, state: PluginState | None = None,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, p=None) -> torch.Tensor:
+    """``A @ v`` from the reference weights, query rows in memory-bounded chunks; in v's dtype.
+
+    Under ``torch.compile`` as the built-in dense path (``dense.attend_dense``): with gradients one chunk (autograd
+    keeps every chunk's weights anyway), without gradients a sequence needing several chunks runs eagerly."""
+    state = _state_for(spec, q, state)
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled():
+            chunk_bytes = max(chunk_bytes, _row_bytes(q) * q.shape[-2])
+        elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
+            return _attend_reference_eager(q, k, v, spec, state, chunk_bytes, p)
+    return _attend_reference(q, k, v, spec, state, chunk_bytes, p)
+
+
+def _attend_reference(q, k, v, spec: PluginSpec, state: PluginState, chunk_bytes: int, p=None) -> torch.Tensor:
+    T = q.shape[-2]
+    chunk = _chunk_rows(q, chunk_bytes)
+    with _autocast_off(q.device):
+        vv = v.to(compute_dtype(q.dtype))
+        outs = []
+        for r0 in range(0, T, chunk):
+            r1 = min(T, r0 + chunk)
+            a = reference_weights(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, state=state, p=p)
+            outs.append(a @ vv[..., :r1, :])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    return out.to(v.dtype)
+
+
+_attend_reference_eager = torch.compiler.disable(_attend_reference)
+
+
+# --- the fused forms ---------------------------------------------------------------------------------------------
+
+def attend_plugin(q, k, v, spec: PluginSpec, backend: str, state: PluginState | None = None,
+                  p=None) -> torch.Tensor:
+    """Causal attention ``(B, H, T, Dv)`` of a plugin variant in v's dtype: ``backend`` ``dense`` (the reference) or
+    ``flex`` (the fused form: FlexAttention over ``log_score``, sharpened by the two passes of
+    :func:`attnlab.attention.flex.attend_log_scores`, or the variant's ``fused`` function), as
+    :func:`attnlab.attention.resolve_backend` chose it. ``p``: a sharpened spec's power as a number or a 0-d tensor
+    instead of ``spec.p`` (the model passes ``p_eval`` this way, so one compiled graph serves every power)."""
+    state = _state_for(spec, q, state)
+    if backend == "dense":
+        return attend_reference(q, k, v, spec, state, p=p)
+    variant = spec.variant
+    if variant.log_score is not None:
+        return _attend_log_score(q, k, v, spec, state, p)
+    T = q.shape[-2]
+    with _autocast_off(q.device):
+        ctx = _context(spec, state, T, compute_dtype(q.dtype))
+        out = variant.fused(q, k, v, ctx)
+    expected = (*q.shape[:-1], v.shape[-1])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"attention {spec.name!r}: fused returned {got}, expected {expected}")
+    return out.to(v.dtype)
+
+
+def _attend_log_score(q, k, v, spec: PluginSpec, state: PluginState, p=None) -> torch.Tensor:
+    """FlexAttention over the variant's ``log_score`` (its softmax is the rows), the prepared tensors passed as its
+    buffers (they take gradients): one call, or with sharpening the two passes of ``flex.attend_log_scores``."""
+    out_dtype = v.dtype
+    work = q.dtype if q.dtype == k.dtype == v.dtype else compute_dtype(q.dtype)
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    T, dtype = q.shape[-2], compute_dtype(q.dtype)
+    ctx = _context(spec, state, T, dtype)
+    names = tuple(sorted(ctx.state))
+    fn = _uncached_if_compiling(_score_fn)(spec.variant, state.shape, T, spec.position_bias, dtype, names)
+    score_mod = ScoreMod(fn, tuple(ctx.state[name].contiguous() for name in names))  # (expanded views: copied)
+    if _kernel_stand_in:  # a memory measurement: what the CUDA kernel allocates (its block mask is built once)
+        return _FlexKernelStandIn.apply(q, k, v, *score_mod.buffers).to(out_dtype)
+    power = None if spec.p is None else (spec.p if p is None else p)
+    sizes = Sizes(head_dim=q.shape[-1], seq_len=T, n_head=q.shape[-3])
+    out = attend_log_scores(q, k, v, score_mod, sizes, causal_block_mask(T, q.device), p=power)
+    return out.to(out_dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _score_fn(variant: Variant, shape: Shape, seq_len: int, position_bias: str, dtype: torch.dtype,
+              names: tuple[str, ...]) -> Callable:
+    # Cached per (variant, sizes), so a compiled kernel sees the same function on every call.
+    log_score = variant.log_score
+
+    def score_mod(score, b, h, q_idx, kv_idx, *buffers):
+        ctx = Context(shape, seq_len, dict(zip(names, buffers)), None, position_bias, dtype)
+        return log_score(score.to(dtype), b, h, q_idx, kv_idx, ctx)
+    return score_mod
+
+
+# Memory measurement only (the check, the GPU memory plan): see flex_calls_as_kernels.
+_kernel_stand_in = False
+
+
+@contextlib.contextmanager
+def flex_calls_as_kernels():
+    """Within this context a plugin's FlexAttention call allocates what the CUDA kernel does instead of running: its
+    output and log-sum-exp, what it saves (q, k, v, output, LSE, the buffers) and its gradients. For measuring the
+    memory of the code around the call (on CPU, FlexAttention's unfused implementation materialises the scores);
+    the values are zeros. Never use it for results."""
+    global _kernel_stand_in
+    previous, _kernel_stand_in = _kernel_stand_in, True
+    try:
+        yield
+    finally:
+        _kernel_stand_in = previous
+
+
+class _FlexKernelStandIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, *buffers):
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        lse = q.new_zeros(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, *buffers)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, *buffers = ctx.saved_tensors
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                *(torch.zeros_like(b) if b.requires_grad else None for b in buffers))
+
+
+# --- where a plugin comes from -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PluginSource:
+    """The exact source of a plugin: ``origin`` (the path or module name as given), ``kind`` (``file`` or
+    ``module``), ``entry`` (the file's name, or the dotted module name), ``files`` ({relative path: bytes}) and
+    ``sha256`` (over every relative path and its bytes: editing, adding or renaming a file changes it).
+
+    :func:`load_source` runs it from ``files`` alone, so it can be shipped to a process that cannot read the
+    user's files (pickle it, or :meth:`to_dict` for JSON)."""
+
+    origin: str
+    kind: str
+    entry: str
+    files: dict
+    sha256: str
+
+    @staticmethod
+    def of(origin: str, kind: str, entry: str, files: dict) -> "PluginSource":
+        files = {str(k): bytes(v) for k, v in sorted(files.items())}
+        return PluginSource(origin, kind, entry, files, _hash_files(files))
+
+    def to_dict(self) -> dict:
+        """JSON-friendly: every file as UTF-8 text."""
+        return {"origin": self.origin, "kind": self.kind, "entry": self.entry, "sha256": self.sha256,
+                "files": {k: v.decode("utf-8") for k, v in self.files.items()}}
+
+    @staticmethod
+    def from_dict(data: dict) -> "PluginSource":
+        files = {k: v.encode("utf-8") if isinstance(v, str) else bytes(v) for k, v in data["files"].items()}
+        source = PluginSource.of(data["origin"], data["kind"], data["entry"], files)
+        if data.get("sha256") not in (None, source.sha256):
+            raise PluginError(f"plugin {data['origin']}: its files do not match sha256 {data['sha256'][:12]}")
+        return source
+
+    @property
+    def short_hash(self) -> str:
+        return self.sha256[:12]
+
+
+def _hash_files(files: dict) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        data = files[path]
+        digest.update(path.encode("utf-8") + b"\0" + len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class LoadedPlugin:
+    """A plugin that ran: its :class:`PluginSource` and its variants as registered specs."""
+
+    source: PluginSource
+    specs: tuple
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.specs)
+
+
+def parse_ref(ref: str) -> tuple[str, str | None]:
+    """``FILE_OR_MODULE[:NAME]`` -> ``(target, name or None)``."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise PluginError(f"plugin {ref!r} is not allowed: give a path to a .py file or an importable module name, "
+                          "optionally with :NAME")
+    target, sep, name = ref.strip().rpartition(":")
+    if sep and name and target and re.match(r"^[A-Za-z_][A-Za-z0-9_.-]*$", name) and len(target) > 1:
+        return target, name
+    return ref.strip(), None
+
+
+def _is_file_ref(target: str) -> bool:
+    """A path (ends in .py or names a folder) rather than a dotted module name (looked up on sys.path)."""
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def read_source(ref: str) -> PluginSource:
+    """Read a plugin's bytes: a path to a ``.py`` file, or an importable module name (a single module, or the
+    top-level package it belongs to, every ``.py`` file of it). ``ref`` may end in ``:NAME`` (ignored here).
+    Nothing is executed (a dotted name's parent packages are not imported)."""
+    target, _ = parse_ref(ref)
+    if _is_file_ref(target):
+        path = Path(target)
+        if not path.is_file():
+            what = "is a folder" if path.is_dir() else "does not exist"
+            raise PluginError(f"plugin file {target} {what}: give a path to a .py file or an importable module name")
+        return PluginSource.of(target, "file", path.name, {path.name: path.read_bytes()})
+    parts = target.split(".")
+    if not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
+        raise PluginError(f"plugin {target!r} is neither a file nor a module name: give a path to a .py file or "
+                          "an importable module name (e.g. mypackage.attention)")
+    try:  # sys.path only: not a package this process already serves from a plugin's bytes
+        top = importlib.machinery.PathFinder.find_spec(parts[0])
+    except (ImportError, ValueError) as exc:
+        top, cause = None, exc
+    else:
+        cause = None
+    if top is None or (top.origin in (None, "built-in", "frozen") and not top.submodule_search_locations):
+        why = f": {cause}" if cause else f" (no module named {parts[0]!r} on sys.path)"
+        raise PluginError(f"plugin module {target!r} cannot be imported{why}: give a path to a .py file or an "
+                          "importable module name")
+    files: dict[str, bytes] = {}
+    if top.submodule_search_locations:
+        for location in top.submodule_search_locations:
+            root = Path(location)
+            for path in sorted(root.rglob("*.py")):
+                rel = path.relative_to(root)
+                if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
+                    continue
+                files[str(Path(parts[0], rel).as_posix())] = path.read_bytes()
+                _check_size(target, files)
+    else:
+        files[f"{parts[0]}.py"] = Path(top.origin).read_bytes()
+    module_file = "/".join(parts) + ".py"
+    package_file = "/".join(parts) + "/__init__.py"
+    if len(parts) > 1 and module_file not in files and package_file not in files:
+        raise PluginError(f"plugin module {target!r} cannot be imported (no module named {target!r} in "
+                          f"{parts[0]!r}): give a path to a .py file or an importable module name")
+    return PluginSource.of(target, "module", target, files)
+
+
+def _check_size(target: str, files: dict) -> None:
+    if len(files) > MAX_FILES or sum(map(len, files.values())) > MAX_BYTES:
+        raise PluginError(f"plugin module {target!r} belongs to a package of more than {MAX_FILES} files or "
+                          f"{MAX_BYTES // 1024**2} MiB: a plugin is one file or a small package")
+
+
+_LOADED: dict[str, LoadedPlugin] = {}  # by sha256
+
+
+def load_plugin(ref: str) -> LoadedPlugin:
+    """:func:`read_source` then :func:`load_source`: the variants of ``ref`` registered (idempotent for unchanged
+    source). With ``:NAME``, the plugin must define a variant of that name."""
+    loaded = load_source(read_source(ref))
+    _, name = parse_ref(ref)
+    if name is not None and name not in loaded.names:
+        raise PluginError(f"plugin {loaded.source.origin} has no variant {name!r}: it defines "
+                          f"{', '.join(loaded.names)}")
+    return loaded
+
+
+def load_source(source: PluginSource) -> LoadedPlugin:
+    """Run a plugin from its bytes (never its files) and register its variants; loading the same source again
+    returns the same :class:`LoadedPlugin`. A bad plugin raises :class:`PluginError` in one line: a syntax or
+    import error (its file and line), a malformed ``Variant``, no ``VARIANTS``, a name collision."""
+    if not isinstance(source, PluginSource):
+        raise PluginError(f"load_source needs a PluginSource (read_source(ref)), got {type(source).__name__}")
+    if source.sha256 in _LOADED:
+        return _LOADED[source.sha256]
+    module = _execute(source)
+    declared = getattr(module, "VARIANTS", None)
+    where = f"plugin {source.origin}"
+    if declared is None:
+        raise PluginError(f"{where} defines no VARIANTS: add VARIANTS = [Variant(name=..., reference=...)] "
+                          "(docs/plugins.md)")
+    if not isinstance(declared, (list, tuple)) or not declared or not all(isinstance(v, Variant) for v in declared):
+        raise PluginError(f"{where}: VARIANTS must be a non-empty list of attnlab.attention.plugin.Variant, got "
+                          f"{declared!r:.80}")
+    specs, builtin = [], set(builtin_names())
+    for variant in declared:
+        name = variant.name
+        if name in builtin:
+            raise PluginError(f"{where}: variant {name!r} collides with the built-in variant {name!r} "
+                              "(attnlab.attention.variants): rename it")
+        other = plugin_spec(name)
+        if other is not None:
+            raise PluginError(f"{where}: variant {name!r} collides with {name!r} loaded from {other.origin} "
+                              f"(source {other.sha256[:12]}): rename one of them")
+        if any(spec.name == name for spec in specs):
+            raise PluginError(f"{where} defines variant {name!r} twice: give each variant its own name")
+        specs.append(PluginSpec(name=name, variant=variant, origin=source.origin, sha256=source.sha256,
+                                source=source))
+    for spec in specs:
+        register_plugin_spec(spec)
+    loaded = LoadedPlugin(source, tuple(specs))
+    _LOADED[source.sha256] = loaded
+    return loaded
+
+
+def unload_plugin(loaded: LoadedPlugin) -> None:
+    """Forget a loaded plugin: its variants, and the modules its bytes became (tests; `attention check` after it
+    checked)."""
+    for name in loaded.names:
+        registered = plugin_spec(name)
+        if registered is not None and registered.sha256 == loaded.source.sha256:
+            unregister_plugin_spec(name)
+    _LOADED.pop(loaded.source.sha256, None)
+    source = loaded.source
+    if source.kind == "file":
+        sys.modules.pop(_file_module_name(source), None)
+        return
+    top = source.entry.split(".")[0]
+    finder = _FINDERS.get(top)
+    if finder is not None and finder.source.sha256 == source.sha256:
+        del _FINDERS[top]
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not finder]
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+            del sys.modules[name]
+
+
+def spec_from_source(source: PluginSource, name: str, p=None, position_bias: str = "none") -> PluginSpec:
+    """The spec ``name`` of a plugin given by its source (loaded first if needed): how a pickled spec comes back."""
+    load_source(source)
+    return get_variant(name, p=p, position_bias=position_bias)
+
+
+def _reduce_spec(spec: PluginSpec):
+    if spec.source is None:
+        raise TypeError(f"plugin spec {spec.name!r} has no source to pickle")
+    return spec_from_source, (spec.source, spec.name, spec.p, spec.position_bias)
+
+
+copyreg.pickle(PluginSpec, _reduce_spec)  # a spec ships as its plugin's bytes and its name
+
+
+# --- running a plugin's bytes ------------------------------------------------------------------------------------
+
+def _filename(source: PluginSource, rel: str) -> str:
+    """The file name tracebacks and errors show: the path as given for a file, the relative path for a module."""
+    return source.origin if source.kind == "file" else rel
+
+
+def _file_module_name(source: PluginSource) -> str:
+    """The module a file plugin's bytes become: ``attnlab_plugin_<stem>_<sha12>`` (the same in every process)."""
+    return f"attnlab_plugin_{re.sub(r'[^A-Za-z0-9_]', '_', Path(source.entry).stem)}_{source.short_hash}"
+
+
+def _execute(source: PluginSource) -> types.ModuleType:
+    filenames = {_filename(source, rel): rel for rel in source.files}
+    for name, rel in filenames.items():  # tracebacks show the plugin's lines even where its files are not
+        text = source.files[rel].decode("utf-8", errors="replace")
+        linecache.cache[name] = (len(text), None, text.splitlines(True), name)
+    try:
+        if source.kind == "file":
+            module_name = _file_module_name(source)
+            module = types.ModuleType(module_name)
+            module.__file__ = source.origin
+            sys.modules[module_name] = module  # functions defined in it pickle by reference
+            try:
+                exec(compile(source.files[source.entry], source.origin, "exec"), module.__dict__)
+            except BaseException:
+                sys.modules.pop(module_name, None)
+                raise
+            return module
+        _install_finder(source)
+        return importlib.import_module(source.entry)
+    except PluginError as exc:
+        raise PluginError(_where(exc, filenames, source) + str(exc)) from None
+    except SyntaxError as exc:
+        raise PluginError(f"plugin {exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}") from None
+    except Exception as exc:  # noqa: BLE001 - any error of the plugin's own code, reported in one line
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        raise PluginError(f"{_where(exc, filenames, source)}{type(exc).__name__}: {message}") from None
+
+
+def _where(exc: BaseException, filenames: dict, source: PluginSource) -> str:
+    """``plugin FILE:LINE: `` of the deepest frame of the plugin's own files in the traceback."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename in filenames]
+    if not frames:
+        return f"plugin {source.origin}: "
+    return f"plugin {frames[-1].filename}:{frames[-1].lineno}: "
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a module plugin's package from its bytes (first on ``sys.meta_path``, for its names only)."""
+
+    def __init__(self, source: PluginSource):
+        self.source = source
+        self.modules: dict[str, tuple[str, bool]] = {}
+        for rel in source.files:
+            parts = rel[:-3].split("/")
+            if parts[-1] == "__init__":
+                self.modules[".".join(parts[:-1])] = (rel, True)
+            else:
+                self.modules[".".join(parts)] = (rel, False)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.modules:
+            return None
+        rel, package = self.modules[fullname]
+        spec = importlib.util.spec_from_loader(fullname, self, origin=rel, is_package=package)
+        spec.has_location = False
+        return spec
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        rel, package = self.modules[module.__name__]
+        module.__file__ = rel
+        exec(compile(self.source.files[rel], rel, "exec"), module.__dict__)
+
+
+_FINDERS: dict[str, _SourceFinder] = {}
+
+
+def _install_finder(source: PluginSource) -> None:
+    top = source.entry.split(".")[0]
+    finder = _FINDERS.get(top)
+    if finder is not None and finder.source.sha256 != source.sha256:
+        raise PluginError(f"plugin module {source.origin!r}: package {top!r} is already loaded from other source "
+                          f"({finder.source.short_hash}); one process runs one version of a package")
+    if finder is None:
+        finder = _SourceFinder(source)
+        _FINDERS[top] = finder
+        sys.meta_path.insert(0, finder)
+
+
+__all__ = ["Context", "FIELDS", "LoadedPlugin", "PluginError", "PluginSource", "PluginState", "Rows", "Shape",
+           "Variant", "attend_plugin", "build_params", "flex_calls_as_kernels", "load_plugin", "load_source",
+           "parse_ref", "prepare_state", "read_source", "reference_weights", "spec_from_source", "unload_plugin"]

@@ -1,0 +1,378 @@
+"""``attnlab attention check``: does a plugin variant keep its contract? One verdict per check (docs/plugins.md#check).
+
+For each variant of a loaded plugin (:func:`check_variant`), on CPU, on small random inputs:
+
+1. ``reference``: its weights have the right shape and are finite; if it declares ``normalised``, every row is
+   non-negative and sums to 1.
+2. ``fused vs reference``: forward and backward (q, k, v, the layer input x, the variant's parameters) in float64,
+   without and with ALiBi; the largest difference and where it is (batch b, head h, query row or key).
+3. ``ALiBi``: the bias the context offers reaches the reference (a model with ``position: alibi`` relies on it).
+3b. ``sharpening``: for a ``normalised`` variant, ``p = 3`` on its reference gives finite outputs and gradients
+   (and how its fused form is sharpened); otherwise a power is refused.
+4. ``causality``: changing every token after row t (x, q, k, v) changes no output of rows <= t, for each form.
+5. ``bf16 autocast``: finite outputs and gradients of each form under CPU bf16 autocast.
+6. ``memory``: the fused form's peak memory (forward and backward) at two lengths must grow as O(T); FlexAttention
+   calls count as their CUDA kernel (:func:`attnlab.attention.plugin.flex_calls_as_kernels`). Without a fused form
+   the reference's class is stated.
+7. ``lowering``: the compiled training graph (prepare + attention, forward and backward) lowered through inductor as
+   far as CPU allows: FlexAttention's lowering up to where it needs the GPU (the ``cuda_proxy`` way of
+   ``tests/test_cuda_proxy_attention.py``, with ``flex.cuda_code_path``); any other graph up to code generation.
+
+No Ray and no model code here; it runs the plugin's own code, so a plugin that hangs hangs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from attnlab.attention import attend
+from attnlab.attention.flex import cuda_code_path
+from attnlab.attention.plugin import (LoadedPlugin, PluginSpec, Shape, build_params, flex_calls_as_kernels,
+                                     prepare_state)
+from attnlab.attention.variants import get_variant
+
+# The inputs of the float64 comparisons: odd length past the first three rows, two heads, two sequences.
+B, H, T, D = 2, 2, 37, 16
+TOLERANCE = 1e-8  # float64, relative to max(1, the largest reference value)
+MEMORY_LENGTHS = (256, 1024)
+MAX_MEMORY_EXPONENT = 1.3  # T^1 is linear, T^2 quadratic; between: constant overheads
+LOWERING_LENGTH = 128
+
+
+@dataclass(frozen=True)
+class Verdict:
+    variant: str
+    check: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'} {self.variant}: {self.check}: {self.detail}"
+
+
+def check_plugin(loaded: LoadedPlugin, names: list[str] | None = None,
+                 say: Callable[[str], None] = print) -> bool:
+    """Check every variant of ``loaded`` (or those in ``names``), printing one line per check; True if all pass."""
+    ok = True
+    for spec in loaded.specs:
+        if names is None or spec.name in names:
+            start = time.perf_counter()
+            verdicts = check_variant(spec, say=lambda v: say(v.line()))
+            passed = sum(v.ok for v in verdicts)
+            say(f"{spec.name}: {passed} of {len(verdicts)} checks passed in {time.perf_counter() - start:.1f} s")
+            ok &= passed == len(verdicts)
+    return ok
+
+
+def check_variant(spec: PluginSpec, say: Callable[[Verdict], None] = lambda v: None) -> list[Verdict]:
+    """Every check of one variant, in order; ``say`` gets each verdict as it is reached."""
+    verdicts = []
+    checks = (_reference, _fused_vs_reference, _alibi, _sharpening, _causality, _bf16, _memory, _lowering)
+    for check in checks:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the one-time fallback warnings are stated in the verdicts
+                name, ok, detail = check(spec)
+        except Exception as exc:  # noqa: BLE001 - a plugin's error is a failed check, in one line
+            name, ok, detail = check.__name__.strip("_").replace("_", " "), False, _one_line(exc)
+        verdict = Verdict(spec.name, name, ok, detail)
+        say(verdict)
+        verdicts.append(verdict)
+    return verdicts
+
+
+def _one_line(exc: BaseException, limit: int = 240) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- inputs and runs -------------------------------------------------------------------------------------------
+
+@dataclass
+class _Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    x: torch.Tensor
+    params: torch.nn.Module | None
+    shape: Shape
+
+    def leaves(self) -> list[tuple[str, torch.Tensor]]:
+        named = [("q", self.q), ("k", self.k), ("v", self.v), ("x", self.x)]
+        if self.params is not None:
+            named += [(f"param {n}", p) for n, p in self.params.named_parameters()]
+        return named
+
+
+def _inputs(spec: PluginSpec, dtype=torch.float64, seed: int = 0, length: int = T, batch: int = B,
+            qkv_dtype=None) -> _Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    shape = Shape(H * D, H, D)
+    torch.manual_seed(seed)
+    params = build_params(spec, shape)
+    if params is not None:
+        params = params.to(dtype)
+    qkv = [torch.randn(batch, H, length, D, generator=gen, dtype=torch.float64).to(qkv_dtype or dtype)
+           .requires_grad_() for _ in range(3)]
+    x = torch.randn(batch, length, H * D, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    return _Inputs(*qkv, x, params, shape)
+
+
+def _out(spec: PluginSpec, impl: str, inp: _Inputs) -> torch.Tensor:
+    state = prepare_state(spec, inp.x, inp.params, inp.shape)
+    return attend(inp.q, inp.k, inp.v, spec, impl=impl, state=state)
+
+
+def _grads(spec: PluginSpec, impl: str, inp: _Inputs, weight: torch.Tensor):
+    out = _out(spec, impl, inp)
+    names, leaves = zip(*inp.leaves())
+    grads = torch.autograd.grad((out * weight).sum(), leaves, allow_unused=True, materialize_grads=True)
+    return out, dict(zip(names, grads))
+
+
+def _where(name: str, index: tuple[int, ...]) -> str:
+    if name in ("out", "q", "dq"):
+        return f"b={index[0]} h={index[1]} row={index[2]}"
+    if name in ("k", "v"):
+        return f"b={index[0]} h={index[1]} key={index[2]}"
+    if name == "x":
+        return f"b={index[0]} token={index[1]}"
+    return f"[{', '.join(map(str, index))}]" if index else ""
+
+
+def _largest(a: torch.Tensor, b: torch.Tensor) -> tuple[float, tuple[int, ...]]:
+    diff = (a.double() - b.double()).abs()
+    if diff.numel() == 0:
+        return 0.0, ()
+    flat = int(diff.argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    return float(diff.max()), index
+
+
+def _fused_name(spec: PluginSpec) -> str:
+    return spec.variant.fused_form or "none"
+
+
+# --- the checks --------------------------------------------------------------------------------------------------
+
+def _reference(spec: PluginSpec):
+    from attnlab.attention import weights_for_rows
+
+    inp = _inputs(spec)
+    with torch.no_grad():
+        w = weights_for_rows(inp.q, inp.k, spec, state=prepare_state(spec, inp.x, inp.params, inp.shape))
+    if not torch.isfinite(w).all():
+        return "reference", False, "the weights are not finite (NaN or inf)"
+    detail = f"weights of shape {tuple(w.shape)}, finite"
+    if spec.variant.normalised:
+        negative = float((-w).clamp_min(0).max())
+        off = float((w.sum(-1) - 1).abs().max())
+        if negative > 1e-12 or off > 1e-9:
+            return "reference", False, (f"declares normalised=True but a row has a weight of {-negative:.2g} or sums "
+                                        f"to 1 {'+-'} {off:.2g}: fix the reference or drop normalised")
+        detail += f", non-negative, rows summing to 1 within {off:.1g} (normalised)"
+    return "reference", True, detail
+
+
+def _fused_vs_reference(spec: PluginSpec):
+    name = "fused vs reference (float64)"
+    if spec.variant.fused_form is None:
+        return name, True, "reference only: nothing to compare (no fused form)"
+    worst = {"forward": (-1.0, "", 1.0), "backward": (-1.0, "", 1.0)}
+    for position in ("none", "alibi"):
+        s = spec.replace(position_bias=position)
+        weight = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        inp_ref, inp_fused = _inputs(s), _inputs(s)
+        ref_out, ref_grads = _grads(s, "dense", inp_ref, weight)
+        out, grads = _grads(s, "flex", inp_fused, weight)
+        pairs = [("forward", "out", out, ref_out)] + [("backward", n, grads[n], ref_grads[n]) for n in ref_grads]
+        for phase, label, got, want in pairs:
+            err, index = _largest(got, want)
+            scale = max(1.0, float(want.abs().max()) if want.numel() else 1.0)
+            if err / scale > worst[phase][0] / worst[phase][2]:
+                what = label if phase == "forward" else f"d{label}" if " " not in label else f"d({label})"
+                where = f"{what}{' ' if label in ('out', 'q', 'k', 'v', 'x') else ''}{_where(label, index)}"
+                worst[phase] = (err, f"{where} (position {position})", scale)
+    ok = all(err <= TOLERANCE * scale for err, _, scale in worst.values())
+    (f_err, f_where, _), (b_err, b_where, _) = worst["forward"], worst["backward"]
+    detail = (f"{_fused_name(spec)}: forward max |diff| {f_err:.1e} at {f_where}; backward max |diff| {b_err:.1e} at "
+              f"{b_where}")
+    if not ok:
+        detail = f"the fused form disagrees with its reference: {detail} (tolerance {TOLERANCE:g})"
+    return name, ok, detail
+
+
+def _alibi(spec: PluginSpec):
+    inp = _inputs(spec)
+    with torch.no_grad():
+        plain = _out(spec.replace(position_bias="none"), "dense", inp)
+        biased = _out(spec.replace(position_bias="alibi"), "dense", inp)
+    change = float((plain - biased).abs().max())
+    if change <= 1e-9:
+        return "ALiBi", False, ("the reference ignores ctx.alibi: a model with position alibi would train without "
+                                "it; add ctx.alibi(rows.h, rows.i, rows.j) to the score (docs/plugins.md#alibi)")
+    return "ALiBi", True, f"ctx.alibi reaches the reference (output changes by up to {change:.2g})"
+
+
+def _sharpening(spec: PluginSpec):
+    if not spec.variant.normalised:
+        try:
+            spec.replace(p=3.0)
+        except ValueError:
+            return "sharpening", True, "not normalised: a sharpening power p is refused in one line"
+        return "sharpening", False, "not normalised, yet p=3 was accepted"
+    sharpened = spec.replace(p=3.0)
+    inp = _inputs(sharpened)
+    weight = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out, grads = _grads(sharpened, "dense", inp, weight)
+    if not (torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads.values())):
+        return "sharpening", False, "p=3 on the reference gives non-finite outputs or gradients"
+    reason = sharpened.unfusable_reason()
+    if spec.variant.fused_form is None:
+        return "sharpening", True, "p=3 on the reference rows: finite outputs and gradients; no fused form"
+    if reason is not None:
+        return "sharpening", True, ("p=3 on the reference rows: finite outputs and gradients; the fused form runs "
+                                    f"the dense reference when sharpened, after a one-time warning ({reason})")
+    # the two passes of flex.attend_log_scores over the variant's log_score, against the sharpened reference
+    fused_out, fused_grads = _grads(sharpened, "flex", _inputs(sharpened), weight)
+    pairs = [("out", fused_out, out)] + [(n, fused_grads[n], grads[n]) for n in grads]
+    err, label, index, scale = _worst(pairs)
+    what = label if label == "out" else f"d{label}" if " " not in label else f"d({label})"
+    where = f"{what}{' ' if label in ('out', 'q', 'k', 'v', 'x') else ''}{_where(label, index)}"
+    if err > TOLERANCE * scale:
+        return "sharpening", False, (f"the fused two-pass form disagrees with the sharpened reference (p=3): max |diff| "
+                                     f"{err:.1e} at {where} (tolerance {TOLERANCE:g})")
+    return "sharpening", True, (f"p=3: finite outputs and gradients; the fused two-pass form equals the sharpened "
+                                f"reference in float64 (forward and backward max |diff| {err:.1e} at {where})")
+
+
+def _worst(pairs):
+    """``(err, label, index, scale)`` of the largest scaled difference among ``(label, got, want)`` pairs."""
+    worst = (-1.0, "", None, 1.0)
+    for label, got, want in pairs:
+        err, index = _largest(got, want)
+        scale = max(1.0, float(want.abs().max()) if want.numel() else 1.0)
+        if err / scale > worst[0] / worst[3]:
+            worst = (err, label, index, scale)
+    return worst
+
+
+def _causality(spec: PluginSpec):
+    t = T // 2
+    forms = [("reference", "dense")] + ([("fused", "flex")] if spec.variant.fused_form else [])
+    leaks = []
+    for form, impl in forms:
+        for position in ("none", "alibi"):
+            s = spec.replace(position_bias=position)
+            inp = _inputs(s)
+            with torch.no_grad():
+                before = _out(s, impl, inp)
+                after = _out(s, impl, _future_changed(inp, t))
+            leak, index = _largest(after[..., : t + 1, :], before[..., : t + 1, :])
+            if leak > 1e-12:
+                leaks.append(f"the {form} form leaks the future: output {_where('out', index)} changes by {leak:.2g} "
+                             f"when the tokens after row {t} change (position {position})")
+                break
+    if leaks:
+        return "causality", False, "; ".join(leaks)
+    return "causality", True, (f"changing the tokens after row {t} (x, q, k, v) changes no earlier output of "
+                               f"{' or '.join(f for f, _ in forms)} (with and without ALiBi)")
+
+
+def _future_changed(inp: _Inputs, t: int) -> _Inputs:
+    """The same inputs with every token after row ``t`` changed (x, q, k and v)."""
+    gen = torch.Generator().manual_seed(7)
+    changed = copy.copy(inp)
+    for field, axis in (("q", -2), ("k", -2), ("v", -2), ("x", 1)):
+        tensor = getattr(inp, field).detach().clone()
+        future = tensor.narrow(axis, t + 1, tensor.shape[axis] - t - 1)
+        future += torch.randn(future.shape, generator=gen, dtype=tensor.dtype)
+        setattr(changed, field, tensor)
+    return changed
+
+
+def _bf16(spec: PluginSpec):
+    forms = [("reference", "dense")] + ([("fused", "flex")] if spec.variant.fused_form else [])
+    bad = []
+    for form, impl in forms:
+        inp = _inputs(spec, dtype=torch.float32, qkv_dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = _out(spec, impl, inp)
+        names, leaves = zip(*inp.leaves())
+        grads = torch.autograd.grad(out.float().square().sum(), leaves, allow_unused=True, materialize_grads=True)
+        if out.dtype != torch.bfloat16:
+            bad.append(f"the {form} output is {out.dtype}, not v's bf16")
+        if not torch.isfinite(out).all():
+            bad.append(f"the {form} output is not finite")
+        bad += [f"the {form} gradient of {n} is not finite" for n, g in zip(names, grads)
+                if not torch.isfinite(g).all()]
+    if bad:
+        return "bf16 autocast", False, "; ".join(bad)
+    return "bf16 autocast", True, f"finite outputs and gradients ({' and '.join(f for f, _ in forms)})"
+
+
+def _peak_bytes(spec: PluginSpec, impl: str, length: int) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    inp = _inputs(spec, dtype=torch.float32, length=length, batch=1)
+    tracker = MemTracker()
+    stand_in = flex_calls_as_kernels() if impl == "flex" else contextlib.nullcontext()
+    with stand_in, tracker:
+        out = _out(spec, impl, inp)
+        out.square().sum().backward()
+        del out
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+def _memory(spec: PluginSpec):
+    t1, t2 = MEMORY_LENGTHS
+    impl = "flex" if spec.variant.fused_form else "dense"
+    p1, p2 = _peak_bytes(spec, impl, t1), _peak_bytes(spec, impl, t2)
+    exponent = math.log(max(p2, 1) / max(p1, 1)) / math.log(t2 / t1)
+    figures = f"peak {p1 / 2**20:.2f} MiB at T={t1}, {p2 / 2**20:.2f} MiB at T={t2}: grows as T^{exponent:.2f}"
+    if impl == "dense":
+        return "memory", True, (f"reference only: training keeps O(T^2) per layer for the backward ({figures}); "
+                                "without gradients (evaluation) the platform runs it in row chunks, O(T x chunk)")
+    if exponent > MAX_MEMORY_EXPONENT:
+        return "memory", False, (f"the fused form's memory is not O(T): {figures} (a tensor of T x T somewhere in "
+                                 "prepare or the fused form?)")
+    kernel = " (FlexAttention counted as its CUDA kernel)" if spec.variant.log_score is not None else ""
+    return "memory", True, f"fused form O(T): {figures}{kernel}"
+
+
+def _lowering(spec: PluginSpec):
+    from attnlab.attention.inductor_proxy import lowered_training_graph
+
+    impl = "flex" if spec.variant.fused_form else "dense"
+    inp = _inputs(spec, dtype=torch.float32, length=LOWERING_LENGTH)
+    params, shape = inp.params, inp.shape
+
+    def step(q, k, v, x):
+        return attend(q, k, v, spec, impl=impl, state=prepare_state(spec, x, params, shape))
+
+    graphs, stops = lowered_training_graph(step, (inp.q, inp.k, inp.v, inp.x))
+    calls = stops.count("fw")
+    if spec.variant.log_score is not None:
+        if calls < 1 or stops.count("bw") != calls:
+            return "lowering", False, f"expected FlexAttention's forward and backward lowerings, saw {stops}"
+        return "lowering", True, (f"compiled training graph ({', '.join(graphs)}) through inductor up to the GPU: "
+                                  f"{calls} FlexAttention call(s), forward and backward")
+    what = "the fused function's" if impl == "flex" else "reference only: the dense reference's"
+    return "lowering", True, (f"{what} compiled training graph ({', '.join(graphs)}) lowered through inductor "
+                              "(CPU, up to code generation; no FlexAttention call)")
+
+
+def checked_names(loaded: LoadedPlugin, name: str | None) -> list[str]:
+    """The variants ``attention check`` looks at: ``name`` (from ``FILE:NAME``) or every variant of the plugin."""
+    if name is None:
+        return list(loaded.names)
+    get_variant(name)
+    return [name]
