@@ -550,6 +550,10 @@ def _check_size(target: str, files: dict) -> None:
 
 
 _LOADED: dict[str, LoadedPlugin] = {}  # by sha256
+# The plugins this process loaded because its user asked (load_plugin, load_source: --plugin, a study's plugins:),
+# by sha256. A plugin loaded from what a config or a run recorded (load_recorded) is not pinned: in a Ray worker
+# that served another run before, a recorded version replaces another recorded version of the same variant.
+_PINNED: set[str] = set()
 
 
 def load_plugin(ref: str) -> LoadedPlugin:
@@ -566,11 +570,36 @@ def load_plugin(ref: str) -> LoadedPlugin:
 def load_source(source: PluginSource) -> LoadedPlugin:
     """Run a plugin from its bytes (never its files) and register its variants; loading the same source again
     returns the same :class:`LoadedPlugin`. A bad plugin raises :class:`PluginError` in one line: a syntax or
-    import error (its file and line), a malformed ``Variant``, no ``VARIANTS``, a name collision."""
+    import error (its file and line), a malformed ``Variant``, no ``VARIANTS``, a name collision (with a built-in,
+    or with another plugin this process loaded the same way)."""
+    return _load(source, pin=True)
+
+
+def load_recorded(source: PluginSource, holder: str) -> LoadedPlugin:
+    """Load the plugin that ``holder`` (a training config, a run, a checkpoint) records: the bytes its weights were
+    trained with. Refused in one line naming both hashes when this process was asked for another version of one of
+    its variants (:func:`load_plugin`, ``--plugin``, a study's ``plugins:``); another recorded version (a Ray worker
+    that served another run before) is replaced."""
+    return _load(source, pin=False, holder=holder)
+
+
+def loaded_plugins() -> list[LoadedPlugin]:
+    """Every plugin loaded in this process, in loading order."""
+    return list(_LOADED.values())
+
+
+def _load(source: PluginSource, pin: bool, holder: str | None = None) -> LoadedPlugin:
     if not isinstance(source, PluginSource):
         raise PluginError(f"load_source needs a PluginSource (read_source(ref)), got {type(source).__name__}")
     if source.sha256 in _LOADED:
+        if pin:
+            _PINNED.add(source.sha256)
         return _LOADED[source.sha256]
+    if source.kind == "module":  # one version of a package per process: a recorded other version gives way
+        finder = _FINDERS.get(source.entry.split(".")[0])
+        if finder is not None and finder.source.sha256 != source.sha256 and (
+                not pin or finder.source.sha256 not in _PINNED):  # a pinned one: _install_finder refuses
+            _give_way(source, finder.source, pin, holder, f"package {finder.source.entry.split('.')[0]!r}")
     module = _execute(source)
     declared = getattr(module, "VARIANTS", None)
     where = f"plugin {source.origin}"
@@ -586,19 +615,35 @@ def load_source(source: PluginSource) -> LoadedPlugin:
         if name in builtin:
             raise PluginError(f"{where}: variant {name!r} collides with the built-in variant {name!r} "
                               "(attnlab.attention.variants): rename it")
-        other = plugin_spec(name)
-        if other is not None:
-            raise PluginError(f"{where}: variant {name!r} collides with {name!r} loaded from {other.origin} "
-                              f"(source {other.sha256[:12]}): rename one of them")
         if any(spec.name == name for spec in specs):
             raise PluginError(f"{where} defines variant {name!r} twice: give each variant its own name")
         specs.append(PluginSpec(name=name, variant=variant, origin=source.origin, sha256=source.sha256,
                                 source=source))
     for spec in specs:
+        other = plugin_spec(spec.name)
+        if other is not None:
+            _give_way(source, other.source, pin, holder, repr(spec.name))
+    for spec in specs:
         register_plugin_spec(spec)
     loaded = LoadedPlugin(source, tuple(specs))
     _LOADED[source.sha256] = loaded
+    if pin:
+        _PINNED.add(source.sha256)
     return loaded
+
+
+def _give_way(source: PluginSource, other: PluginSource, pin: bool, holder: str | None, what: str) -> None:
+    """``other`` already defines ``what`` in this process: unload it when it was loaded from a record (not pinned),
+    else refuse in one line (a collision for a plugin the user asked for, a mismatch for a recorded one)."""
+    if other.sha256 not in _PINNED:
+        unload_plugin(_LOADED.get(other.sha256) or LoadedPlugin(other, ()))
+        return
+    if pin:
+        raise PluginError(f"plugin {source.origin}: variant {what} collides with {what} loaded from {other.origin} "
+                          f"(source {other.short_hash}): rename one of them")
+    raise PluginError(f"{holder} records plugin {source.origin} (sha256 {source.short_hash}), but this process loaded "
+                      f"{what} from {other.origin} (sha256 {other.short_hash}) (--plugin or load_plugin): use a run "
+                      "with the plugin it was trained with, or leave --plugin out (a run records its plugin's source)")
 
 
 def unload_plugin(loaded: LoadedPlugin) -> None:
@@ -609,6 +654,7 @@ def unload_plugin(loaded: LoadedPlugin) -> None:
         if registered is not None and registered.sha256 == loaded.source.sha256:
             unregister_plugin_spec(name)
     _LOADED.pop(loaded.source.sha256, None)
+    _PINNED.discard(loaded.source.sha256)
     source = loaded.source
     if source.kind == "file":
         sys.modules.pop(_file_module_name(source), None)
@@ -624,7 +670,7 @@ def unload_plugin(loaded: LoadedPlugin) -> None:
 
 def spec_from_source(source: PluginSource, name: str, p=None, position_bias: str = "none") -> PluginSpec:
     """The spec ``name`` of a plugin given by its source (loaded first if needed): how a pickled spec comes back."""
-    load_source(source)
+    load_recorded(source, holder=f"attention {name!r} (a pickled spec)")
     return get_variant(name, p=p, position_bias=position_bias)
 
 
@@ -731,5 +777,6 @@ def _install_finder(source: PluginSource) -> None:
 
 
 __all__ = ["Context", "FIELDS", "LoadedPlugin", "PluginError", "PluginSource", "PluginState", "Rows", "Shape",
-           "Variant", "attend_plugin", "build_params", "flex_calls_as_kernels", "load_plugin", "load_source",
+           "Variant", "attend_plugin", "build_params", "flex_calls_as_kernels", "load_plugin", "load_recorded",
+           "load_source", "loaded_plugins",
            "parse_ref", "prepare_state", "read_source", "reference_weights", "spec_from_source", "unload_plugin"]

@@ -25,6 +25,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a checkpoint folder, or a run folder (its latest checkpoint); a path or an s3://, gs:// URI")
     p.add_argument("--data", help="prepared data folder (default: the checkpoint's training data)")
+    p.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
+                   help="an attention plugin to load first, repeatable; not needed for a run trained by attnlab "
+                   "(it records its plugin's source), and refused when its bytes differ from those the run records")
     p.add_argument("--lengths", help="comma-separated eval lengths, e.g. 1024,2048 or 1k,2k "
                    "(default: --multiples x the training length)")
     p.add_argument("--multiples", default=None,
@@ -173,6 +176,10 @@ def _eval(args) -> int:
 
     if args.format not in ("markdown", "csv"):
         raise UserError(f"--format {args.format!r} is not allowed: use markdown or csv")
+    from attnlab.attention import load_plugin
+
+    for ref in args.plugin or []:
+        load_plugin(ref)
     config = eval_config_from_args(args)
     context = {}
     if args.study:

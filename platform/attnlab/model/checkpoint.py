@@ -133,13 +133,20 @@ def local_checkpoint(path: str | Path | Location) -> Iterator[Path]:
 def load_model(path: str | Path | Location, device="cpu"):
     """``(model, train_config_dict, meta)`` from a checkpoint or a run folder's latest checkpoint.
 
-    ``meta``: ``{"step", "checkpoint"}`` (the checkpoint's canonical location, a path or a URI).
+    ``meta``: ``{"step", "checkpoint"}`` (the checkpoint's canonical location, a path or a URI). A model whose
+    attention is a plugin's runs the plugin's bytes its training config recorded (``plugin``:
+    docs/plugins.md#plugins-in-training-and-studies); another version loaded in this process is refused.
     """
     from attnlab.model import build_model, config_from_dict
 
     loc = find_latest_checkpoint(path)
     with local_checkpoint(loc) as directory:
         state = load_state(directory)
+    recorded = (state.get("config") or {}).get("plugin")
+    if recorded:
+        from attnlab.attention.plugin import PluginSource, load_recorded
+
+        load_recorded(PluginSource.from_dict(recorded), holder=f"checkpoint {loc.uri}")
     model = build_model(config_from_dict(state["gpt_config"])).to(device)
     model.load_state_dict(state["model"])
     model.eval()

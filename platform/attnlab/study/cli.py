@@ -40,6 +40,9 @@ def add_parser(subparsers) -> None:
     run.add_argument("--verbose", action="store_true",
                      help="show Ray's and Tune's own output here (default: a log file, whose path is printed, and a "
                      "line per trial change)")
+    add_plugin_argument(run)
+    run.add_argument("--plugin-bundle", metavar="MODULE", help="the plugins' sources shipped as a package on the "
+                     "job's path (set by `attnlab study submit`: the job reads no plugin file)")
     run.set_defaults(func=_run)
 
     val = sub.add_parser("validate", help="check a study file and print its trials and resources",
@@ -49,6 +52,7 @@ def add_parser(subparsers) -> None:
     val.add_argument("--cluster", metavar="CLUSTER.yaml",
                      help="also check the resources fit this cluster config (a local train.data folder is then "
                      "taken to be the cluster's, and not looked for here)")
+    add_plugin_argument(val)
     val.set_defaults(func=_validate)
 
     from attnlab.study.submit import add_submit_parser
@@ -56,11 +60,22 @@ def add_parser(subparsers) -> None:
     add_submit_parser(sub)
 
 
+def add_plugin_argument(parser) -> None:
+    parser.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
+                        help="an attention plugin (a .py file or an importable module) added to the study's plugins:, "
+                        "repeatable (docs/plugins.md#plugins-in-studies)")
+
+
 def _run(args: argparse.Namespace) -> int:
     from attnlab.study.runner import run_study
     from attnlab.study.spec import load_spec
 
-    spec = load_spec(args.study)
+    bundle = None
+    if args.plugin_bundle:
+        from attnlab.study.submit import read_bundle
+
+        bundle = read_bundle(args.plugin_bundle)
+    spec = load_spec(args.study, plugins=args.plugin or (), bundle=bundle)
     resume = True if args.resume else (False if args.fresh else None)
     summary = run_study(spec, store=args.store, runs=args.runs, resume=resume, curves_dir=args.curves,
                         verbose=1 if args.verbose else 0, quiet=not args.verbose)
@@ -71,7 +86,7 @@ def _validate(args: argparse.Namespace) -> int:
     from attnlab.study.spec import load_spec
 
     for path in args.study:
-        spec = load_spec(path)
+        spec = load_spec(path, plugins=args.plugin or ())
         notes = []
         if not args.cluster:  # a trial would fail on it: the prepared folder must be where the study runs
             from attnlab.data.source import check_prepared

@@ -166,10 +166,23 @@ def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> boo
         return False
     saved = state.saved_study()
     if exists and saved and saved.fingerprint != spec.search_fingerprint():
+        _refuse_changed_plugins(spec, saved, exp.uri)
         raise UserError(f"study {spec.name!r}: its search (train, space, search, objective, scheduler or resources) "
                         f"changed since its Tune state at {exp.uri} was written; run with --fresh to start a new "
                         "search (finished training runs and stored cells are reused) or rename the study")
     return exists
+
+
+def _refuse_changed_plugins(spec: StudySpec, saved, where: str) -> None:
+    """A resumed search whose plugins' bytes changed: say which, in one line (docs/plugins.md#plugins-in-studies)."""
+    before = {p.get("origin"): p.get("sha256") for p in saved.spec.get("plugins") or [] if isinstance(p, dict)}
+    changed = [(origin, before[origin], sha) for origin, sha in spec.plugin_hashes().items()
+               if origin in before and before[origin] != sha]
+    if changed:
+        origin, old, new = changed[0]
+        raise UserError(f"study {spec.name!r}: plugin {origin} changed since its Tune state at {where} was written "
+                        f"(sha256 {str(old)[:12]} -> {new[:12]}); run with --fresh: its variants train again with the "
+                        "new code, every other finished run and stored cell is reused")
 
 
 def study_plan(spec: StudySpec, dashboard=None) -> str:

@@ -45,7 +45,8 @@ NAMED_AXES = ("attention", "scale", "p_train", "seeds")
 # Training fields a search axis may not set: the named axes' own, the data and model blocks, and how a run is
 # executed (RUN_SETTINGS: they do not change the weights).
 NOT_SEARCHED = {"preset": "train.preset", "model": "model.<field> axes", "data": "train.data",
-                "seed": "space.seeds", "attention": "space.attention", **{k: f"train.{k}" for k in RUN_SETTINGS}}
+                "seed": "space.seeds", "attention": "space.attention", "plugin": "the study's plugins:",
+                **{k: f"train.{k}" for k in RUN_SETTINGS}}
 MODEL_NOT_SEARCHED = ("attention", "p_train", "scale", "train_len", "attn_impl", "vocab_size")
 # A grid up to this many points is checked point by point; a larger one axis by axis.
 MAX_CHECKED_GRID = 4096

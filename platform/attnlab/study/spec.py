@@ -12,12 +12,15 @@ The search space (the ``space:`` block's axes, the points they make and each poi
 :mod:`attnlab.study.space`'s: :meth:`StudySpec.search_space` hands it the study's ``train``, ``space`` and
 ``search``, and validation asks it whether every point makes a valid training config.
 
-Never imports Ray or Optuna, never touches the network or the file system beyond reading the YAML file: its
+Never imports Ray or Optuna, never touches the network or the file system beyond reading the YAML file and its
+plugins (run by :mod:`attnlab.attention.plugin`, which registers their variants): its
 validators open no data (``train.data`` is checked from its text alone, :func:`attnlab.data.source.check_data`).
 
 Shape (``name`` and ``train.preset`` / ``train.data`` required)::
 
     name: smoke                       # letters, digits and . _ + - (it names folders)
+    plugins: [plugins/fox.py, mylab.attention]   # attention plugins: .py paths (relative to the working directory,
+                                      # as every path of a study) or module names; their variants join the registry
     train:                            # a TrainConfig: every trial's training config before its point is applied
       preset: tiny
       data: demo                      # demo | a prepared folder (path or s3://, gs:// URI) | {synthetic: TASK, ...}
@@ -47,6 +50,11 @@ high[, log][, step]}`` is a choice or a range (int range when both bounds are in
 (elsewhere the field keeps its ``train`` value). RoPE scaling and p_eval are not searched: every trial is
 evaluated with all of ``eval``'s settings.
 
+Plugins (docs/plugins.md#plugins-in-studies) are read into their sources (bytes and sha256) and loaded before the
+rest of the study is validated (``space.attention`` may then name their variants); the sources travel with the
+spec, and each trial's training config carries the one its attention comes from. A relative path is relative to
+the working directory; one that exists only next to the study file, or differently in both places, is refused.
+
 Objective syntax: ``METRIC@AT[,p_eval=P][,rope=R]`` where ``AT`` is a multiple of the training length (``16x``)
 or a length in tokens (``1024``, ``16k``); ``p_eval`` defaults to ``none`` (as trained) and ``rope`` to the
 first ``eval.rope_scaling``. A list entry may be ``{metric: ..., mode: min|max}``; the mode defaults to the
@@ -63,8 +71,10 @@ from typing import Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, InstanceOf, PrivateAttr, field_serializer, field_validator,
+                      model_validator)
 
+from attnlab.attention.plugin import PluginError, PluginSource, load_recorded, load_source, parse_ref, read_source
 from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalConfig
 from attnlab.names import (
@@ -216,6 +226,8 @@ def parse_objective(text: str) -> dict:
 class StudySpec(_Strict):
     name: str
     description: str = ""
+    # Attention plugins (read into their sources by load_spec; validated and loaded before train and space).
+    plugins: list[InstanceOf[PluginSource]] = Field(default_factory=list)
     train: TrainConfig
     eval: EvalConfig = Field(default_factory=EvalConfig)
     resources: Resources = Field(default_factory=Resources)
@@ -245,6 +257,28 @@ class StudySpec(_Strict):
                     if f"{block}.{key}" in _MOVED:
                         raise ValueError(f"{block}.{key}: {_MOVED[f'{block}.{key}']}")
         return data
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _plugin_sources(cls, value):
+        """Paths or module names (read here, relative to the working directory), recorded sources
+        (``PluginSource.to_dict``) or sources; each is loaded, so the fields after it may name its variants."""
+        if value is None:
+            return []
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{value!r:.80} is not allowed: give a list of .py paths or module names, e.g. "
+                             "[plugins/fox.py]")
+        try:
+            sources = [_source_of(item, i) for i, item in enumerate(value)]
+            for source in sources:
+                load_source(source)
+        except (UserError, KeyError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
+        return sources
+
+    @field_serializer("plugins")
+    def _plugin_records(self, value):
+        return [source.to_dict() for source in value]
 
     @field_validator("name")
     @classmethod
@@ -380,9 +414,23 @@ class StudySpec(_Strict):
 
     def search_fingerprint(self) -> str:
         """A hash of what defines the search (not the evaluation): a resumed Tune experiment must search the
-        same space. Evaluation settings may change between runs: new cells are evaluated, nothing retrains."""
-        blob = self.model_dump(mode="json", exclude={"eval", "description", "store"})
+        same space. Evaluation settings may change between runs: new cells are evaluated, nothing retrains. Plugins
+        count by their bytes (an edited plugin is a changed search; a moved one is not); a study without plugins
+        hashes as before they existed."""
+        blob = self.model_dump(mode="json", exclude={"eval", "description", "store", "plugins"})
+        blob["train"].pop("plugin", None)  # a plugin's bytes count once, below
+        if self.plugins:
+            blob["plugins"] = self.plugin_hashes()
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+    def plugin_hashes(self) -> dict[str, str]:
+        """``{origin: sha256}`` of the study's plugins."""
+        return {source.origin: source.sha256 for source in self.plugins}
+
+    def load_plugins(self) -> None:
+        """Load the study's plugins from the bytes the spec carries (a Tune trial's process: it reads no file)."""
+        for source in self.plugins:
+            load_recorded(source, holder=f"study {self.name}")
 
     def describe(self) -> str:
         """A few lines for ``attnlab study validate``."""
@@ -403,16 +451,24 @@ class StudySpec(_Strict):
             f"resources per trial: {req['CPU']:g} CPU, {req['GPU']:g} GPU ({t.workers} worker(s)); at most "
             f"{self.resources.max_concurrent_trials} trial(s) at once",
         ]
+        if self.plugins:
+            lines.insert(1, "plugins: " + ", ".join(f"{source.origin} (sha256 {source.short_hash})"
+                                                    for source in self.plugins))
         return "\n".join(lines)
 
 
-def load_spec(source: str | Path | dict) -> StudySpec:
-    """Load a study from a YAML file (or an already-parsed mapping). Every error is one ``UserError`` line."""
-    where = "study"
+def load_spec(source: str | Path | dict, plugins: list[str] | tuple = (), bundle: dict | None = None) -> StudySpec:
+    """Load a study from a YAML file (or an already-parsed mapping). Every error is one ``UserError`` line.
+
+    ``plugins``: more plugin paths or module names (``--plugin``), after the study's own ``plugins:``. ``bundle``:
+    ``{path or module name as written: PluginSource}`` read elsewhere (``attnlab study submit`` ships them to the
+    job's driver, which then reads no plugin file)."""
+    where, folder = "study", None
     if isinstance(source, dict):
         data = source
     else:
         path = Path(source)
+        folder = path.parent
         where = str(path)
         if not path.is_file():
             raise UserError(f"{path}: no such study file")
@@ -427,6 +483,14 @@ def load_spec(source: str | Path | dict) -> StudySpec:
             raise UserError(f"{path}: not a UTF-8 text file") from None
     if not isinstance(data, dict):
         raise UserError(f"{where}: a study must be a YAML mapping with at least `name:`")
+    refs = data.get("plugins") or []
+    if isinstance(refs, (list, tuple)) and all(isinstance(r, str) for r in refs) and (refs or plugins):
+        try:  # read here: the study's folder is known (ambiguous relative paths are refused)
+            data = {**data, "plugins": read_plugins([*refs, *plugins], folder, bundle)}
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
+    elif plugins:
+        raise UserError(f"{where}: plugins: must be a list of .py paths or module names to add --plugin to")
     try:
         return StudySpec.model_validate(data)
     except pydantic.ValidationError as exc:
@@ -435,11 +499,59 @@ def load_spec(source: str | Path | dict) -> StudySpec:
         raise UserError(f"{where}: {exc}") from None
 
 
+def read_plugins(refs: list[str], folder: Path | None = None, bundle: dict | None = None) -> list[PluginSource]:
+    """Each plugin path or module name read into its source and loaded (a ``:NAME`` must be one of its variants).
+    ``bundle`` supplies sources by the path or name as written. A relative path is relative to the working
+    directory; with the study's ``folder``, one found only next to the study, or different there, is refused."""
+    out = []
+    for i, ref in enumerate(refs):
+        target, name = parse_ref(ref) if isinstance(ref, str) else (ref, None)
+        if bundle is not None and target in bundle:
+            source = bundle[target]
+        else:
+            _refuse_ambiguous(target, folder, i)
+            source = read_source(ref)
+        loaded = load_source(source)
+        if name is not None and name not in loaded.names:
+            raise PluginError(f"plugins[{i}]: plugin {target} has no variant {name!r}: it defines "
+                              f"{', '.join(loaded.names)}")
+        out.append(source)
+    return out
+
+
+def _refuse_ambiguous(target: str, folder: Path | None, i: int) -> None:
+    """A relative plugin path is the working directory's; refuse one that is only, or differently, next to the
+    study file."""
+    if folder is None or not (target.endswith(".py") or "/" in target) or Path(target).is_absolute():
+        return
+    here, there = Path(target), folder / target
+    if not there.is_file() or (here.is_file() and here.resolve() == there.resolve()):
+        return
+    if not here.is_file():
+        raise UserError(f"plugins[{i}]: {target} is not in the working directory {Path.cwd()} (paths in a study are "
+                        f"relative to it, as train.data); it is next to the study as {there}: write {there}")
+    if here.read_bytes() != there.read_bytes():
+        raise UserError(f"plugins[{i}]: {target} is ambiguous: {here.resolve()} (the working directory's, which a "
+                        f"relative path means) and {there.resolve()} (next to the study) differ; write the path of the "
+                        "one you mean from the working directory, or an absolute path")
+
+
+def _source_of(item, i: int) -> PluginSource:
+    """A plugins entry as a source: a path or module name (read), a recorded source (``to_dict``) or a source."""
+    if isinstance(item, str):
+        return read_source(item)
+    if isinstance(item, dict):
+        return PluginSource.from_dict(item)
+    if isinstance(item, PluginSource):
+        return item
+    raise UserError(f"plugins[{i}]={item!r:.60} is not allowed: give a .py path or a module name")
+
+
 def _one_line(exc: pydantic.ValidationError) -> str:
     """``describe`` without pydantic's "Value error, " noise, and a field-less error said plainly."""
     text = describe(exc).replace("Value error, ", "").replace("Assertion failed, ", "")
     return text[2:] if text.startswith(": ") else text
 
 
-__all__ = ["Axis", "Objective", "Resources", "Scheduler", "Search", "Space", "StudySpec", "load_spec",
+__all__ = ["Axis", "Objective", "Resources", "Scheduler", "Search", "Space", "StudySpec", "load_spec", "read_plugins",
            "parse_objective"]

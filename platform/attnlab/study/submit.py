@@ -5,6 +5,12 @@ git folders), submits ``attnlab study run STUDY.yaml ...`` with ``JobSubmissionC
 log command and the dashboard URL, and (unless ``--no-wait``) follows the job's log until it ends. The study is
 validated, and with ``--cluster`` its resources are checked against a cluster config, before anything is sent.
 
+The study's plugins (its ``plugins:`` and ``--plugin``) are read here, once, and shipped with the job as a small
+package in ``runtime_env.py_modules`` (:func:`write_bundle`: their sources by the path or module name as written);
+the job's driver loads them from it (``study run --plugin-bundle``), so a plugin outside the working directory,
+or one edited or deleted after submitting, runs as it was when submitted, and nothing reads a plugin file on the
+cluster. Each trial's training config then carries its plugin's bytes to the workers.
+
 The job's driver resolves ``attnlab`` from the PATH the head was started with (activate the venv before
 ``ray start``). Only the Jobs SDK is used here: no Tune, no training.
 """
@@ -12,9 +18,14 @@ The job's driver resolves ``attnlab`` from the PATH the head was started with (a
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.util
+import json
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +34,8 @@ from attnlab.errors import UserError
 PACKAGE_EXCLUDES = [".venv", "venv", "runs", "results", "data", ".git", "*.egg-info", "__pycache__",
                     ".pytest_cache", "*.db", "outputs"]
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+BUNDLE_PREFIX = "attnlab_job_plugins_"  # the package a job's plugin sources travel in
+BUNDLE_FILE = "sources.json"
 
 
 def add_submit_parser(sub) -> None:
@@ -41,27 +54,62 @@ def add_submit_parser(sub) -> None:
     p.add_argument("--working-dir", default=".", help="the folder to upload (default: the current folder)")
     p.add_argument("--submission-id", help="a job id to use (must be unique on the cluster)")
     p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the log")
+    p.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
+                   help="an attention plugin added to the study's plugins:, repeatable; read here and shipped with "
+                   "the job (it may live outside the working directory)")
     p.set_defaults(func=_submit)
 
 
-def entrypoint(study: str, store: str | None = None, runs: str | None = None) -> str:
+def entrypoint(study: str, store: str | None = None, runs: str | None = None, plugins: list[str] | tuple = (),
+               bundle: str | None = None) -> str:
     """The job's command line."""
     parts = ["attnlab", "study", "run", study]
     if store:
         parts += ["--store", store]
     if runs:
         parts += ["--runs", runs]
+    for ref in plugins:
+        parts += ["--plugin", ref]
+    if bundle:
+        parts += ["--plugin-bundle", bundle]
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def write_bundle(sources: list, folder: str | Path) -> Path:
+    """The package ``attnlab_job_plugins_<hash>/`` in ``folder`` holding ``sources`` (PluginSource) as JSON, keyed by
+    their origin (the path or module name as written); returns its path (for ``runtime_env.py_modules``)."""
+    records = {source.origin: source.to_dict() for source in sources}
+    digest = hashlib.sha256(json.dumps(sorted((k, v["sha256"]) for k, v in records.items())).encode()).hexdigest()
+    package = Path(folder) / f"{BUNDLE_PREFIX}{digest[:16]}"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('"""The attention plugins of an attnlab study job (attnlab.study.submit)."""\n')
+    (package / BUNDLE_FILE).write_text(json.dumps(records))
+    return package
+
+
+def read_bundle(name: str) -> dict:
+    """``{origin: PluginSource}`` from the package ``name`` on this process's path (:func:`write_bundle`'s)."""
+    from attnlab.attention.plugin import PluginSource
+
+    if not name.startswith(BUNDLE_PREFIX) or not name.isidentifier():
+        raise UserError(f"--plugin-bundle {name!r} is not a plugin bundle (set by `attnlab study submit`)")
+    found = importlib.util.find_spec(name)
+    if found is None or not found.submodule_search_locations:
+        raise UserError(f"--plugin-bundle {name!r} is not on this process's path (runtime_env py_modules of "
+                        "`attnlab study submit`)")
+    path = Path(list(found.submodule_search_locations)[0]) / BUNDLE_FILE
+    return {origin: PluginSource.from_dict(record) for origin, record in json.loads(path.read_text()).items()}
+
+
 def submit_study(study: str, address: str, *, working_dir: str = ".", store: str | None = None,
-                 runs: str | None = None, cluster: str | None = None, submission_id: str | None = None) -> str:
+                 runs: str | None = None, cluster: str | None = None, submission_id: str | None = None,
+                 plugins: list[str] | tuple = ()) -> str:
     """Validate, package and submit; returns the job id."""
     from attnlab.study.spec import load_spec
 
     if not address:
         raise UserError("--address is required (the head's dashboard, e.g. http://127.0.0.1:8265), or set RAY_ADDRESS")
-    spec = load_spec(study)
+    spec = load_spec(study, plugins=plugins)
     if cluster:
         from attnlab.study.fit import check_study_fits
 
@@ -88,15 +136,25 @@ def submit_study(study: str, address: str, *, working_dir: str = ".", store: str
     env_vars = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE",
                                            "TIKTOKEN_CACHE_DIR") if k in os.environ}
     env_vars.update(forwarded_env())  # ATTNLAB_* (storage prefix, cache) and the object store's AWS_*/GOOGLE_*
-    return client.submit_job(
-        entrypoint=entrypoint(rel.as_posix(), store, runs),
-        runtime_env={"working_dir": str(wd), "excludes": PACKAGE_EXCLUDES, "env_vars": env_vars},
-        submission_id=submission_id, metadata={"study": spec.name}, entrypoint_num_cpus=0)
+    runtime_env = {"working_dir": str(wd), "excludes": PACKAGE_EXCLUDES, "env_vars": env_vars}
+    folder = tempfile.mkdtemp(prefix="attnlab-submit-")
+    try:
+        bundle = None
+        if spec.plugins:  # uploaded by submit_job: what the job runs is these bytes, whatever happens to the files
+            bundle = write_bundle(spec.plugins, folder)
+            runtime_env["py_modules"] = [str(bundle)]
+        return client.submit_job(
+            entrypoint=entrypoint(rel.as_posix(), store, runs, plugins, bundle.name if bundle else None),
+            runtime_env=runtime_env, submission_id=submission_id, metadata={"study": spec.name},
+            entrypoint_num_cpus=0)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _submit(args: argparse.Namespace) -> int:
     job_id = submit_study(args.study, args.address, working_dir=args.working_dir, store=args.store,
-                          runs=args.runs, cluster=args.cluster, submission_id=args.submission_id)
+                          runs=args.runs, cluster=args.cluster, submission_id=args.submission_id,
+                          plugins=args.plugin or ())
     address = args.address.rstrip("/")
     print(f"job id: {job_id}")
     print(f"logs:   ray job logs --address {address} {job_id} -f")

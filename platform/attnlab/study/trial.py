@@ -298,6 +298,7 @@ def study_trial(config: dict, context: StudyContext) -> None:
 
     os.environ.update(context.env)
     spec, state = context.spec, context.state
+    spec.load_plugins()  # from the bytes the spec carries: this process reads no plugin file
     point = point_of(config)
     plan = plan_trial(context, point)
     status = {"point": point, "trial": tune.get_context().get_trial_name(), "run_dir": plan.run.uri,
@@ -343,9 +344,13 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
     from attnlab.runfolder import outcome
 
     pending = []
+    current = set(ctx.spec.plugin_hashes().values())
     for record in ctx.state.statuses():
         if record.get("status") not in ("complete", "cached", "diverged") or not record.get("config"):
             continue
+        plugin = record["config"].get("plugin") or {}
+        if plugin and plugin.get("sha256") not in current:
+            continue  # a run of a plugin's earlier code: the study's variant is now other bytes (another key)
         cfg = TrainConfig.model_validate(record["config"])  # the config as the trial recorded it
         plan = plan_trial(ctx, record.get("point") or {}, cfg=cfg)
         stored = ctx.store.stored_eval_keys(ctx.spec.name, plan.train_key)

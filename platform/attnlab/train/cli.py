@@ -36,7 +36,10 @@ def add_parser(subparsers) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="a YAML file of training config fields (see attnlab.train.TrainConfig)")
     src.add_argument("--preset", help="a model preset: gpt2-small, gpt2-medium, gpt2-45m, tiny, tiny-4l")
-    p.add_argument("--attention", help="attention variant name (e.g. softmax, lssa, lssar)")
+    p.add_argument("--attention", help="attention variant name (e.g. softmax, lssa, lssar, or a plugin's variant)")
+    p.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
+                   help="an attention plugin (a .py file or an importable module) whose variants --attention may "
+                   "name, repeatable; its source travels with the run (docs/plugins.md)")
     p.add_argument("--p-train", help="sharpening in training: default (the variant's own: 15 for lssar), off, or a "
                    "number >= 1")
     p.add_argument("--scale", help="scale factor: inv_sqrt_d, log_n, logd_logn or '<coef>*log_n'")
@@ -70,6 +73,7 @@ def _micro_batch(text: str) -> int | str:
 def run(args: argparse.Namespace) -> int:
     from attnlab.train.config import load_train_config
 
+    load_plugins(args.plugin)  # a bad plugin: one line, before anything is read or written
     data = {}
     if args.config:
         path = Path(args.config)
@@ -126,6 +130,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"failure: {result.failure}")
         return 1
     return 0
+
+
+def load_plugins(refs: list[str] | None) -> None:
+    """Load each ``--plugin`` (docs/plugins.md): its variants join the registry for this command."""
+    from attnlab.attention import load_plugin
+
+    for ref in refs or []:
+        load_plugin(ref)
 
 
 def _open_checked(cfg):

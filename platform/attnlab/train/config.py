@@ -32,11 +32,13 @@ import math
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, field_serializer, field_validator, model_validator
 
 from attnlab.errors import UserError
 from attnlab.attention import Backend, get_variant
-from attnlab.attention.spec import P_TRAIN_DEFAULT, parse_p_train
+from attnlab.attention.plugin import PluginError, PluginSource, load_recorded
+from attnlab.attention.spec import P_TRAIN_DEFAULT, PluginSpec, parse_p_train
+from attnlab.attention.variants import plugin_spec
 from attnlab.model import PRESETS, GPTConfig, preset, with_kind
 from attnlab.names import GPT2_VOCAB
 from attnlab.validation import parse
@@ -134,6 +136,10 @@ class TrainConfig(BaseModel):
     preset: str = "gpt2-small"
     model: dict[str, Any] = Field(default_factory=dict)  # overrides of the preset (n_layer, n_embd, ...)
     attention: str | None = None  # None: the preset's (softmax)
+    # The source (file bytes and sha256) of the plugin that defines `attention`, filled in from the loaded plugin
+    # (docs/plugins.md#plugins-in-training-and-studies); None for a built-in variant. It travels with the config
+    # (Ray workers, checkpoints, provenance), so every process runs the bytes the run was keyed by.
+    plugin: InstanceOf[PluginSource] | None = None
     # default: the variant's own sharpening (lssar: p = 15); off (or none): no sharpening; or a number >= 1
     p_train: float | str | None = P_TRAIN_DEFAULT
     scale: str | float | None = None  # None: the variant's own scale
@@ -205,6 +211,27 @@ class TrainConfig(BaseModel):
         except pydantic.ValidationError as exc:  # the rule's own one-line message, not pydantic's wrapping
             raise ValueError(exc.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")) from None
 
+    @field_validator("plugin", mode="before")
+    @classmethod
+    def _plugin_source(cls, value):
+        """A recorded source (``PluginSource.to_dict``) or the object; a path or module name is the study's
+        ``plugins:`` or ``--plugin``, never this field."""
+        if value is None or isinstance(value, PluginSource):
+            return value
+        if isinstance(value, dict):
+            try:
+                return PluginSource.from_dict(value)
+            except (KeyError, TypeError, AttributeError, UnicodeError) as exc:
+                raise ValueError(f"is not a recorded plugin source ({type(exc).__name__}: {exc})") from None
+            except PluginError as exc:
+                raise ValueError(str(exc)) from None
+        raise ValueError(f"{value!r:.80} is not allowed: the plugin is filled in from the one that defines attention; "
+                         "load it with --plugin FILE_OR_MODULE (a study: plugins: [...])")
+
+    @field_serializer("plugin")
+    def _plugin_record(self, value):
+        return None if value is None else value.to_dict()
+
     @field_validator("micro_batch", mode="before")
     @classmethod
     def _micro_batch(cls, value):
@@ -273,13 +300,29 @@ class TrainConfig(BaseModel):
             raise ValueError(f"tokens_per_step={self.tokens_per_step} is not a multiple of seq_len={self.seq_length}")
         return self
 
+    @model_validator(mode="after")
+    def _attention_plugin(self) -> "TrainConfig":
+        """``plugin`` is the source of the plugin ``attention`` comes from: filled in from the loaded plugin, and
+        refused next to a built-in variant."""
+        registered = plugin_spec(self.attention) if self.attention else None
+        if registered is None:
+            if self.plugin is not None:
+                raise ValueError(f"plugin {self.plugin.origin} is given but attention={self.attention!r} is not one of "
+                                 "its variants: leave plugin out (it is filled in for a plugin's variant)")
+        elif self.plugin is None:
+            object.__setattr__(self, "plugin", registered.source)
+        return self
+
     @property
     def seq_length(self) -> int:
         return self.seq_len or PRESETS[self.preset]["train_len"]
 
     def gpt_config(self, vocab_size: int | None = None, kind: str = "gpt") -> GPTConfig:
         """The model config: the preset, its overrides, the attention choice, and the data's vocabulary; ``kind``
-        is the data's model kind (``attnlab.data.source.model_kind``: ``orbit`` for coordinate tokens)."""
+        is the data's model kind (``attnlab.data.source.model_kind``: ``orbit`` for coordinate tokens). A config
+        whose attention is a plugin's loads that plugin's recorded bytes first (in a Ray worker: the only copy)."""
+        if self.plugin is not None:
+            load_recorded(self.plugin, holder=f"the training config of attention {self.attention!r}")
         overrides = dict(self.model)
         if self.attention is not None:
             overrides["attention"] = self.attention
@@ -408,6 +451,8 @@ class TrainConfig(BaseModel):
         gpt = self.gpt_config()
         variant = gpt.attention_spec()
         attention = variant.name + ("" if variant.p is None else f" (p={variant.p:g})")
+        if isinstance(variant, PluginSpec):
+            attention += f" (plugin {variant.origin}, sha256 {variant.sha256[:12]})"
         size = f" ({num_params / 1e6:.1f}M params)" if num_params else ""
         data = self.data if isinstance(self.data, str) else f"synthetic:{self.data.get('synthetic')}"
         device = f"{self.gpus_per_worker:g} GPU" if self.gpu else f"{self.cpus_per_worker:g} CPU"
@@ -420,8 +465,9 @@ class TrainConfig(BaseModel):
                    f"{self.steps:,} is the cap)" if self.stop_when is not None else ""))
 
     def identity(self, data_fingerprint: str, vocab_size: int | None = None) -> dict:
-        """What determines the trained weights: the resolved model (attention spec included), the data by its
-        content fingerprint, and the recipe. Execution settings (:data:`RUN_SETTINGS`) are left out."""
+        """What determines the trained weights: the resolved model (attention spec included; a plugin's variant by
+        its plugin's sha256 too), the data by its content fingerprint, and the recipe. Execution settings
+        (:data:`RUN_SETTINGS`) are left out."""
         gpt = self.gpt_config(vocab_size=vocab_size)
         variant = gpt.attention_spec()
         model = dataclasses.asdict(gpt)
@@ -431,9 +477,11 @@ class TrainConfig(BaseModel):
             if model.get(key) == default:
                 model.pop(key)
         model["attention"] = {"variant": get_variant(variant.name).name, "scale": variant.scale_label, "p": variant.p}
+        if isinstance(variant, PluginSpec):  # the plugin's code by its bytes; a built-in variant's key is unchanged
+            model["attention"]["plugin"] = variant.sha256
         recipe = {k: v for k, v in self.model_dump(mode="json").items()
                   if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
-                                                         "seq_len", "stop_when")}
+                                                         "seq_len", "stop_when", "plugin")}
         if self.stop_when is not None:
             # The rule decides the trained weights (the step they stop at), and so does where it is checked:
             # val_every and val_tokens are run settings without a rule, part of the identity with one. steps (the cap) stays in

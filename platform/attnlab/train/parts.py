@@ -185,7 +185,8 @@ class MetricsWriter:
         self.log = MetricsLog(run, keep_through_step=start) if rank == 0 else None
 
     def provenance(self, cfg: TrainConfig, model: GPT, source: DataSource, world_size: int, data: TrainData) -> None:
-        """``provenance.json`` once per run (rank 0): config, train key, code, versions, hardware, data, FLOPs."""
+        """``provenance.json`` once per run (rank 0): config, train key, code (a plugin's origin and sha256 too: its
+        bytes are in the config), versions, hardware, data, FLOPs."""
         if self.rank != 0 or self.run.exists(PROVENANCE_FILE):
             return
         flops = model.flops_per_token(cfg.seq_length)
@@ -197,6 +198,8 @@ class MetricsWriter:
             "compiled": is_compiled(model),
             "num_params": model.num_params(),
             "git": git_info(),
+            **({"plugin": {"origin": cfg.plugin.origin, "sha256": cfg.plugin.sha256, "attention": cfg.attention}}
+               if cfg.plugin is not None else {}),
             "versions": package_versions(),
             "hardware": hardware(),
             "world_size": world_size,
