@@ -489,3 +489,41 @@ def test_the_run_book_works_against_an_s3_compatible_server(cluster, tmp_path):
     errors = [line for line in cluster.job_logs(refused).splitlines() if line.startswith("attnlab: error:")]
     assert len(errors) == 1 and "--store" in errors[0] and "ATTNLAB_STORAGE" in errors[0], errors
     assert "Traceback" not in cluster.job_logs(refused)
+
+
+# ------------------------------------------------------------------------------------------ 4. a plugin from the laptop
+def test_a_submitted_study_runs_the_plugin_bytes_it_was_submitted_with(cluster, s3_bucket, tmp_path):
+    """`attnlab study submit --plugin` of docs/plugins.md's example saved on "the laptop", outside the working
+    directory: the job's driver loads it from the job's py_modules, the workers from each trial's training config.
+    The file is broken right after submitting, and the job still trains, evaluates and stores rows with the bytes
+    it was submitted with."""
+    from attnlab.attention.plugin import read_source
+    from attnlab.location import Location
+    from test_study_plugins import worked_example
+
+    plugin = tmp_path / "laptop" / "recency.py"
+    plugin.parent.mkdir()
+    plugin.write_text(worked_example())
+    sha = read_source(str(plugin)).sha256
+    study = {"name": "mn-plugin", "train": {**TINY_TRAIN, "steps": 4, "checkpoint_every": 4},
+             "resources": {"trial_cpus": 0.5}, "search": {"engine": "grid"}, "space": {"attention": ["recency"]},
+             "objective": "val_loss@2x", "eval": {"multiples": [1, 2], "p_eval": ["none"], "max_tokens": 512}}
+    work = tmp_path / "work"
+    name = _write_study(work, study)
+    storage, store = f"{s3_bucket}/ray", f"{s3_bucket}/results"
+    laptop = {k: v for k, v in cluster.env.items() if k != "ATTNLAB_STORAGE"}
+    proc = subprocess.run([str(BIN / "attnlab"), "study", "submit", name, "--address", cluster.address, "--plugin",
+                           "../laptop/recency.py", "--runs", storage, "--store", store, "--no-wait"], cwd=work,
+                          env=laptop, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.split("job id: ")[1].split()[0]
+    plugin.write_text("VARIANTS = [  # broken after submitting: nothing on the cluster may read this file\n")
+
+    assert cluster.wait_job(job_id) == "SUCCEEDED", cluster.job_logs(job_id)[-4000:]
+    logs = cluster.job_logs(job_id)
+    assert "study mn-plugin: 1 trial(s) 1 complete; 1 trained this run" in logs, logs[-3000:]
+    rows = ResultsStore(store).read(study="mn-plugin", metric="val_loss")
+    assert sorted(rows.eval_len) == [64, 128] and set(rows.attention) == {"recency"}
+    provenance = Location.parse(f"{storage}/mn-plugin/runs/{rows.config_hash.iloc[0]}").read_json("provenance.json")
+    assert provenance["plugin"] == {"origin": "../laptop/recency.py", "sha256": sha, "attention": "recency"}
+    assert "--plugin-bundle attnlab_job_plugins_" in cluster.job(job_id).entrypoint
