@@ -1,8 +1,9 @@
-"""The results store (immutable Parquet files of long-format rows) and the reports read from it.
+"""The results store (Parquet files of long-format rows, kept per training run) and the reports read from it.
 
 Public API:
 - ``ResultsStore(uri)``: ``write(rows, key)``, ``read(study=None, **filters)``,
-  ``stored_eval_keys(study, config_hash)``, ``studies()``.
+  ``stored_eval_keys(study, train_key)``, ``studies()``, ``compact(study)`` (returning a ``Compaction``);
+  ``key_stem(key)``: the name a write key gives its files.
 - ``reports``: ``table`` / ``to_markdown`` / ``to_csv``, ``curves``, ``best``, ``compare`` (also here as
   ``attnlab.results.compare``, returning a ``Comparison``), ``export``, ``format_reference_table``.
 - ``stats``: the small-sample statistics the reports use (Student t cell interval, Welch + permutation test).
@@ -23,7 +24,7 @@ from attnlab.results.schema import (
     register_metric,
     validate_row,
 )
-from attnlab.results.store import ResultsStore, file_name_for_key
+from attnlab.results.store import Compaction, ResultsStore, key_stem
 
 __all__ = [
     "COLUMN_NAMES",
@@ -34,9 +35,10 @@ __all__ = [
     "METRICS",
     "SCHEMA_VERSION",
     "ResultsStore",
+    "Compaction",
     "compare",
     "describe_schema",
-    "file_name_for_key",
+    "key_stem",
     "register_metric",
     "validate_row",
 ]
