@@ -582,85 +582,112 @@ class ResultsStore:
             return _Plan([], [(only, None)], [], set(), {})  # the compacted file wins everything it holds
         return _resolve(listing, self._compacted_writes(listing.compacted))
 
-    def _infos(self, files) -> list[pafs.FileInfo]:
-        return [pafs.FileInfo(f.path, type=pafs.FileType.File, size=f.size) for f in files]
+    def _read_small(self, files: list, schema: pa.Schema, columns: list[str], expr,
+                    labels: Mapping[str, Callable]) -> pa.Table:
+        """The rows of ``files`` (whole small files: written and layout-1) matching ``expr``, as ``columns`` of
+        ``schema`` (a column a file lacks reads as null) plus one string column per ``labels`` entry (its value
+        for each file), in file order. Each file is read whole and parsed on its own (a dataset over thousands of
+        files keeps every file's parsed footer: hundreds of MB at 5,000 files), on a few threads (many for object
+        storage: a request or two each); the filter runs once per group of files, not once per file."""
+        target = pa.schema([schema.field(c).with_nullable(True) for c in columns]
+                           + [pa.field(name, pa.string()) for name in labels])
 
-    def _scan(self, files, schema: pa.Schema, columns: list[str], expr) -> Iterable[tuple[str, pa.RecordBatch]]:
-        """(file path, batch) of the rows of ``files`` matching ``expr``, in file order."""
-        if not files:
-            return
-        dataset = ds.dataset(self._infos(files), schema=schema, format="parquet", filesystem=self.filesystem)
-        for tagged in dataset.scanner(columns=columns, filter=expr).scan_batches():
-            if tagged.record_batch.num_rows:
-                yield tagged.fragment.path, tagged.record_batch
+        def read_one(f) -> pa.Table:
+            with self.filesystem.open_input_stream(f.path) as handle:
+                data = handle.read()
+            parquet = pq.ParquetFile(pa.BufferReader(data))
+            present = set(parquet.schema_arrow.names)
+            table = parquet.read(columns=[c for c in columns if c in present], use_threads=False)
+            for name in labels:
+                table = table.append_column(name, pa.array([labels[name](f)] * table.num_rows, pa.string()))
+            return table
+
+        def conform(table: pa.Table) -> pa.Table:
+            arrays = []
+            for column in target:
+                if column.name in table.column_names:
+                    array = table.column(column.name)
+                    arrays.append(array if array.type == column.type else array.cast(column.type))
+                else:
+                    arrays.append(pa.nulls(table.num_rows, column.type))
+            return pa.Table.from_arrays(arrays, schema=target)
+
+        def group(tables: list[pa.Table]) -> pa.Table:
+            if not tables:
+                return target.empty_table()
+            names = tables[0].column_names
+            if all(t.column_names == names for t in tables):
+                table = conform(pa.concat_tables(tables, promote_options="permissive"))
+            else:
+                table = pa.concat_tables([conform(t) for t in tables])
+            return table.combine_chunks().filter(expr) if expr is not None else table  # one batch: one pass
+
+        if len(files) < 3:
+            return group([read_one(f) for f in files])
+        out, pending = [], []
+        with concurrent.futures.ThreadPoolExecutor(4 if self._local else _REMOTE_THREADS) as pool:
+            for table in pool.map(read_one, files):
+                pending.append(table)
+                if len(pending) == 512:
+                    out.append(group(pending))
+                    pending = []
+        out.append(group(pending))
+        return pa.concat_tables(out)
 
     def _read_plan(self, plan: _Plan, columns: list[str], filters: dict, versions: bool = False) -> pa.Table:
-        """The rows ``plan`` reads (``columns`` plus ``_write``, and ``_version`` with ``versions``), filtered."""
+        """The rows ``plan`` reads (``columns`` plus ``_write``, and ``_version`` with ``versions``), filtered.
+
+        ``_write`` says where a row comes from, for ordering and compaction: ``<stem>/<run folder>`` (a layout-1
+        row outside compaction: ``<stem>/``, its file, whose rows keep their order)."""
         wanted = [c for c in COLUMN_NAMES if c in columns or c == "schema_version"]
-        out_fields = [ARROW_SCHEMA.field(c) for c in wanted] + [pa.field(WRITE_COLUMN, pa.string())]
-        if versions:
-            out_fields.append(pa.field(VERSION_COLUMN, pa.string()))
-        out_schema = pa.schema(out_fields)
-        pieces: list[pa.Table] = []
+        extra = [WRITE_COLUMN] + ([VERSION_COLUMN] if versions else [])
+        out_schema = pa.schema([ARROW_SCHEMA.field(c) for c in wanted] + [pa.field(c, pa.string()) for c in extra])
+        # the columns the filters look at are read too (files are filtered after they are read)
+        scanned = wanted + [c for c in filters if c not in wanted]
         expr = _filter_expression(filters) if filters else None
+        pieces: list[pa.Table] = []
 
-        def add(batch_columns: dict, n: int, write, version) -> None:
-            arrays = [batch_columns[c] for c in wanted]
-            arrays.append(write if not isinstance(write, str) else pa.array([write] * n, pa.string()))
-            if versions:
-                arrays.append(version if not isinstance(version, str) else pa.array([version] * n, pa.string()))
-            pieces.append(pa.Table.from_arrays(arrays, schema=out_schema))
-
-        def repeated(values: list[str], counts: list[int]) -> pa.Array:
-            return pa.array(np.repeat(np.array(values, dtype=object), counts), pa.string())
+        def add(table: pa.Table) -> None:
+            if table.num_rows:
+                pieces.append(pa.Table.from_arrays([table.column(c) for c in out_schema.names], schema=out_schema))
 
         # written files: one write each
-        by_path = {w.path: w for w in plan.written}
-        tagged = self._guard(lambda: list(self._scan(plan.written, ARROW_SCHEMA, wanted, expr)), plan.written)
-        if tagged:
-            table = pa.Table.from_batches([batch for _, batch in tagged])
-            counts = [batch.num_rows for _, batch in tagged]
-            files = [by_path[path] for path, _ in tagged]
-            add({c: table.column(c) for c in wanted}, table.num_rows, repeated([f.write for f in files], counts),
-                repeated([f.version for f in files], counts) if versions else None)
-        # compacted files: each with the writes it wins
+        labels = {WRITE_COLUMN: lambda f: f.write, **({VERSION_COLUMN: lambda f: f.version} if versions else {})}
+        add(self._guard(lambda: self._read_small(plan.written, ARROW_SCHEMA, scanned, expr, labels), plan.written))
+        # compacted files: each with the writes it wins (row groups pruned by the filters' statistics)
         for compacted, keep in plan.compacted:
-            read_columns = wanted + [WRITE_COLUMN] + ([VERSION_COLUMN] if versions else [])
-            table = self._guard(lambda: ds.dataset(self._infos([compacted]), schema=_COMPACTED_SCHEMA, format="parquet",
-                                                   filesystem=self.filesystem).to_table(columns=read_columns,
-                                                                                        filter=expr), [compacted])
+            read_columns = [*wanted, *extra] + [c for c in filters if c not in wanted]
+            dataset = ds.dataset([pafs.FileInfo(compacted.path, type=pafs.FileType.File, size=compacted.size)],
+                                 schema=_COMPACTED_SCHEMA, format="parquet", filesystem=self.filesystem)
+            table = self._guard(lambda: dataset.to_table(columns=read_columns, filter=expr), [compacted])
             if keep is not None and table.num_rows:
                 table = table.filter(pc.is_in(table.column(WRITE_COLUMN), value_set=pa.array(sorted(keep))))
-            if table.num_rows:
-                add({c: table.column(c) for c in wanted}, table.num_rows, table.column(WRITE_COLUMN),
-                    table.column(VERSION_COLUMN) if versions else None)
+            add(table)
         # layout-1 files: train_key from config_hash; rows of writes that layout 2 holds yield to it
         if plan.layout_1:
-            legacy_columns = [c for c in wanted if c != "train_key"] + ["train_key", *INPUT_ALIASES]
-            legacy_expr = _filter_expression(filters, layout_1=True) if filters else None
-            stems = {f.path: f.name for f in plan.layout_1}
-            for path, batch in self._guard(lambda: list(self._scan(plan.layout_1, _LAYOUT_1_SCHEMA, legacy_columns,
-                                                                   legacy_expr)), plan.layout_1):
-                columns_ = dict(zip(batch.schema.names, batch.columns))
-                keys = pc.coalesce(columns_["train_key"], columns_["config_hash"]).cast(pa.string())
-                columns_["train_key"] = keys
-                stem = stems[path]
-                distinct = pc.unique(keys).to_pylist()
-                exact = {k: f"{stem}/{run_folder(k)}" for k in distinct if k is not None}
-                yielded = [k for k, write in exact.items() if write in plan.layout_2_writes]
-                n = batch.num_rows
-                if yielded:
-                    mask = pc.invert(pc.is_in(keys, value_set=pa.array(yielded, pa.string())))
-                    columns_ = {c: pc.filter(a, mask) for c, a in columns_.items()}
-                    keys, n = columns_["train_key"], len(columns_["train_key"])
-                    if not n:
-                        continue
-                if versions:  # compaction: each row's exact write
-                    idents = pa.array([exact[k] for k in exact], pa.string())
-                    write = pc.take(idents, pc.index_in(keys, value_set=pa.array(list(exact), pa.string())))
-                    add(columns_, n, write, LAYOUT_1_VERSION)
-                else:  # ordering only: the file, as layout 1 ordered its rows
-                    add(columns_, n, f"{stem}/", None)
+            legacy = [c for c in scanned if c != "train_key"] + ["train_key", *INPUT_ALIASES]
+            expr_1 = _filter_expression(filters, layout_1=True) if filters else None
+            table = self._guard(lambda: self._read_small(plan.layout_1, _LAYOUT_1_SCHEMA, legacy, expr_1,
+                                                         {"_stem": lambda f: f.name}), plan.layout_1)
+            keys = pc.coalesce(table.column("train_key"), table.column("config_hash"))
+            table = table.set_column(table.column_names.index("train_key"), "train_key", keys)
+            # each row's write: its file's stem and its run's folder (worked out once per stem and run)
+            pairs = pc.binary_join_element_wise(table.column("_stem"), keys, "\x00")
+            distinct = pc.unique(pairs).to_pylist()
+            writes = pa.array([f"{p.split(chr(0), 1)[0]}/{run_folder(p.split(chr(0), 1)[1])}" for p in distinct],
+                              pa.string())
+            write = pc.take(writes, pc.index_in(pairs, value_set=pa.array(distinct, pa.string())))
+            yielded = [w for w in writes.to_pylist() if w in plan.layout_2_writes]
+            if yielded:
+                kept = pc.invert(pc.is_in(write, value_set=pa.array(yielded, pa.string())))
+                table, write = table.filter(kept), write.filter(kept)
+            if versions:  # compaction: each row's exact write
+                table = table.append_column(WRITE_COLUMN, write)
+                table = table.append_column(VERSION_COLUMN, pa.array([LAYOUT_1_VERSION] * table.num_rows, pa.string()))
+            else:  # ordering only: the file, as layout 1 ordered its rows
+                table = table.append_column(WRITE_COLUMN, pc.binary_join_element_wise(table.column("_stem"), "",
+                                                                                        "/"))
+            add(table)
         if not pieces:
             return out_schema.empty_table()
         table = pa.concat_tables(pieces)
