@@ -218,3 +218,29 @@ def test_old_files_read_with_nulls_newer_and_corrupt_files_are_refused(tmp_path)
     (tmp_path / "study=s1" / ".tmp-inflight.parquet").write_bytes(b"half written")  # ignored
     with pytest.raises(UserError, match="broken.parquet' is not a readable results file"):
         store.read()
+
+
+def test_threads_writing_one_new_run_at_once(tmp_path):
+    """Evaluation writers of one run start together: each lists the run's folder while another creates it."""
+    import threading
+
+    store = ResultsStore(str(tmp_path))
+    lengths, runs = (64, 128, 256, 512), 60
+    barrier, errors = threading.Barrier(len(lengths)), []
+
+    def writer(length: int) -> None:
+        for run in range(runs):
+            barrier.wait()
+            try:
+                store.write([make_row(trial=f"r{run}", config_hash=f"cfg-r{run}", eval_len=length)], key=(run, length))
+            except Exception as exc:  # noqa: BLE001 (reported below, with the others)
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=writer, args=(length,)) for length in lengths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    frame = store.read()
+    assert sorted(zip(frame["trial"], frame["eval_len"])) == sorted((f"r{r}", n) for r in range(runs) for n in lengths)

@@ -98,8 +98,10 @@ LAYOUT_1_VERSION = "0" * 17 + "-00000000"  # the version of every layout-1 file:
 
 # Columns a compacted file adds to the rows: which write each row came from ("<stem>/<run folder>") and its version.
 WRITE_COLUMN, VERSION_COLUMN = "_write", "_version"
-_COMPACTED_SCHEMA = pa.schema([*ARROW_SCHEMA, pa.field(WRITE_COLUMN, pa.string(), nullable=False),
-                               pa.field(VERSION_COLUMN, pa.string(), nullable=False)], metadata=ARROW_SCHEMA.metadata)
+# (Every field nullable: a layout-1 row may lack a column that is required today.)
+_COMPACTED_SCHEMA = pa.schema([f.with_nullable(True) for f in ARROW_SCHEMA]
+                              + [pa.field(WRITE_COLUMN, pa.string()), pa.field(VERSION_COLUMN, pa.string())],
+                              metadata=ARROW_SCHEMA.metadata)
 # Layout-1 files: train_key may be missing (schema 1-5 called it config_hash).
 _LAYOUT_1_SCHEMA = pa.schema([f.with_nullable(True) if f.name == "train_key" else f for f in ARROW_SCHEMA]
                              + [pa.field(old, pa.string()) for old in INPUT_ALIASES])
@@ -292,7 +294,8 @@ class Compaction:
 
     def describe(self) -> str:
         if self.compacted is None:
-            return f"study {self.study}: already compact ({self.rows} rows in one file)"
+            return f"study {self.study}: " + (f"already compact ({self.rows} rows in one file)" if self.rows else
+                                              "nothing to compact")
         return (f"study {self.study}: merged {self.merged} files into {self.compacted} ({self.rows} rows), "
                 f"removed {self.removed} files")
 
@@ -325,7 +328,15 @@ class ResultsStore:
         return f"{self.root}/{_STUDY_PREFIX}{study}"
 
     def _list(self, base: str, recursive: bool) -> list[pafs.FileInfo]:
-        return self.filesystem.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
+        selector = pafs.FileSelector(base, recursive=recursive, allow_not_found=True)
+        for attempt in range(5):
+            try:
+                return self.filesystem.get_file_info(selector)
+            except FileNotFoundError:
+                # pyarrow's local listing raises when the folder appears while it looks (another writer made it)
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _put(self, path: str, data) -> None:
         """Write one whole file: a temporary name renamed into place on a local disk, a direct put elsewhere."""
