@@ -20,7 +20,7 @@ import pytest
 from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.results import ResultsStore, key_stem, reports
-from attnlab.results.schema import ARROW_SCHEMA, SCHEMA_VERSION_METADATA_KEY, rows_to_table
+from attnlab.results.schema import SCHEMA_VERSION_METADATA_KEY, rows_to_table
 from attnlab.results.store import CRASH_ENV, CRASH_EXIT_CODE
 
 STUDY = "st"

@@ -77,7 +77,6 @@ from attnlab.results.schema import (
     COLUMN_NAMES,
     INPUT_ALIASES,
     SCHEMA_VERSION,
-    SCHEMA_VERSION_METADATA_KEY,
     empty_table,
     rows_to_table,
 )
@@ -599,17 +598,20 @@ class ResultsStore:
         """The rows of ``files`` (whole small files: written and layout-1) matching ``expr``, as ``columns`` of
         ``schema`` (a column a file lacks reads as null) plus one string column per ``labels`` entry (its value
         for each file), in file order. Each file is read whole and parsed on its own (a dataset over thousands of
-        files keeps every file's parsed footer: hundreds of MB at 5,000 files), on a few threads (many for object
-        storage: a request or two each); the filter runs once per group of files, not once per file."""
+        files keeps every file's parsed footer: hundreds of MB at 5,000 files), on threads only for object storage
+        (a request or two each); the filter runs once per group of files, not once per file."""
         read_schema = pa.schema([schema.field(c).with_nullable(True) for c in columns])
         target = pa.schema([*read_schema, *(pa.field(name, pa.string()) for name in labels)])
 
         def read_one(f) -> pa.Table:
             with self.filesystem.open_input_stream(f.path) as handle:
                 data = handle.read()
-            parquet = pq.ParquetFile(pa.BufferReader(data))
-            present = set(parquet.schema_arrow.names)
-            return parquet.read(columns=[c for c in columns if c in present], use_threads=False)
+            parquet = pq.ParquetFile(pa.BufferReader(data), pre_buffer=False)  # in memory: nothing to coalesce
+            try:
+                return parquet.read(columns=columns, use_threads=False)  # a column the file lacks is left out
+            except (KeyError, pa.ArrowInvalid):
+                present = set(parquet.schema_arrow.names)
+                return parquet.read(columns=[c for c in columns if c in present], use_threads=False)
 
         def conform(table: pa.Table, to: pa.Schema) -> pa.Table:
             arrays = []
@@ -624,9 +626,9 @@ class ResultsStore:
         def group(group_files: list, tables: list[pa.Table]) -> pa.Table:
             if not tables:
                 return target.empty_table()
-            names = tables[0].column_names
-            if all(t.column_names == names for t in tables):
-                table = pa.concat_tables(tables, promote_options="permissive")
+            first = tables[0].schema
+            if all(t.schema.equals(first) for t in tables):
+                table = pa.concat_tables(tables)
             else:
                 table = pa.concat_tables([conform(t, read_schema) for t in tables])
             counts = [t.num_rows for t in tables]
@@ -636,15 +638,19 @@ class ResultsStore:
             table = conform(table, target)
             return table.combine_chunks().filter(expr) if expr is not None else table  # one batch: one pass
 
-        if len(files) < 3:
-            return group(files, [read_one(f) for f in files])
+        # Parsing a small file holds the GIL for most of its time: threads only pay on object storage, where each
+        # file waits for a request or two.
+        pool = concurrent.futures.ThreadPoolExecutor(_REMOTE_THREADS) if not self._local and len(files) > 2 else None
         out, pending = [], []
-        with concurrent.futures.ThreadPoolExecutor(4 if self._local else _REMOTE_THREADS) as pool:
-            for f, table in zip(files, pool.map(read_one, files)):
+        try:
+            for f, table in zip(files, pool.map(read_one, files) if pool else map(read_one, files)):
                 pending.append((f, table))
                 if len(pending) == 512:
                     out.append(group([p[0] for p in pending], [p[1] for p in pending]))
                     pending = []
+        finally:
+            if pool:
+                pool.shutdown()
         out.append(group([p[0] for p in pending], [p[1] for p in pending]))
         return pa.concat_tables(out)
 
