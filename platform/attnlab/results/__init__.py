@@ -7,7 +7,8 @@ Public API:
 - ``reports``: ``table`` / ``to_markdown`` / ``to_csv``, ``curves``, ``best``, ``compare`` (also here as
   ``attnlab.results.compare``, returning a ``Comparison``), ``export``, ``format_reference_table``.
 - ``stats``: the small-sample statistics the reports use (Student t cell interval, Welch + permutation test).
-- ``schema``: the columns, ``SCHEMA_VERSION``, the metric registry (``register_metric``).
+- ``schema``: the columns (``STORED_NAMES``; ``COLUMN_NAMES`` adds the old names a written row may still use),
+  ``SCHEMA_VERSION``, the metric registry (``register_metric``).
 
 Importable without Ray (nothing here imports it); matplotlib is imported only when plotting.
 """
@@ -20,6 +21,7 @@ from attnlab.results.schema import (
     LAW_METRIC,
     METRICS,
     SCHEMA_VERSION,
+    STORED_NAMES,
     describe_schema,
     register_metric,
     validate_row,
@@ -34,6 +36,7 @@ __all__ = [
     "LAW_METRIC",
     "METRICS",
     "SCHEMA_VERSION",
+    "STORED_NAMES",
     "ResultsStore",
     "Compaction",
     "compare",

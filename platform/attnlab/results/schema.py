@@ -98,12 +98,15 @@ COLUMNS: tuple[Column, ...] = (
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
-COLUMN_NAMES = tuple(c.name for c in COLUMNS)
+STORED_NAMES = tuple(c.name for c in COLUMNS)  # the columns of a stored row, in order
 _BY_NAME = {c.name: c for c in COLUMNS}
 
 # Older names of columns, accepted in written rows and in read filters: {old name: column}. ``config_hash`` is what
 # schema versions 1-5 called ``train_key`` (writers outside this package still send it).
 INPUT_ALIASES = {"config_hash": "train_key"}
+# Every name a written row may carry: the stored columns and their old names (what a writer checks its rows' fields
+# against; attnlab.evaluate checks a row's context so). Once no writer sends config_hash, it equals STORED_NAMES.
+COLUMN_NAMES = STORED_NAMES + tuple(INPUT_ALIASES)
 
 # Columns that identify a configuration (what reports group by); seeds are averaged over.
 CONFIG_COLUMNS = (
@@ -306,10 +309,10 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
         raise UserError(f"results row {index}: must be a mapping of column -> value, got {type(row).__name__}")
     where = _describe_row(index, row)
     row = _current_names(row, where)
-    unknown = sorted(set(row) - set(COLUMN_NAMES))
+    unknown = sorted(set(row) - set(STORED_NAMES))
     if unknown:
         raise UserError(
-            f"results {where}: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMN_NAMES)}"
+            f"results {where}: unknown column {unknown[0]!r}; allowed: {', '.join(STORED_NAMES)}"
         )
     out = {}
     for column in COLUMNS:
@@ -356,7 +359,7 @@ def rows_to_table(rows: list[dict]) -> pa.Table:
     """Validate rows and build an Arrow table in the stored schema (raises UserError on the first bad row)."""
     now = _dt.datetime.now(_dt.timezone.utc)
     checked = [validate_row(row, i, now) for i, row in enumerate(rows)]
-    columns = {name: [r[name] for r in checked] for name in COLUMN_NAMES}
+    columns = {name: [r[name] for r in checked] for name in STORED_NAMES}
     return pa.Table.from_pydict(columns, schema=ARROW_SCHEMA)
 
 

@@ -74,9 +74,9 @@ from attnlab.location import DEFAULT_STORE, Location
 from attnlab.names import STUDY_NAME
 from attnlab.results.schema import (
     ARROW_SCHEMA,
-    COLUMN_NAMES,
     INPUT_ALIASES,
     SCHEMA_VERSION,
+    STORED_NAMES,
     empty_table,
     rows_to_table,
 )
@@ -272,8 +272,8 @@ def _current_filters(filters: Mapping[str, object]) -> dict:
     out = {}
     for name, wanted in filters.items():
         current = INPUT_ALIASES.get(name, name)
-        if current not in COLUMN_NAMES:
-            raise UserError(f"results filter {name!r} is not a column; allowed: {', '.join(COLUMN_NAMES)}")
+        if current not in STORED_NAMES:
+            raise UserError(f"results filter {name!r} is not a column; allowed: {', '.join(STORED_NAMES)}")
         if current in out and out[current] != wanted:
             raise UserError(f"results filters {name!r} and {current!r} name one column ({name!r} is its old name) "
                             "with two values: give one")
@@ -659,7 +659,7 @@ class ResultsStore:
 
         ``_write`` says where a row comes from, for ordering and compaction: ``<stem>/<run folder>`` (a layout-1
         row outside compaction: ``<stem>/``, its file, whose rows keep their order)."""
-        wanted = [c for c in COLUMN_NAMES if c in columns or c == "schema_version"]
+        wanted = [c for c in STORED_NAMES if c in columns or c == "schema_version"]
         extra = [WRITE_COLUMN] + ([VERSION_COLUMN] if versions else [])
         out_schema = pa.schema([ARROW_SCHEMA.field(c) for c in wanted] + [pa.field(c, pa.string()) for c in extra])
         # the columns the filters look at are read too (files are filtered after they are read)
@@ -769,9 +769,9 @@ class ResultsStore:
                 if c in INPUT_ALIASES:
                     raise UserError(f"results column {c!r} is called {INPUT_ALIASES[c]!r} since schema version 6; "
                                     f"ask for {INPUT_ALIASES[c]!r}")
-            unknown = [c for c in columns if c not in COLUMN_NAMES]
+            unknown = [c for c in columns if c not in STORED_NAMES]
             if unknown:
-                raise UserError(f"results column {unknown[0]!r} is unknown; allowed: {', '.join(COLUMN_NAMES)}")
+                raise UserError(f"results column {unknown[0]!r} is unknown; allowed: {', '.join(STORED_NAMES)}")
         if isinstance(study, str):
             names = [study]
         else:
@@ -781,7 +781,7 @@ class ResultsStore:
                 wanted = filters["study"]
                 wanted = set(wanted) if isinstance(wanted, (list, tuple, set, frozenset)) else {wanted}
                 names = [s for s in names if s in wanted]
-        wanted_columns = list(COLUMN_NAMES) if columns is None else list(columns)
+        wanted_columns = list(STORED_NAMES) if columns is None else list(columns)
         tables = []
         for name in names:
             run = filters.get("train_key")
@@ -793,7 +793,7 @@ class ResultsStore:
                 def read_one(name=name):
                     return self._read_plan(self._plan_study(name), wanted_columns, filters)
             tables.append(self._retrying(f"reading study {name!r}", read_one))
-        keep = [c for c in COLUMN_NAMES if c in wanted_columns]
+        keep = [c for c in STORED_NAMES if c in wanted_columns]
         if columns is not None:
             keep = list(columns)
         tables = [t for t in tables if t.num_rows]
@@ -885,7 +885,7 @@ class ResultsStore:
                 rows = pq.read_metadata(listing.compacted[0].path, filesystem=self.filesystem).num_rows
             return Compaction(study, 0, rows, None, len(listing.stale))
         plan = _resolve(listing, self._compacted_writes(listing.compacted))
-        table = self._read_plan(plan, list(COLUMN_NAMES), {}, versions=True)
+        table = self._read_plan(plan, list(STORED_NAMES), {}, versions=True)
         table = table.sort_by([("train_key", "ascending"), (WRITE_COLUMN, "ascending")])
         table = pa.Table.from_arrays([table.column(f.name) for f in _COMPACTED_SCHEMA],
                                      schema=_COMPACTED_SCHEMA)
