@@ -163,7 +163,8 @@ class Version:
         command = [sys.executable, "-m", "attnlab.cli", "results", "table", "--store", root, "--study", STUDY]
         with open(out_path, "w") as stdout, tempfile.TemporaryFile() as stderr:
             start = time.perf_counter()
-            proc = subprocess.Popen(command, env=self.env(extra), stdout=stdout, stderr=stderr, cwd=tempfile.gettempdir())
+            proc = subprocess.Popen(command, env=self.env(extra), stdout=stdout, stderr=stderr,
+                                    cwd=tempfile.gettempdir())
             _, status, usage = os.wait4(proc.pid, 0)
             wall = time.perf_counter() - start
             proc.returncode = os.waitstatus_to_exitcode(status)

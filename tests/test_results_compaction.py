@@ -284,7 +284,7 @@ def pd_equal(a, b) -> None:
     pandas.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
 
 
-# ---------------------------------------------------------------------------------------------- counting what a read opens
+# ------------------------------------------------------------------------------------ counting what a read opens
 class _Counting(pafs.FileSystemHandler):
     """The local filesystem, recording every file opened, every listing and every stat (a filesystem pyarrow
     reads through, so nothing of the store is mocked; not being pyarrow's LocalFileSystem, the store treats it as
