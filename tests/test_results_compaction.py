@@ -490,14 +490,14 @@ def test_a_bucket_store_counts_requests_not_files(s3_bucket):
         for length in LENGTHS:
             store.write(*run_write(run, length)[:1], key=run_write(run, length)[1])
     at_3 = skip_done_requests()
-    for run in range(3, 24):
+    for run in range(3, 12):
         for length in LENGTHS:
             store.write(*run_write(run, length)[:1], key=run_write(run, length)[1])
-    at_24 = skip_done_requests()
-    assert at_3 == at_24 <= 2 + 2 * len(LENGTHS)  # its folder's listing, the marker, two reads per file
+    at_12 = skip_done_requests()
+    assert at_3 == at_12 <= 2 + 2 * len(LENGTHS)  # its folder's listing, the marker, two reads per file
     before = store.read(study=STUDY)
     result = store.compact(STUDY)
-    assert result.merged == 24 * len(LENGTHS)
+    assert result.merged == 12 * len(LENGTHS)
     pd_equal(before, store.read(study=STUDY))
     after = skip_done_requests()
     assert after <= 4  # the folder's listing, the marker, its index
@@ -506,6 +506,6 @@ def test_a_bucket_store_counts_requests_not_files(s3_bucket):
     frame = store.read(study=STUDY, train_key=train_key(7), eval_len=256, metric="val_loss", p_eval=None)
     assert frame["value"].tolist() == [pytest.approx(7.756)]
     mark = len(moto_requests(s3_bucket))
-    assert len(ResultsStore(uri).read(study=STUDY)) == 24 * 9 * 2
+    assert len(ResultsStore(uri).read(study=STUDY)) == 12 * 9 * 2
     study_wide = len(moto_requests(s3_bucket)) - mark
     assert study_wide <= 12, moto_requests(s3_bucket)[mark:]  # listings + one compacted and one written file
