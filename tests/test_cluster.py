@@ -536,7 +536,7 @@ def test_fake_cluster_adds_worker_nodes_for_a_study_and_removes_them_when_idle(t
         assert events["done"]["rc"] == 0, out[-4000:]
         assert "study autoscale: 2 trial(s) 2 complete; 2 trained this run" in out, out[-3000:]
         rows = ResultsStore(str(store)).read(study="autoscale", metric="val_loss")
-        assert len(set(rows.config_hash)) == 2  # both trials trained, were evaluated and wrote their rows
+        assert len(set(rows.train_key)) == 2  # both trials trained, were evaluated and wrote their rows
         assert events["done"]["nodes"] >= 2  # the autoscaler added fake.gpu node(s) for them
         # Training and evaluation ran on added nodes (the head has no fake_gpu_node); the trial drivers may not.
         head_id = "f" * 51 + "00000"  # the fake provider's head node id

@@ -82,7 +82,7 @@ def test_results_store_on_s3(s3_bucket):
     frame = ResultsStore(f"{s3_bucket}/results").read(study="s3-study")
     assert len(frame) == 1 and frame["value"].iloc[0] == 3.5
     files = [k for k in s3_keys(s3_bucket) if k.endswith(".parquet")]
-    assert len(files) == 1 and files[0].startswith("results/study=s3-study/eval_abc-")
+    assert len(files) == 1 and files[0].startswith("results/study=s3-study/train_key=abc/eval_abc-")
 
 
 def test_prepared_data_on_s3_reads_back(s3_bucket, small_text_corpus):

@@ -327,11 +327,11 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
     assert second.returncode == 0, out[-4000:]
     assert "study mn-study: 2 trial(s)" in out, out[-3000:]
     rows = ResultsStore(store).read(study="mn-study")
-    keys = sorted(set(rows.config_hash))
+    keys = sorted(set(rows.train_key))
     assert len(keys) == 2  # rows for every trial, in the bucket's store
     value_rows = rows[rows.metric == "val_loss"]
-    assert sorted(value_rows.groupby("config_hash").size().tolist()) == [2, 2]  # 1x and 2x, once each
-    dup_cols = ["config_hash", "eval_key", "metric", "eval_len", "p_eval", "window_mode", "bucket", "layer"]
+    assert sorted(value_rows.groupby("train_key").size().tolist()) == [2, 2]  # 1x and 2x, once each
+    dup_cols = ["train_key", "eval_key", "metric", "eval_len", "p_eval", "window_mode", "bucket", "layer"]
     assert not rows[dup_cols].astype(str).duplicated().any()  # no duplicate rows after the kill and the resume
     events = Location.parse(f"{storage}/mn-study/events")
     trained = [json.loads(events.read_text(n))["train_key"] for n in events.list_names(hidden=False)]
@@ -459,7 +459,7 @@ def test_the_run_book_works_against_an_s3_compatible_server(cluster, tmp_path):
     assert "study runbook: 1 trial(s) 1 complete; 1 trained this run" in logs, logs[-3000:]
     rows = ResultsStore(f"{storage}/results").read(study="runbook", metric="val_loss")
     assert len(rows) == 1 and rows.data.tolist() == ["demo"]
-    provenance = Location.parse(f"{storage}/runs/runbook/runs/{rows.config_hash.iloc[0]}").read_json("provenance.json")
+    provenance = Location.parse(f"{storage}/runs/runbook/runs/{rows.train_key.iloc[0]}").read_json("provenance.json")
     assert provenance["data"]["spec"] == f"{storage}/data/demo"  # the bucket's copy, not the job's working dir
     assert Location.parse(f"{storage}/runs/runbook").exists("study.json")
 

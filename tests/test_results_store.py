@@ -1,7 +1,9 @@
-"""The results store: concurrent writers in real processes, replace-on-retry, schema refusal, reads."""
+"""The results store: concurrent writers in real processes, replace-on-retry, schema refusal, reads, schema 6's
+train_key (and its old name config_hash), stores of the first layout (schema 1-5)."""
 
 from __future__ import annotations
 
+import glob
 import math
 import multiprocessing
 import os
@@ -11,8 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from attnlab.errors import UserError
-from attnlab.results import SCHEMA_VERSION, ResultsStore, file_name_for_key
+from attnlab.results import SCHEMA_VERSION, ResultsStore, key_stem
 from attnlab.results.schema import ARROW_SCHEMA, SCHEMA_VERSION_METADATA_KEY
+
+
+def written_files(root) -> list[str]:
+    """Every file below ``root`` (relative paths, sorted)."""
+    return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(str(root), "**", "*"), recursive=True)
+                  if os.path.isfile(p))
 
 
 def make_row(**overrides) -> dict:
@@ -60,24 +68,30 @@ def test_four_processes_write_concurrently_nothing_lost_nothing_duplicated(tmp_p
     assert set(identity) == expected
     w3 = frame[(frame["trial"] == "w3") & (frame["step"] == 7) & (frame["eval_len"] == 256)]
     assert w3["value"].tolist() == [pytest.approx(3 + 0.7 + 0.02)]
-    files = sorted(os.listdir(os.path.join(root, "study=s1")))
-    assert len(files) == 41  # one file per key, no temporary leftovers
-    assert not [f for f in files if f.startswith(".")]
+    files = [f for f in written_files(root) if f.endswith(".parquet")]
+    # one file per key (a retry left no older version), except that the four writers of the shared key may each
+    # have written theirs before seeing another's (read once all the same: the newest version); no temporaries
+    keys = {(os.path.dirname(f), os.path.basename(f).split(".v")[0]) for f in files}
+    assert len(keys) == 41 and 41 <= len(files) <= 44
+    assert not [f for f in written_files(root) if os.path.basename(f).startswith(".")]
+    # each writer's files are in its run's folder
+    assert sum(f.startswith(os.path.join("study=s1", "train_key=cfg-w2", "")) for f in files) == 10
 
 
 def test_same_key_replaces_and_other_key_adds(tmp_path):
     store = ResultsStore(str(tmp_path))
     first = store.write([make_row(value=1.0), make_row(eval_len=128, value=2.0)], key=("t0", 100, "eval"))
     again = store.write([make_row(value=1.5)], key=("t0", 100, "eval"))
-    assert first == again
-    assert os.path.basename(first) == file_name_for_key(("t0", 100, "eval"))
+    assert first != again and os.path.dirname(first) == os.path.dirname(again)  # a new version, same run folder
+    assert os.path.basename(again).startswith(key_stem(("t0", 100, "eval")) + ".v")
+    assert not os.path.exists(first)  # the older version is gone
     assert store.read()["value"].tolist() == [1.5]
     store.write([make_row(step=200, value=0.5)], key=("t0", 200, "eval"))
     assert store.read()["value"].tolist() == [1.5, 0.5]
     # Keys differing only in type or order are different files; the same key is the same name.
-    assert file_name_for_key(("t0", 1)) != file_name_for_key(("t0", "1"))
-    assert file_name_for_key(("a", "b")) != file_name_for_key(("b", "a"))
-    assert file_name_for_key("t0") == file_name_for_key(("t0",))
+    assert key_stem(("t0", 1)) != key_stem(("t0", "1"))
+    assert key_stem(("a", "b")) != key_stem(("b", "a"))
+    assert key_stem("t0") == key_stem(("t0",))
 
 
 def test_read_filters_types_and_studies(tmp_path):
@@ -137,14 +151,15 @@ def test_rows_that_break_the_schema_are_refused_and_nothing_is_written(tmp_path,
         store.write([make_row(), make_row(**override)], key="bad")
     assert "\n" not in str(info.value)
     assert store.read()["value"].tolist() == [1.0]
-    assert sorted(os.listdir(tmp_path / "study=s1")) == [file_name_for_key("good")]
+    data = [f for f in written_files(tmp_path) if f.endswith(".parquet")]
+    assert len(data) == 1 and os.path.basename(data[0]).startswith(key_stem("good") + ".v")
 
 
 def test_missing_required_column_and_bad_inputs_are_refused(tmp_path):
     store = ResultsStore(str(tmp_path / "store"))
     row = make_row()
     del row["config_hash"]
-    with pytest.raises(UserError, match="row 0 .*missing required column 'config_hash'"):
+    with pytest.raises(UserError, match="row 0 .*missing required column 'train_key'"):
         store.write([row], key="k")
     with pytest.raises(UserError, match="no rows to write"):
         store.write([], key="k")
@@ -182,14 +197,16 @@ def test_old_files_read_with_nulls_newer_and_corrupt_files_are_refused(tmp_path)
     store = ResultsStore(str(tmp_path))
     store.write([make_row(value=1.0, preset="tiny")], key="new")
     # A file from an older writer that lacks the optional columns.
-    old = make_row(value=2.0, schema_version=SCHEMA_VERSION, trial="old")
-    fields = [ARROW_SCHEMA.field(name) for name in old]
+    old = make_row(value=2.0, schema_version=5, trial="old")
+    fields = [pa.field(name, pa.string(), nullable=False) if name == "config_hash" else ARROW_SCHEMA.field(name)
+              for name in old]
     pq.write_table(pa.Table.from_pylist([old], schema=pa.schema(fields)), str(tmp_path / "study=s1" / "old.parquet"))
     frame = store.read()  # sorted by trial: "old" before "t0"
     assert frame["trial"].tolist() == ["old", "t0"] and frame["value"].tolist() == [2.0, 1.0]
     assert frame["preset"].isna().tolist() == [True, False] and frame["preset"].tolist()[1] == "tiny"
 
-    newer = make_row(value=3.0, trial="newer")
+    newer = make_row(value=3.0, trial="newer", train_key="cfg-newer")
+    del newer["config_hash"]
     newer["schema_version"] = SCHEMA_VERSION + 1
     pq.write_table(pa.Table.from_pylist([newer], schema=pa.schema([ARROW_SCHEMA.field(n) for n in newer])),
                    str(tmp_path / "study=s1" / "newer.parquet"))
@@ -201,3 +218,29 @@ def test_old_files_read_with_nulls_newer_and_corrupt_files_are_refused(tmp_path)
     (tmp_path / "study=s1" / ".tmp-inflight.parquet").write_bytes(b"half written")  # ignored
     with pytest.raises(UserError, match="broken.parquet' is not a readable results file"):
         store.read()
+
+
+def test_threads_writing_one_new_run_at_once(tmp_path):
+    """Evaluation writers of one run start together: each lists the run's folder while another creates it."""
+    import threading
+
+    store = ResultsStore(str(tmp_path))
+    lengths, runs = (64, 128, 256, 512), 60
+    barrier, errors = threading.Barrier(len(lengths)), []
+
+    def writer(length: int) -> None:
+        for run in range(runs):
+            barrier.wait()
+            try:
+                store.write([make_row(trial=f"r{run}", config_hash=f"cfg-r{run}", eval_len=length)], key=(run, length))
+            except Exception as exc:  # noqa: BLE001 (reported below, with the others)
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=writer, args=(length,)) for length in lengths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    frame = store.read()
+    assert sorted(zip(frame["trial"], frame["eval_len"])) == sorted((f"r{r}", n) for r in range(runs) for n in lengths)

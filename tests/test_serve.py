@@ -110,7 +110,7 @@ def test_results_are_cached_until_new_rows_land(local):
     assert cache.get("probe", "val_loss", None) is not first
     df = ResultsStore(sources.store.uri).read(study="probe", metric="acc", eval_len=64, p_eval=None,
                                                rope_scaling="none", seed=0, attention="lssar")
-    extra = {**df.iloc[0].to_dict(), "trial": "aaaa000000000009", "config_hash": "aaaa000000000009", "seed": 7,
+    extra = {**df.iloc[0].to_dict(), "trial": "aaaa000000000009", "train_key": "aaaa000000000009", "seed": 7,
              "value": 0.5}
     ResultsStore(sources.store.uri).write([{k: v for k, v in extra.items() if k not in ("created_at",)}],
                                           key=("eval", "aaaa000000000009"))

@@ -176,7 +176,8 @@ def test_old_rows_without_stopped_read_as_null_and_mark_nothing(tmp_path):
            "step": 10, "tokens": 100, "eval_len": 64, "train_len": 64, "window_mode": "nonoverlap", "metric": "acc",
            "value": 0.5, "seed": 0, "config_hash": "h", "git_sha": "x", "schema_version": 4}
     (tmp_path / "study=old").mkdir()
-    pq.write_table(pa.Table.from_pylist([row], schema=pa.schema([ARROW_SCHEMA.field(n) for n in row])),
+    fields = [pa.field(n, pa.string(), nullable=False) if n == "config_hash" else ARROW_SCHEMA.field(n) for n in row]
+    pq.write_table(pa.Table.from_pylist([row], schema=pa.schema(fields)),  # schema 4 called train_key config_hash
                    str(tmp_path / "study=old" / "v4.parquet"))
     store = ResultsStore(str(tmp_path))
     frame = store.read(study="old")

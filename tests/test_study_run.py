@@ -119,9 +119,9 @@ def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ra
     assert second.evaluated == 2 * (6 - 2)  # per trial: 3 lengths x 2 p_eval, minus the 2 cells it had
     after = store.read(study="grow", metric="val_loss")
     assert len(after) == 2 * 3 * 2
-    assert after.groupby(["config_hash", "eval_len", "p_eval"], dropna=False).size().max() == 1
-    old = before.set_index(["config_hash", "eval_len"])["value"]
-    kept = after[after.p_eval.isna() & after.eval_len.isin([64, 256])].set_index(["config_hash", "eval_len"])["value"]
+    assert after.groupby(["train_key", "eval_len", "p_eval"], dropna=False).size().max() == 1
+    old = before.set_index(["train_key", "eval_len"])["value"]
+    kept = after[after.p_eval.isna() & after.eval_len.isin([64, 256])].set_index(["train_key", "eval_len"])["value"]
     assert kept.sort_index().tolist() == old.sort_index().tolist()  # old cells were not measured again
 
     third = run_study(load_spec(grown), store=store_uri, runs=runs, verbose=0)
@@ -130,7 +130,7 @@ def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ra
     fresh = run_study(load_spec(grown), store=store_uri, runs=runs, resume=False, verbose=0)
     assert fresh.trained == 0 and [t["status"] for t in fresh.trials] == ["cached"] * 2
     for trial in fresh.trials:  # the cached report is the objective's own cell (4x, p_eval none, ntk)
-        rows = after[(after.config_hash == trial["train_key"]) & (after.eval_len == 256) & after.p_eval.isna()]
+        rows = after[(after.train_key == trial["train_key"]) & (after.eval_len == 256) & after.p_eval.isna()]
         assert trial["objectives"]["val_loss@4x"] == pytest.approx(rows["value"].iloc[0])
 
 
@@ -166,7 +166,7 @@ def test_killed_study_resumes_without_duplicates(ray_session, tmp_path):
     store = ResultsStore(store_uri)
     val = store.read(study="grid-resume", metric="val_loss")
     assert len(val) == 3 * 4  # 3 trials x 2 lengths x 2 p_eval: no duplicates
-    assert val.groupby(["config_hash", "eval_len", "p_eval"], dropna=False).size().max() == 1
+    assert val.groupby(["train_key", "eval_len", "p_eval"], dropna=False).size().max() == 1
     events = [state.loc.read_json(f"events/{name}") for name in state.loc.list_names("events")]
     assert sum(1 for e in events if e["train_key"] == first_done) == 1  # the finished trial never retrained
     assert len(_run_dirs(state)) == 3

@@ -13,21 +13,24 @@ import sys
 
 from attnlab.errors import UserError
 
-# Modules that contribute sub-commands, in the order they appear in --help.
-_COMMAND_MODULES = (
-    "attnlab.data.cli",
-    "attnlab.train.cli",
-    "attnlab.evaluate.cli",
-    "attnlab.attention.cli",
-    "attnlab.study.cli",
-    "attnlab.results.cli",
-    "attnlab.cluster.cli",
-    "attnlab.serve.cli",
-    "attnlab.demo",
-)
+# The module that contributes each sub-command, in the order they appear in --help.
+_COMMANDS = {
+    "data": "attnlab.data.cli",
+    "train": "attnlab.train.cli",
+    "eval": "attnlab.evaluate.cli",
+    "attention": "attnlab.attention.cli",
+    "study": "attnlab.study.cli",
+    "results": "attnlab.results.cli",
+    "cluster": "attnlab.cluster.cli",
+    "serve": "attnlab.serve.cli",
+    "demo": "attnlab.demo",
+}
+_COMMAND_MODULES = tuple(_COMMANDS.values())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command, or of ``command`` only (``attnlab results ...`` then never imports the
+    training code and torch: a report answers in a second)."""
     parser = argparse.ArgumentParser(
         prog="attnlab",
         description="Study how attention mechanisms extrapolate in length: data, training, evaluation, "
@@ -35,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in _COMMAND_MODULES:
+    for name in ([_COMMANDS[command]] if command in _COMMANDS else _COMMAND_MODULES):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -47,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(words[0] if words else None)
     args = parser.parse_args(argv)
     try:
         result = args.func(args)

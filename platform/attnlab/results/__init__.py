@@ -1,12 +1,14 @@
-"""The results store (immutable Parquet files of long-format rows) and the reports read from it.
+"""The results store (Parquet files of long-format rows, kept per training run) and the reports read from it.
 
 Public API:
 - ``ResultsStore(uri)``: ``write(rows, key)``, ``read(study=None, **filters)``,
-  ``stored_eval_keys(study, config_hash)``, ``studies()``.
+  ``stored_eval_keys(study, train_key)``, ``studies()``, ``compact(study)`` (returning a ``Compaction``);
+  ``key_stem(key)``: the name a write key gives its files.
 - ``reports``: ``table`` / ``to_markdown`` / ``to_csv``, ``curves``, ``best``, ``compare`` (also here as
   ``attnlab.results.compare``, returning a ``Comparison``), ``export``, ``format_reference_table``.
 - ``stats``: the small-sample statistics the reports use (Student t cell interval, Welch + permutation test).
-- ``schema``: the columns, ``SCHEMA_VERSION``, the metric registry (``register_metric``).
+- ``schema``: the columns (``STORED_NAMES``; ``COLUMN_NAMES`` adds the old names a written row may still use),
+  ``SCHEMA_VERSION``, the metric registry (``register_metric``).
 
 Importable without Ray (nothing here imports it); matplotlib is imported only when plotting.
 """
@@ -19,11 +21,12 @@ from attnlab.results.schema import (
     LAW_METRIC,
     METRICS,
     SCHEMA_VERSION,
+    STORED_NAMES,
     describe_schema,
     register_metric,
     validate_row,
 )
-from attnlab.results.store import ResultsStore, file_name_for_key
+from attnlab.results.store import Compaction, ResultsStore, key_stem
 
 __all__ = [
     "COLUMN_NAMES",
@@ -33,10 +36,12 @@ __all__ = [
     "LAW_METRIC",
     "METRICS",
     "SCHEMA_VERSION",
+    "STORED_NAMES",
     "ResultsStore",
+    "Compaction",
     "compare",
     "describe_schema",
-    "file_name_for_key",
+    "key_stem",
     "register_metric",
     "validate_row",
 ]

@@ -1,7 +1,10 @@
-"""``attnlab results table|curves|best|compare|laws|export|studies|schema``: reports from a results store.
+"""``attnlab results table|curves|best|compare|laws|export|studies|schema|compact``: reports from a results store,
+and merging a study's small files.
 
-Thin argument handling only: reading is ``ResultsStore``, the reports are ``attnlab.results.reports``.
-No Ray here. Bad input raises ``UserError`` (printed by the top-level CLI as one line, exit 2).
+Thin argument handling only: reading and compaction are ``ResultsStore``'s, the reports
+``attnlab.results.reports``. A report of one metric reads only that metric's rows (and table, curves and best
+only the columns they show). No Ray here. Bad input raises ``UserError`` (printed by the top-level CLI as one
+line, exit 2).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import sys
 from attnlab.errors import UserError
 from attnlab.location import DEFAULT_STORE
 from attnlab.results import reports
-from attnlab.results.schema import COLUMNS, describe_schema
+from attnlab.results.reports.rows import REPORT_COLUMNS
+from attnlab.results.schema import COLUMNS, COMPLETE_METRIC, INPUT_ALIASES, describe_schema
 from attnlab.results.store import ResultsStore
 
 _COLUMN_KINDS = {c.name: c for c in COLUMNS}
@@ -27,6 +31,7 @@ def _parse_where(items: list[str] | None) -> dict:
         name = name.strip()
         if not sep or not name:
             raise UserError(f"--where {item!r}: use COLUMN=VALUE or COLUMN=V1,V2")
+        name = INPUT_ALIASES.get(name, name)  # config_hash: train_key's name before schema version 6
         column = _COLUMN_KINDS.get(name)
         if column is None:
             raise UserError(f"--where {item!r}: unknown column {name!r}; allowed: {', '.join(_COLUMN_KINDS)}")
@@ -51,9 +56,15 @@ def _parse_where(items: list[str] | None) -> dict:
     return filters
 
 
-def _load(args):
+def _load(args, metric: str | None = None, columns: tuple[str, ...] | None = None):
+    """The rows a report reads: with ``metric``, only that metric's rows (and only ``columns``), else all; when
+    the metric has none, every row, so the report can say which metrics there are."""
     store = ResultsStore(args.store)
     filters = _parse_where(getattr(args, "where", None))
+    if metric is not None and metric != COMPLETE_METRIC and "metric" not in filters:
+        frame = store.read(study=args.study, columns=list(columns) if columns else None, metric=metric, **filters)
+        if len(frame):
+            return frame
     frame = store.read(study=args.study, **filters)
     if len(frame) == 0:
         if not store.exists():
@@ -76,7 +87,7 @@ def _emit(text: str, out: str | None) -> None:
 
 
 def _table(args) -> int:
-    result = reports.table(_load(args), metric=args.metric, step=args.step)
+    result = reports.table(_load(args, args.metric, REPORT_COLUMNS), metric=args.metric, step=args.step)
     if args.format == "csv":
         text = reports.to_csv(result)
     else:
@@ -88,14 +99,16 @@ def _table(args) -> int:
 
 
 def _curves(args) -> int:
-    paths = reports.curves(_load(args), args.out, metric=args.metric, by=args.by, step=args.step)
+    paths = reports.curves(_load(args, args.metric, REPORT_COLUMNS), args.out, metric=args.metric, by=args.by,
+                           step=args.step)
     print(paths["png"])
     print(paths["html"])
     return 0
 
 
 def _best(args) -> int:
-    ranking = reports.best(_load(args), at=args.at, metric=args.metric, step=args.step)
+    ranking = reports.best(_load(args, args.metric, REPORT_COLUMNS), at=args.at, metric=args.metric,
+                           step=args.step)
     if args.top:
         ranking = ranking.head(args.top)
     text = reports.best_to_markdown(ranking, digits=args.digits) if args.format == "markdown" else \
@@ -105,7 +118,8 @@ def _best(args) -> int:
 
 
 def _compare(args) -> int:
-    result = reports.compare(_load(args), a=args.a, b=args.b, at=args.at, metric=args.metric, step=args.step)
+    result = reports.compare(_load(args, args.metric), a=args.a, b=args.b, at=args.at, metric=args.metric,
+                             step=args.step)
     _emit(reports.format_comparison(result, digits=args.digits), None)
     return 0
 
@@ -131,6 +145,22 @@ def _studies(args) -> int:
 
 def _schema(args) -> int:
     print(describe_schema())
+    return 0
+
+
+def _compact(args) -> int:
+    store = ResultsStore(args.store)
+    if args.study is not None:
+        names = [args.study]
+        if args.study not in store.studies():
+            raise UserError(f"--study {args.study!r} not in store {args.store!r}; studies: "
+                            f"{', '.join(store.studies()) or 'none'}")
+    else:
+        names = store.studies()
+        if not names:
+            raise UserError(f"--store {args.store!r}: no studies to compact (nothing has been written yet)")
+    for name in names:
+        print(store.compact(name).describe())
     return 0
 
 
@@ -233,3 +263,14 @@ def add_parser(subparsers) -> None:
 
     p = sub.add_parser("schema", help="print the results-row schema")
     p.set_defaults(func=_schema)
+
+    p = sub.add_parser("compact", help="merge a study's small files into one (reads then touch one file)",
+                       description="Merge every file of a study (one per write and run, and files of stores written "
+                                   "before schema 6) into one compacted file, leaving each run an index of its cells. "
+                                   "Safe while studies write and read: nothing "
+                                   "is read twice or missed, a later write of a key still replaces its rows, and a "
+                                   "crash leaves a readable store (run it again to finish). See "
+                                   "docs/results-store.md.")
+    _store_options(p, selection=False)
+    p.add_argument("--study", default=None, metavar="NAME", help="only this study (default: every study)")
+    p.set_defaults(func=_compact)

@@ -3,7 +3,7 @@
 A row says *what was measured* (``metric``, ``value``), *on what* (``eval_len``, ``window_mode``,
 optional ``layer``/``bucket``/``n_tokens``), *for which configuration* (``attention``, ``scale``,
 ``p_train``, ``p_eval``, ``rope_scaling``, ``train_len``, ``preset``, ``data``, ``seed``) and *where it
-came from* (``study``, ``trial``, ``step``, ``tokens``, ``config_hash``, ``git_sha``, ``created_at``).
+came from* (``study``, ``trial``, ``train_key``, ``step``, ``tokens``, ``git_sha``, ``created_at``).
 Every stored file carries ``schema_version`` (a column and a file-metadata entry); readers fill
 columns that an older file lacks with nulls.
 
@@ -13,9 +13,17 @@ Conventions:
 - ``value`` may be NaN or infinite: a diverged run must still be recordable.
 - ``metric`` must be a registered name (:data:`METRICS`); typos would otherwise vanish silently from
   tables. Add new metrics with :func:`register_metric`.
-- ``config_hash`` is the training run's key (``TrainConfig.train_key``) and ``eval_key`` the evaluation
-  cell's (``attnlab.evaluate.plan.EvalCell.key``): a study re-run measures only cells whose key has no rows.
+- ``train_key`` is the training run's identity (``TrainConfig.train_key``): the store keeps a run's rows
+  together by it (``attnlab.results.store``), and ``eval_key`` is the evaluation cell's
+  (``attnlab.evaluate.plan.EvalCell.key``): a study re-run measures only cells whose key has no rows.
+- ``trial`` is what reports group a run's rows by (its final step, its seed's value): a study writes the
+  run's train key there too, ``attnlab eval`` the run folder's name.
 - ``metric="complete"`` marker rows (written by stores of schema version 1) are read and ignored by reports.
+
+Older stores (schema versions 1-5) have no ``train_key`` column: they stored the same key as ``config_hash``
+("hash of the full trial configuration", always the run's ``TrainConfig.train_key`` in practice) and, in a study,
+as ``trial``. Their rows read with ``train_key`` filled from ``config_hash``. Writers may still send
+``config_hash`` (:data:`INPUT_ALIASES`): it is stored as ``train_key``; filters may name it too.
 
 This module is pure Python + pyarrow: no Ray, no pandas-only logic, no file I/O.
 """
@@ -33,8 +41,9 @@ import pyarrow as pa
 from attnlab.errors import UserError
 from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 
-# 2: eval_key; 3: expression; 4: task, stderr; 5: stopped, stop_rule (rows of older versions read them as null)
-SCHEMA_VERSION = 5
+# 2: eval_key; 3: expression; 4: task, stderr; 5: stopped, stop_rule (rows of older versions read them as null);
+# 6: train_key (the column versions 1-5 called config_hash)
+SCHEMA_VERSION = 6
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
@@ -70,7 +79,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("metric", "str", True, "metric name (see METRICS)"),
     Column("value", "float", True, "the measured number (NaN/inf allowed: diverged runs)"),
     Column("seed", "int", True, "training seed of the trial"),
-    Column("config_hash", "str", True, "hash of the full trial configuration"),
+    Column("train_key", "str", True, "the training run's identity (TrainConfig.train_key); stores of schema 1-5 "
+                                     "called it config_hash"),
     Column("git_sha", "str", True, 'code version ("unknown" when not in a git checkout)'),
     Column("layer", "int", False, "layer index for per-layer diagnostics; null = whole model"),
     Column("bucket", "str", False, 'position bucket ("early"/"middle"/"late") or key depth; null = all'),
@@ -88,8 +98,15 @@ COLUMNS: tuple[Column, ...] = (
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
-COLUMN_NAMES = tuple(c.name for c in COLUMNS)
+STORED_NAMES = tuple(c.name for c in COLUMNS)  # the columns of a stored row, in order
 _BY_NAME = {c.name: c for c in COLUMNS}
+
+# Older names of columns, accepted in written rows and in read filters: {old name: column}. ``config_hash`` is what
+# schema versions 1-5 called ``train_key`` (writers outside this package still send it).
+INPUT_ALIASES = {"config_hash": "train_key"}
+# Every name a written row may carry: the stored columns and their old names (what a writer checks its rows' fields
+# against; attnlab.evaluate checks a row's context so). Once no writer sends config_hash, it equals STORED_NAMES.
+COLUMN_NAMES = STORED_NAMES + tuple(INPUT_ALIASES)
 
 # Columns that identify a configuration (what reports group by); seeds are averaged over.
 CONFIG_COLUMNS = (
@@ -263,6 +280,24 @@ def _coerce(column: Column, value, where: str):
     raise AssertionError(kind)  # pragma: no cover
 
 
+def _current_names(row: dict, where: str) -> dict:
+    """``row`` with its columns under their current names (:data:`INPUT_ALIASES`: ``config_hash`` -> ``train_key``);
+    an old and a current name giving two different values are refused."""
+    if not any(old in row for old in INPUT_ALIASES):
+        return row
+    row = dict(row)
+    for old, new in INPUT_ALIASES.items():
+        if old not in row:
+            continue
+        value, current = row.pop(old), row.get(new)
+        if is_missing(current):
+            row[new] = value
+        elif not is_missing(value) and value != current:
+            raise UserError(f"results {where}: column {old!r} is {value!r} but {new!r} is {current!r}; {old!r} is the "
+                            f"old name of {new!r}: send one of them")
+    return row
+
+
 def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> dict:
     """Check one row against the schema and return it in stored form (all columns present).
 
@@ -273,10 +308,11 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
     if not isinstance(row, dict):
         raise UserError(f"results row {index}: must be a mapping of column -> value, got {type(row).__name__}")
     where = _describe_row(index, row)
-    unknown = sorted(set(row) - set(COLUMN_NAMES))
+    row = _current_names(row, where)
+    unknown = sorted(set(row) - set(STORED_NAMES))
     if unknown:
         raise UserError(
-            f"results {where}: unknown column {unknown[0]!r}; allowed: {', '.join(COLUMN_NAMES)}"
+            f"results {where}: unknown column {unknown[0]!r}; allowed: {', '.join(STORED_NAMES)}"
         )
     out = {}
     for column in COLUMNS:
@@ -323,7 +359,7 @@ def rows_to_table(rows: list[dict]) -> pa.Table:
     """Validate rows and build an Arrow table in the stored schema (raises UserError on the first bad row)."""
     now = _dt.datetime.now(_dt.timezone.utc)
     checked = [validate_row(row, i, now) for i, row in enumerate(rows)]
-    columns = {name: [r[name] for r in checked] for name in COLUMN_NAMES}
+    columns = {name: [r[name] for r in checked] for name in STORED_NAMES}
     return pa.Table.from_pydict(columns, schema=ARROW_SCHEMA)
 
 

@@ -41,10 +41,10 @@ def t_interval(values, confidence: float = CONFIDENCE) -> tuple[float, float]:
     n = len(values)
     if n < 2 or not np.all(np.isfinite(values)):
         return (math.nan, math.nan)
-    from scipy import stats
+    from scipy.special import stdtrit  # the t quantile scipy.stats.t.ppf returns, without importing scipy.stats
 
     mean = float(np.mean(values))
-    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * float(np.std(values, ddof=1)) / math.sqrt(n)
+    half = float(stdtrit(n - 1, 0.5 + confidence / 2)) * float(np.std(values, ddof=1)) / math.sqrt(n)
     return (mean - half, mean + half)
 
 

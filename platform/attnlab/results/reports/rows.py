@@ -20,6 +20,10 @@ MISSING_CELL = "–"
 
 SINGLE_RUN = "1 seed"  # how tables and figures mark a cell measured on a single run
 
+# The columns table, best and curves look at (``attnlab results`` reads only these for them).
+REPORT_COLUMNS = ("study", "trial", "step", "metric", "eval_len", "value", "seed", *CONFIG_COLUMNS, "stopped",
+                  "stop_rule")
+
 
 CONFIDENCE = _stats_mod.CONFIDENCE
 
@@ -151,7 +155,8 @@ def aggregate(rows: pd.DataFrame, group_columns: list[str], keep_values: bool = 
         records.append(record)
     columns = [*group_columns, "eval_len", "mean", "std", "n", "ci_low", "ci_high"]
     out = pd.DataFrame.from_records(records, columns=[*columns, "values"] if keep_values else columns)
-    order = sorted(range(len(out)), key=lambda i: tuple(_sort_key(out.iloc[i][c]) for c in [*group_columns, "eval_len"]))
+    keys = [out[c].tolist() for c in [*group_columns, "eval_len"]]
+    order = sorted(range(len(out)), key=lambda i: tuple(_sort_key(values[i]) for values in keys))
     return out.iloc[order].reset_index(drop=True)
 
 

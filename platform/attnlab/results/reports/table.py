@@ -40,15 +40,18 @@ def table(df: pd.DataFrame, metric: str = "val_loss", step="final", lengths: lis
     configs = stats[label_columns].drop_duplicates().reset_index(drop=True)
     result = configs.copy()
     seed_values: dict[tuple[int, int], tuple] = {}
+    # Each (configuration, length) cell's statistics row, found by its label values (null matching null).
+    cell_rows: dict[tuple, dict] = {}
+    for record in stats.to_dict("records"):
+        cell_rows.setdefault((*(_cell_key(record[c]) for c in label_columns), record["eval_len"]), record)
+    config_keys = [tuple(_cell_key(v) for v in values)
+                   for values in zip(*(configs[c].tolist() for c in label_columns))] if label_columns else \
+        [()] * len(configs)
     for length in lengths:
         cells = {name: [] for name in ("mean", "std", "n", "ci_low", "ci_high")}
-        at_length = stats[stats["eval_len"] == length]
         for i in range(len(configs)):
-            match = at_length
-            for c in label_columns:
-                match = match[_same(match[c], configs.iloc[i][c])]
-            if len(match):
-                first = match.iloc[0]
+            first = cell_rows.get((*config_keys[i], length))
+            if first is not None:
                 for name in cells:
                     cells[name].append(int(first[name]) if name == "n" else float(first[name]))
                 seed_values[(i, length)] = first["values"]
@@ -63,6 +66,13 @@ def table(df: pd.DataFrame, metric: str = "val_loss", step="final", lengths: lis
     )
     result.attrs["capped"], result.attrs["cap_note"] = _capped_cells(rows, configs, label_columns, lengths)
     return result
+
+
+_NULL = object()  # every spelling of a missing label value, as one dictionary key
+
+
+def _cell_key(value):
+    return _NULL if is_missing(value) else value
 
 
 # Cells of trials whose training hit its step cap before its stopping rule (rows' stopped = cap) carry this mark
@@ -158,8 +168,10 @@ def formatted_cells(result: pd.DataFrame, digits: int = 4, per_seed: bool = Fals
     bounds = metric_bounds(result.attrs.get("metric"))
     header = [*label_columns, *_length_headers(lengths, result.attrs.get("train_len"))]
     body = []
-    for i in range(len(result)):
-        row = result.iloc[i]
+    plain = result.copy()
+    plain.attrs = {}  # each row of a frame gets a deep copy of its attrs (every cell's seed values): rows of a copy
+    for i in range(len(plain)):
+        row = plain.iloc[i]
         cells = [format_value(row[c]) for c in label_columns]
         for L in lengths:
             low = row[f"ci_low@{L}"] if f"ci_low@{L}" in result.columns else math.nan
