@@ -524,6 +524,7 @@ def test_a_submitted_study_runs_the_plugin_bytes_it_was_submitted_with(cluster, 
     assert "study mn-plugin: 1 trial(s) 1 complete; 1 trained this run" in logs, logs[-3000:]
     rows = ResultsStore(store).read(study="mn-plugin", metric="val_loss")
     assert sorted(rows.eval_len) == [64, 128] and set(rows.attention) == {"recency"}
-    provenance = Location.parse(f"{storage}/mn-plugin/runs/{rows.config_hash.iloc[0]}").read_json("provenance.json")
+    assert set(rows.plugin_sha256) == {sha}
+    provenance = Location.parse(f"{storage}/mn-plugin/runs/{rows.train_key.iloc[0]}").read_json("provenance.json")
     assert provenance["plugin"] == {"origin": "../laptop/recency.py", "sha256": sha, "attention": "recency"}
     assert "--plugin-bundle attnlab_job_plugins_" in cluster.job(job_id).entrypoint

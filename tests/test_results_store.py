@@ -204,6 +204,7 @@ def test_old_files_read_with_nulls_newer_and_corrupt_files_are_refused(tmp_path)
     frame = store.read()  # sorted by trial: "old" before "t0"
     assert frame["trial"].tolist() == ["old", "t0"] and frame["value"].tolist() == [2.0, 1.0]
     assert frame["preset"].isna().tolist() == [True, False] and frame["preset"].tolist()[1] == "tiny"
+    assert frame["plugin_sha256"].isna().all()  # schema 7's column: null in older rows (and for a built-in variant)
 
     newer = make_row(value=3.0, trial="newer", train_key="cfg-newer")
     del newer["config_hash"]

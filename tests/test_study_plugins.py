@@ -209,7 +209,7 @@ def test_a_plugin_from_outside_the_repo_trains_evaluates_and_retrains_only_when_
     evaluates later from the bytes it recorded, without the file, and is refused with the edited ones."""
     from attnlab.evaluate.extrapolation import evaluate_checkpoint
     from attnlab.evaluate.plan import EvalConfig
-    from attnlab.results import ResultsStore
+    from attnlab.results import ResultsStore, reports
     from attnlab.study.runner import run_study, study_state
 
     keep = {p.source.sha256 for p in loaded_plugins()}
@@ -231,6 +231,8 @@ def test_a_plugin_from_outside_the_repo_trains_evaluates_and_retrains_only_when_
     provenance = state.run(keys["recency"]).read_json("provenance.json")
     sha = read_source(str(plugin)).sha256
     assert provenance["plugin"]["sha256"] == sha and provenance["config"]["plugin"]["sha256"] == sha
+    by_variant = rows.groupby("attention")["plugin_sha256"].apply(lambda s: set(s.fillna("null")))
+    assert by_variant.to_dict() == {"recency": {sha}, "softmax": {"null"}}  # the rows carry the plugin's hash
 
     # Unchanged: nothing trains.
     again = run_study(load_spec("plugged.yaml"), store=store, runs=runs)
@@ -247,7 +249,12 @@ def test_a_plugin_from_outside_the_repo_trains_evaluates_and_retrains_only_when_
     new_keys = {t["train_key"] for t in fresh.trials if t["attention"] == "recency"} - {keys["recency"]}
     assert len(new_keys) == 1
     rows = ResultsStore(store).read(study="plugged", metric="val_loss")
-    assert set(rows.config_hash) == {keys["softmax"], keys["recency"], *new_keys}  # softmax's run reused
+    assert set(rows.train_key) == {keys["softmax"], keys["recency"], *new_keys}  # softmax's run reused
+    # The two versions are two configurations: never averaged as seeds, never compared as one.
+    table = reports.table(rows, metric="val_loss")
+    assert "plugin_sha256" in table.attrs["label_columns"] and (table["attention"] == "recency").sum() == 2
+    with pytest.raises(UserError, match=r"--b 'recency' matches 2 configurations .*plugin_sha256"):
+        reports.compare(rows, "softmax", "recency", at="2x")
 
     # The old run with the edited plugin loaded: refused in one line naming both hashes.
     old_run = state.run(keys["recency"]).uri
@@ -259,4 +266,5 @@ def test_a_plugin_from_outside_the_repo_trains_evaluates_and_retrains_only_when_
     forget_plugins(keep)
     plugin.unlink()
     rows = evaluate_checkpoint(old_run, EvalConfig(lengths=[64], p_eval=[None], max_tokens=256), device="cpu")
-    assert {r["attention"] for r in rows} == {"recency"} and rows[0]["config_hash"] == keys["recency"]
+    assert {r["attention"] for r in rows} == {"recency"} and {r["plugin_sha256"] for r in rows} == {sha}
+    assert rows[0]["config_hash"] == keys["recency"]

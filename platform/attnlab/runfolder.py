@@ -84,6 +84,13 @@ class TrainRecord:
     val_batch: int
     record: dict  # the whole recorded config
 
+    @property
+    def plugin_sha256(self) -> str | None:
+        """The sha256 of the attention plugin the run trained with (its recorded ``plugin``); None for a built-in
+        variant, or a run recorded before configs carried their plugin."""
+        plugin = self.record.get("plugin")
+        return str(plugin["sha256"]) if isinstance(plugin, dict) and plugin.get("sha256") else None
+
     @classmethod
     def parse(cls, record, where: str = "checkpoint") -> TrainRecord:
         """``record``: the recorded dict, or a ``TrainConfig`` (recorded first, as a run records it)."""

@@ -116,6 +116,7 @@ def base_row(loaded: LoadedCheckpoint, source, train_key: str, context: dict | N
         "git_sha": git_info().get("sha") or "unknown",
         "preset": cfg.preset,
         "data": data_label(getattr(source, "spec", None) or source.describe()),
+        "plugin_sha256": cfg.plugin_sha256,  # the plugin's code, for a plugin's variant (null for a built-in)
     }
     row.update(context)
     return row

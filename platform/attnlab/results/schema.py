@@ -19,6 +19,9 @@ Conventions:
 - ``trial`` is what reports group a run's rows by (its final step, its seed's value): a study writes the
   run's train key there too, ``attnlab eval`` the run folder's name.
 - ``metric="complete"`` marker rows (written by stores of schema version 1) are read and ignored by reports.
+- ``plugin_sha256``: for a variant from an attention plugin, the sha256 of the plugin's source the run trained
+  with (its train key includes it); a configuration column, so two versions of a plugin are never averaged or
+  compared as one. Null for a built-in variant, and in rows of schema versions 1-6.
 
 Older stores (schema versions 1-5) have no ``train_key`` column: they stored the same key as ``config_hash``
 ("hash of the full trial configuration", always the run's ``TrainConfig.train_key`` in practice) and, in a study,
@@ -42,8 +45,8 @@ from attnlab.errors import UserError
 from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 
 # 2: eval_key; 3: expression; 4: task, stderr; 5: stopped, stop_rule (rows of older versions read them as null);
-# 6: train_key (the column versions 1-5 called config_hash)
-SCHEMA_VERSION = 6
+# 6: train_key (the column versions 1-5 called config_hash); 7: plugin_sha256 (rows of older versions read it as null)
+SCHEMA_VERSION = 7
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
@@ -95,6 +98,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("stopped", "str", False, "how training ended under a stopping rule (train.stop_when): reached (the rule was "
                                     "met at step) or cap (the step cap came first); null = no rule"),
     Column("stop_rule", "str", False, "the training run's stopping rule, e.g. 'val_acc >= 0.99'; null = none"),
+    Column("plugin_sha256", "str", False, "sha256 of the source of the attention plugin the run's variant comes from "
+                                          "(docs/plugins.md): the code it trained with; null = a built-in variant"),
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
@@ -111,7 +116,7 @@ COLUMN_NAMES = STORED_NAMES + tuple(INPUT_ALIASES)
 # Columns that identify a configuration (what reports group by); seeds are averaged over.
 CONFIG_COLUMNS = (
     "attention", "scale", "p_train", "p_eval", "rope_scaling", "train_len", "preset", "data", "knobs",
-    "window_mode", "layer", "bucket", "task",
+    "window_mode", "layer", "bucket", "task", "plugin_sha256",
 )
 
 _ARROW_TYPES = {

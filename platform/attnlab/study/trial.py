@@ -187,7 +187,7 @@ def diverged_base_row(plan: TrialPlan, step: int) -> dict:
     attention = gpt.attention_spec()
     return {**plan.row_context, "attention": gpt.attention, "scale": attention.scale_label, "p_train": attention.p,
             "step": int(step), "tokens": int(step) * plan.cfg.tokens_per_step, "train_len": plan.cfg.seq_length,
-            "preset": plan.cfg.preset}
+            "preset": plan.cfg.preset, "plugin_sha256": plan.cfg.plugin.sha256 if plan.cfg.plugin else None}
 
 
 # ------------------------------------------------------------------------------------------ step 4: report

@@ -77,8 +77,12 @@ def select(df: pd.DataFrame, metric: str = "val_loss", step="final") -> pd.DataF
 
 
 def _config_columns(rows: pd.DataFrame) -> tuple[list[str], list[str]]:
-    """(all configuration columns present, the ones that vary = the label columns)."""
+    """(all configuration columns present, the ones that vary = the label columns). ``plugin_sha256`` counts only
+    where one attention variant has rows of two versions of its plugin (else the variant's name says it)."""
     columns = [c for c in CONFIG_COLUMNS if c in rows.columns]
+    if "plugin_sha256" in columns and (rows.groupby("attention", dropna=False)["plugin_sha256"]
+                                       .nunique(dropna=False) <= 1).all():
+        columns.remove("plugin_sha256")
     if "study" in rows.columns and rows["study"].nunique(dropna=False) > 1:
         columns = ["study", *columns]
     varying = [c for c in columns if rows[c].nunique(dropna=False) > 1]
