@@ -94,7 +94,7 @@ def _row(study: str, key: str, point: dict, step: int, p_eval, rope: str, length
     return {"study": study, "trial": key, "attention": point["attention"], "scale": "logd_logn",
             "p_train": 15.0 if point["attention"] == "lssar" else None, "p_eval": p_eval, "rope_scaling": rope,
             "step": step, "tokens": step * 256, "eval_len": length, "train_len": TRAIN_LEN, "window_mode": "nonoverlap",
-            "seed": point["seed"], "config_hash": key, "git_sha": "abc1234", "preset": "tiny",
+            "seed": point["seed"], "train_key": key, "git_sha": "abc1234", "preset": "tiny",
             "data": "copy_distractors"}
 
 

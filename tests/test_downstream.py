@@ -185,7 +185,7 @@ def test_known_scores_land_in_the_store_and_the_table(trained, tasks_dir, tmp_pa
     assert "0.7500" in table and "attnlab_lastword" not in table
 
     # evaluated again with the stored cells skipped: nothing is measured, nothing written
-    skip = ResultsStore(str(store)).stored_eval_keys("down", rows[0]["config_hash"])
+    skip = ResultsStore(str(store)).stored_eval_keys("down", rows[0]["train_key"])
     assert evaluate_checkpoint(trained, config, store=str(store), device="cpu", context={"study": "down"},
                                skip=skip) == []
     assert len(ResultsStore(str(store)).read(study="down")) == len(rows)
@@ -259,7 +259,7 @@ def test_a_diverged_runs_downstream_cell_is_a_nan_acc_row_of_its_task():
 
     cells = parse(EvalConfig, {"downstream": ["hellaswag", "piqa"], "windows": False}, prefix="eval").cells(64)
     base = dict(study="s", trial="t", attention="softmax", scale="inv_sqrt_d", p_train=None, step=3, tokens=96,
-                train_len=64, seed=0, config_hash="abc", git_sha="unknown")
+                train_len=64, seed=0, train_key="abc", git_sha="unknown")
     rows = [validate_row(row) for cell in cells for row in nan_rows(base, cell, cell.key("abc", 3, "fp"))]
     assert [(r["task"], r["metric"], r["window_mode"]) for r in rows] == [("hellaswag", "acc", "downstream"),
                                                                          ("piqa", "acc", "downstream")]

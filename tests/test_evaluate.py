@@ -160,7 +160,7 @@ def test_eval_at_1x_equals_training_val_loss_and_lands_in_store(trained_run, tmp
         assert row["tokens"] == 10 * 512 and row["train_len"] == 64 and row["attention"] == "softmax"
         assert row["scale"] == "inv_sqrt_d" and row["p_eval"] is None and row["rope_scaling"] == "ntk"
         provenance = json.loads((run_dir / "provenance.json").read_text())
-        assert row["config_hash"] == provenance["train_key"] and row["seed"] == cfg.seed
+        assert row["train_key"] == provenance["train_key"] and row["seed"] == cfg.seed
         assert row["window_mode"] == "nonoverlap" and len(row["eval_key"]) == 16
     back = store.read(study="evaltest")
     assert len(back) == len(rows)

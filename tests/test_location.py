@@ -76,7 +76,7 @@ def test_results_store_on_s3(s3_bucket):
     store = ResultsStore(f"{s3_bucket}/results")
     row = dict(study="s3-study", trial="t", attention="lssa", scale="logd_logn", p_train=None, p_eval=None,
                rope_scaling="ntk", step=10, tokens=100, eval_len=64, train_len=64, window_mode="nonoverlap",
-               metric="val_loss", value=3.5, seed=0, config_hash="abc", git_sha="x")
+               metric="val_loss", value=3.5, seed=0, train_key="abc", git_sha="x")
     store.write([row], key=("eval", "abc"))
     store.write([row], key=("eval", "abc"))  # a retry replaces
     frame = ResultsStore(f"{s3_bucket}/results").read(study="s3-study")

@@ -24,7 +24,7 @@ from attnlab.train import load_train_config
 
 SMALL = {"synthetic": "orbits", "size": "cpu", "block_systems": 10, "n_train_systems": 40, "n_val_systems": 20}
 BASE = dict(study="orbits", trial="t0", attention="lssar", scale="logd_logn", p_train=15.0, step=0, tokens=0,
-            train_len=32, seed=0, config_hash="0123456789abcdef", git_sha="unknown")
+            train_len=32, seed=0, train_key="0123456789abcdef", git_sha="unknown")
 FAST_SR = dict(population=200, generations=4, restarts=1)
 
 

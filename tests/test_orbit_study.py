@@ -64,7 +64,7 @@ def test_evaluating_the_run_stores_errors_and_the_recovered_law(orbit_run, tmp_p
 
     # evaluating again measures nothing: every cell (the force probe's included) is keyed
     again = evaluate_checkpoint(run_dir, config, context={"study": "orbits_test"}, store=store,
-                                skip=store.stored_eval_keys("orbits_test", rows[0]["config_hash"]))
+                                skip=store.stored_eval_keys("orbits_test", rows[0]["train_key"]))
     assert again == []
 
     table = reports.laws(stored)
@@ -97,7 +97,7 @@ def test_rows_written_before_the_expression_column_still_read(tmp_path):
 
     row = validate_row(dict(study="old", trial="t", attention="softmax", scale="inv_sqrt_d", rope_scaling="none",
                             step=1, tokens=1, eval_len=32, train_len=32, window_mode="nonoverlap", metric="val_loss",
-                            value=1.0, seed=0, config_hash="0" * 16, git_sha="unknown"))
+                            value=1.0, seed=0, train_key="0" * 16, git_sha="unknown"))
     old_fields = [f for f in ARROW_SCHEMA if f.name != "expression"]
     table = pa.Table.from_pylist([{k: v for k, v in row.items() if k != "expression"} | {"schema_version": 2}],
                                  schema=pa.schema(old_fields))

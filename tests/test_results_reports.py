@@ -18,7 +18,7 @@ def row(attention, p_eval, seed, eval_len, value, step=500, metric="val_loss", *
     out = dict(
         study="t4", trial=f"{attention}-s{seed}", attention=attention, scale="logd_logn", p_train=None,
         p_eval=p_eval, rope_scaling="ntk", step=step, tokens=step * 4096, eval_len=eval_len, train_len=64,
-        window_mode="nonoverlap", metric=metric, value=value, seed=seed, config_hash=f"h-{attention}-{seed}",
+        window_mode="nonoverlap", metric=metric, value=value, seed=seed, train_key=f"h-{attention}-{seed}",
         git_sha="abc1234",
     )
     out.update(extra)
@@ -84,7 +84,7 @@ def test_table_cells_are_hand_computed_mean_std_n(store):
 
     markdown = reports.to_markdown(result)
     lines = markdown.splitlines()
-    assert lines[0].startswith("val_loss (final step of each trial;")
+    assert lines[0].startswith("val_loss (final step of each run;")
     assert "[95% Student t interval of the mean] when n > 1; '1 seed' = a single run" in lines[0]
     assert "constant: scale=logd_logn, p_train=none, rope_scaling=ntk, train_len=64, window_mode=nonoverlap" in lines[0]
     assert lines[2:] == [
@@ -285,7 +285,7 @@ def test_position_buckets_are_listed_in_window_order():
 
     rows = [dict(study="s", trial="t", attention="lssa", scale="logd_logn", p_train=None, p_eval=None,
                  rope_scaling="ntk", step=1, tokens=1, eval_len=64, train_len=64, window_mode="nonoverlap",
-                 metric="loss_bucket", value=v, seed=0, config_hash="h", git_sha="x", bucket=b)
+                 metric="loss_bucket", value=v, seed=0, train_key="h", git_sha="x", bucket=b)
             for b, v in (("late", 3.0), ("early", 1.0), ("middle", 2.0))]
     table = reports.table(pd.DataFrame(rows), metric="loss_bucket")
     assert list(table["bucket"]) == ["early", "middle", "late"]

@@ -29,7 +29,7 @@ def row(attention, seed, eval_len, value, p_eval=None, p_train=None, metric="acc
     return dict(study=study, trial=f"{attention}-{p_train}-s{seed}", attention=attention, scale="logd_logn",
                 p_train=p_train, p_eval=p_eval, rope_scaling="none", step=800, tokens=800 * 2048,
                 eval_len=eval_len, train_len=64, window_mode="copy_distractors", metric=metric, value=value,
-                seed=seed, config_hash=f"h-{attention}-{p_train}-{seed}", git_sha="abc1234")
+                seed=seed, train_key=f"h-{attention}-{p_train}-{seed}", git_sha="abc1234")
 
 
 @pytest.fixture()
@@ -155,7 +155,7 @@ def test_cli_compare(store, capsys):
     argv = ["results", "compare", "--store", store.uri, "--study", "probe", "--metric", "acc", "--at", "16x"]
     assert main([*argv, "--a", "softmax", "--b", "lssar", "--where", "p_eval=none"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("compare acc at 1K (16x) (final step of each trial); difference = b - a (higher is better)")
+    assert out.startswith("compare acc at 1K (16x) (final step of each run); difference = b - a (higher is better)")
     assert "verdict: significant at the 5% level" in out
     assert main([*argv, "--a", "softmax,p_eval=none", "--b", "lssa"]) == 0
     assert "verdict: not significant at the 5% level" in capsys.readouterr().out

@@ -267,4 +267,4 @@ def test_a_plugin_from_outside_the_repo_trains_evaluates_and_retrains_only_when_
     plugin.unlink()
     rows = evaluate_checkpoint(old_run, EvalConfig(lengths=[64], p_eval=[None], max_tokens=256), device="cpu")
     assert {r["attention"] for r in rows} == {"recency"} and {r["plugin_sha256"] for r in rows} == {sha}
-    assert rows[0]["config_hash"] == keys["recency"]
+    assert rows[0]["train_key"] == keys["recency"]

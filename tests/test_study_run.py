@@ -37,7 +37,7 @@ def _write(tmp_path: Path, study: dict) -> Path:
 
 
 def _val_rows(store: ResultsStore, study: str, h: str):
-    return store.read(study=study, config_hash=h, metric="val_loss")
+    return store.read(study=study, train_key=h, metric="val_loss")
 
 
 def _run_dirs(state) -> set[str]:

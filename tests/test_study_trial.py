@@ -35,7 +35,10 @@ def test_the_context_carries_objects_that_pickle_as_themselves(tmp_path):
     assert isinstance(back.store, ResultsStore) and back.store.uri == str(tmp_path / "results")
     assert back.launched == 12.5
     assert back.data == data
-    plan = plan_trial(back, {"attention": "lssar"})
+    plan = plan_trial(back, {"attention": "lssar"}, "trial_0")
+    # one name per idea: the rows' trial is the Tune trial, the run's identity is its train_key
+    assert plan.row_context["trial"] == "trial_0" and plan.row_context["train_key"] == plan.train_key
+    assert "config_hash" not in plan.row_context
     assert isinstance(plan.run, Location)
     assert plan.run.uri == str(tmp_path / "runs" / "twins" / "runs" / plan.train_key)
 

@@ -249,7 +249,7 @@ def test_a_run_on_object_storage_keeps_every_file_there(ray_session, s3_bucket, 
     checksums = replica_checksums(Location.parse(run))
     assert len(checksums) == 2 and len(set(checksums.values())) == 1
     rows = evaluate_checkpoint(run, EvalConfig(multiples=[1], max_tokens=256), device="cpu")
-    assert rows and rows[0]["config_hash"] == result.train_key and rows[0]["step"] == 4
+    assert rows and rows[0]["train_key"] == result.train_key and rows[0]["step"] == 4
 
 
 # ------------------------------------------------------------------------------------------ the parts, each alone

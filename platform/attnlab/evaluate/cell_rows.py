@@ -1,7 +1,7 @@
 """Turning measured scores into results-store rows: one function per cell kind, nothing else.
 
 Every row of a cell carries the checkpoint's identity (``base``: study, trial, attention, scale, p_train, step,
-tokens, train_len, seed, config_hash = the training run's key, git_sha, preset, data, and for a run with a stopping
+tokens, train_len, seed, train_key = the training run's key, git_sha, preset, data, and for a run with a stopping
 rule ``stopped`` (reached / cap) and ``stop_rule``; ``step`` is then the step training stopped at), the cell's own
 settings (p_eval, rope_scaling, eval_len, window_mode) and the cell's key (``eval_key``). Metrics:
 

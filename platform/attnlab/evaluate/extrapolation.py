@@ -92,12 +92,12 @@ def base_row(loaded: LoadedCheckpoint, source, train_key: str, context: dict | N
     """The identity columns every row of this checkpoint carries (``context`` overrides, e.g. study/trial)."""
     from attnlab.data.source import data_label
     from attnlab.provenance import git_info
-    from attnlab.results.schema import COLUMN_NAMES
+    from attnlab.results.schema import STORED_NAMES
 
     context = dict(context or {})
-    unknown = sorted(set(context) - set(COLUMN_NAMES))
+    unknown = sorted(set(context) - set(STORED_NAMES))
     if unknown:
-        raise UserError(f"context: {unknown[0]!r} is not a results column; allowed: {', '.join(COLUMN_NAMES)}")
+        raise UserError(f"context: {unknown[0]!r} is not a results column; allowed: {', '.join(STORED_NAMES)}")
     gpt, cfg = loaded.model.cfg, loaded.train_config
     attention = gpt.attention_spec()
     step = int(loaded.meta.get("step", 0))
@@ -112,7 +112,7 @@ def base_row(loaded: LoadedCheckpoint, source, train_key: str, context: dict | N
         "tokens": step * cfg.tokens_per_step,
         "train_len": int(gpt.train_len),
         "seed": cfg.seed,
-        "config_hash": train_key,  # the results column of the run's train key
+        "train_key": train_key,
         "git_sha": git_info().get("sha") or "unknown",
         "preset": cfg.preset,
         "data": data_label(getattr(source, "spec", None) or source.describe()),

@@ -7,7 +7,7 @@ Public API:
 - ``reports``: ``table`` / ``to_markdown`` / ``to_csv``, ``curves``, ``best``, ``compare`` (also here as
   ``attnlab.results.compare``, returning a ``Comparison``), ``export``, ``format_reference_table``.
 - ``stats``: the small-sample statistics the reports use (Student t cell interval, Welch + permutation test).
-- ``schema``: the columns (``STORED_NAMES``; ``COLUMN_NAMES`` adds the old names a written row may still use),
+- ``schema``: the columns (``STORED_NAMES``; ``INPUT_ALIASES``: the old names a row may still be written or filtered with),
   ``SCHEMA_VERSION``, the metric registry (``register_metric``).
 
 Importable without Ray (nothing here imports it); matplotlib is imported only when plotting.
@@ -15,9 +15,9 @@ Importable without Ray (nothing here imports it); matplotlib is imported only wh
 
 from attnlab.results.reports import Comparison, compare
 from attnlab.results.schema import (
-    COLUMN_NAMES,
     COMPLETE_METRIC,
     CONFIG_COLUMNS,
+    INPUT_ALIASES,
     LAW_METRIC,
     METRICS,
     SCHEMA_VERSION,
@@ -29,10 +29,10 @@ from attnlab.results.schema import (
 from attnlab.results.store import Compaction, ResultsStore, key_stem
 
 __all__ = [
-    "COLUMN_NAMES",
     "COMPLETE_METRIC",
     "Comparison",
     "CONFIG_COLUMNS",
+    "INPUT_ALIASES",
     "LAW_METRIC",
     "METRICS",
     "SCHEMA_VERSION",

@@ -16,8 +16,10 @@ Conventions:
 - ``train_key`` is the training run's identity (``TrainConfig.train_key``): the store keeps a run's rows
   together by it (``attnlab.results.store``), and ``eval_key`` is the evaluation cell's
   (``attnlab.evaluate.plan.EvalCell.key``): a study re-run measures only cells whose key has no rows.
-- ``trial`` is what reports group a run's rows by (its final step, its seed's value): a study writes the
-  run's train key there too, ``attnlab eval`` the run folder's name.
+- ``trial`` is the Tune trial that measured the row (a study; a study's catch-up evaluation of new cells names
+  the trial that trained the run), or the run folder's name (``attnlab eval``, or its ``--trial``). It labels; it
+  identifies nothing: reports take a run's final step by ``train_key`` (rows of schema 1-5 stored the run's key
+  there too).
 - ``metric="complete"`` marker rows (written by stores of schema version 1) are read and ignored by reports.
 - ``plugin_sha256``: for a variant from an attention plugin, the sha256 of the plugin's source the run trained
   with (its train key includes it); a configuration column, so two versions of a plugin are never averaged or
@@ -25,8 +27,9 @@ Conventions:
 
 Older stores (schema versions 1-5) have no ``train_key`` column: they stored the same key as ``config_hash``
 ("hash of the full trial configuration", always the run's ``TrainConfig.train_key`` in practice) and, in a study,
-as ``trial``. Their rows read with ``train_key`` filled from ``config_hash``. Writers may still send
-``config_hash`` (:data:`INPUT_ALIASES`): it is stored as ``train_key``; filters may name it too.
+as ``trial``. Their rows read with ``train_key`` filled from ``config_hash``. attnlab's own writers send
+``train_key``; a row written by older code outside the package may still say ``config_hash``
+(:data:`INPUT_ALIASES`): the store keeps it as ``train_key``, and filters may name it too.
 
 This module is pure Python + pyarrow: no Ray, no pandas-only logic, no file I/O.
 """
@@ -68,7 +71,8 @@ class Column:
 
 COLUMNS: tuple[Column, ...] = (
     Column("study", "str", True, "study name (also the store folder study=<name>/)"),
-    Column("trial", "str", True, "trial id inside the study"),
+    Column("trial", "str", True, "the Tune trial that measured the row (a study), or the run folder's name "
+                                 "(attnlab eval): a label; the run's identity is train_key"),
     Column("attention", "str", True, "attention variant name, e.g. softmax, lssa, sigmoid_l1"),
     Column("scale", "str", True, 'scale factor, e.g. "logd_logn", "inv_sqrt_d", "coef*log_n:0.8"'),
     Column("p_train", "float", False, "sharpening power used in training; null = none"),
@@ -106,12 +110,9 @@ COLUMNS: tuple[Column, ...] = (
 STORED_NAMES = tuple(c.name for c in COLUMNS)  # the columns of a stored row, in order
 _BY_NAME = {c.name: c for c in COLUMNS}
 
-# Older names of columns, accepted in written rows and in read filters: {old name: column}. ``config_hash`` is what
-# schema versions 1-5 called ``train_key`` (writers outside this package still send it).
+# Older names of columns, accepted by ResultsStore.write and in read filters: {old name: column}. ``config_hash`` is
+# what schema versions 1-5 called ``train_key`` (a writer outside this package may still send it).
 INPUT_ALIASES = {"config_hash": "train_key"}
-# Every name a written row may carry: the stored columns and their old names (what a writer checks its rows' fields
-# against; attnlab.evaluate checks a row's context so). Once no writer sends config_hash, it equals STORED_NAMES.
-COLUMN_NAMES = STORED_NAMES + tuple(INPUT_ALIASES)
 
 # Columns that identify a configuration (what reports group by); seeds are averaged over.
 CONFIG_COLUMNS = (

@@ -67,8 +67,8 @@ class TrialPlan:
     train_key: str
     run: Location
     cells: list[tuple[EvalCell, str]]  # (cell, eval_key)
-    row_context: dict  # the study's columns of every row (study, seed, data, knobs; the run's key as trial and
-    # config_hash, the results columns that carry it)
+    row_context: dict  # the study's columns of every row (study, the Tune trial, seed, the run's train_key, data,
+    # knobs)
 
 
 def knob_label(spec: StudySpec, point: dict) -> str | None:
@@ -79,16 +79,17 @@ def knob_label(spec: StudySpec, point: dict) -> str | None:
                     for k in sorted(extra)) or None
 
 
-def plan_trial(ctx: StudyContext, point: dict, cfg: TrainConfig | None = None) -> TrialPlan:
-    """Step 1: everything a trial will do, and the keys that say what is already done. ``cfg``: the point's
-    training config when already known (a status file's), else the study's search space makes it."""
+def plan_trial(ctx: StudyContext, point: dict, trial: str, cfg: TrainConfig | None = None) -> TrialPlan:
+    """Step 1: everything a trial will do, and the keys that say what is already done. ``trial``: the Tune trial
+    (the rows' ``trial`` column); ``cfg``: the point's training config when already known (a status file's), else
+    the study's search space makes it."""
     from attnlab.provenance import git_info
 
     spec = ctx.spec
     cfg = cfg or spec.search_space().config(point, data=ctx.data.resolved)
     key = cfg.train_key(ctx.data.fingerprint, ctx.data.vocab_size)
     cells = [(cell, cell.key(key, cfg.steps, ctx.data.fingerprint)) for cell in spec.eval.cells(cfg.seq_length)]
-    row_context = {"study": spec.name, "trial": key, "seed": cfg.seed, "config_hash": key,
+    row_context = {"study": spec.name, "trial": trial, "seed": cfg.seed, "train_key": key,
                    "git_sha": git_info()["sha"], "data": ctx.data.label, "knobs": knob_label(spec, point)}
     return TrialPlan(point, cfg, key, ctx.state.run(key), cells, row_context)
 
@@ -213,8 +214,8 @@ def cell_value(rows: list[dict], metric: str, length: int, p_eval, rope: str) ->
 
 
 def run_rows(ctx: StudyContext, train_key: str) -> list[dict]:
-    """The rows of one training run (the results column carrying its key is ``config_hash``)."""
-    return ctx.store.read(study=ctx.spec.name, config_hash=train_key).to_dict("records")
+    """The rows of one training run."""
+    return ctx.store.read(study=ctx.spec.name, train_key=train_key).to_dict("records")
 
 
 # ------------------------------------------------------------------------------------------ the Tune trial
@@ -300,8 +301,9 @@ def study_trial(config: dict, context: StudyContext) -> None:
     spec, state = context.spec, context.state
     spec.load_plugins()  # from the bytes the spec carries: this process reads no plugin file
     point = point_of(config)
-    plan = plan_trial(context, point)
-    status = {"point": point, "trial": tune.get_context().get_trial_name(), "run_dir": plan.run.uri,
+    trial = tune.get_context().get_trial_name()
+    plan = plan_trial(context, point, trial)
+    status = {"point": point, "trial": trial, "run_dir": plan.run.uri,
               "config": plan.cfg.model_dump(mode="json"), "attention": plan.cfg.gpt_config().attention,
               "steps": plan.cfg.steps}
     before = claim_point(state, plan.train_key, context.launched, status)
@@ -352,7 +354,8 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
         if plugin and plugin.get("sha256") not in current:
             continue  # a run of a plugin's earlier code: the study's variant is now other bytes (another key)
         cfg = TrainConfig.model_validate(record["config"])  # the config as the trial recorded it
-        plan = plan_trial(ctx, record.get("point") or {}, cfg=cfg)
+        # the rows name the Tune trial that trained the run (this evaluation runs in the study's driver)
+        plan = plan_trial(ctx, record.get("point") or {}, record.get("trial") or "catch-up", cfg=cfg)
         stored = ctx.store.stored_eval_keys(ctx.spec.name, plan.train_key)
         if all(key in stored for _, key in plan.cells):
             continue

@@ -492,7 +492,7 @@ class TrainConfig(BaseModel):
 
     def train_key(self, data_fingerprint: str, vocab_size: int | None = None) -> str:
         """The training run's identity (16 hex digits): names its run folder, goes into its provenance and into
-        every results row (``config_hash``). Two configs with the same key train the same weights."""
+        every results row (``train_key``). Two configs with the same key train the same weights."""
         payload = json.dumps(self.identity(data_fingerprint, vocab_size), sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

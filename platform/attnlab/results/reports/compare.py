@@ -253,7 +253,7 @@ def format_comparison(result: Comparison, digits: int = 4) -> str:
     if result.train_len:
         length += f" ({result.eval_len / result.train_len:g}x)"
     step = result.step
-    step_text = "final step of each trial" if step == "final" else ("all steps" if step in ("all", None) else f"step {step}")
+    step_text = "final step of each run" if step == "final" else ("all steps" if step in ("all", None) else f"step {step}")
     lines = [f"compare {result.metric} at {length} ({step_text}); difference = b - a "
              f"({'higher' if result.higher_is_better else 'lower'} is better)"]
     if result.constants:

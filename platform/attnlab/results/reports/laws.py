@@ -26,11 +26,11 @@ LAW_COLUMNS = (("exp_r", "force_exp_r"), ("exp_m1", "force_exp_m1"), ("exp_m2", 
                ("pl_exp_m1", "force_pl_exp_m1"), ("pl_exp_m2", "force_pl_exp_m2"))
 
 
-LAW_KEYS = ("attention", "scale", "p_train", "knobs", "seed", "window_mode", "trial")
+LAW_KEYS = ("attention", "scale", "p_train", "knobs", "seed", "window_mode", "train_key")
 
 
 def laws(df: pd.DataFrame, step="final") -> pd.DataFrame:
-    """One row per trial and force probe: ``attention, scale, p_train, knobs, seed, probe`` (finetune or linear),
+    """One row per training run and force probe: ``attention, scale, p_train, knobs, seed, probe`` (finetune or linear),
     ``expression`` (the recovered law, in r, m1, m2), then :data:`LAW_COLUMNS` (``newton``: 1 when the law is
     Newton's within the probe's tolerance). Sorted by attention, p_train, seed."""
     rows = select(df, LAW_METRIC, step)
@@ -38,7 +38,7 @@ def laws(df: pd.DataFrame, step="final") -> pd.DataFrame:
         raise UserError("no force-probe rows: evaluate an orbit model with eval.force_probe (studies/orbits.yaml)")
     # every force metric of each probe, keyed like the law rows (which ``select`` already put at the right step)
     probes = df[df["window_mode"].astype(str).str.startswith("force_")]
-    keys = ["study", "trial", "window_mode", "step"]
+    keys = ["study", "train_key", "window_mode", "step"]
     by_probe = {key: dict(zip(group["metric"], group["value"])) for key, group in probes.groupby(keys)}
     out = []
     for _, law_row in rows.iterrows():
@@ -59,7 +59,7 @@ def laws(df: pd.DataFrame, step="final") -> pd.DataFrame:
 
 def laws_to_markdown(result: pd.DataFrame, digits: int = 3) -> str:
     """The recovered laws as a markdown table, with a line per variant: how many seeds recovered Newton's law."""
-    shown = [c for c in result.columns if c != "trial"]
+    shown = [c for c in result.columns if c != "train_key"]
     body = []
     for _, row in result.iterrows():
         cells = []

@@ -21,7 +21,7 @@ MISSING_CELL = "–"
 SINGLE_RUN = "1 seed"  # how tables and figures mark a cell measured on a single run
 
 # The columns table, best and curves look at (``attnlab results`` reads only these for them).
-REPORT_COLUMNS = ("study", "trial", "step", "metric", "eval_len", "value", "seed", *CONFIG_COLUMNS, "stopped",
+REPORT_COLUMNS = ("study", "train_key", "step", "metric", "eval_len", "value", "seed", *CONFIG_COLUMNS, "stopped",
                   "stop_rule")
 
 
@@ -47,7 +47,8 @@ def format_value(value) -> str:
 
 
 def select(df: pd.DataFrame, metric: str = "val_loss", step="final") -> pd.DataFrame:
-    """Rows of one metric, at each trial's final step (``step="final"``), a given step, or all steps."""
+    """Rows of one metric, at each run's final step (``step="final"``: by ``train_key``), a given step, or all
+    steps."""
     if df is None or len(df) == 0:
         raise UserError("no results rows to report (is the store or the --study/--where selection right?)")
     if metric == COMPLETE_METRIC:
@@ -57,7 +58,7 @@ def select(df: pd.DataFrame, metric: str = "val_loss", step="final") -> pd.DataF
         present = sorted(set(df["metric"]) - {COMPLETE_METRIC})
         raise UserError(f"--metric {metric!r} has no rows; metrics present: {', '.join(present) or 'none'}")
     if step == "final":
-        final = rows.groupby(["study", "trial"], dropna=False)["step"].transform("max")
+        final = rows.groupby(["study", "train_key"], dropna=False)["step"].transform("max")
         rows = rows[rows["step"] == final]
     elif step == "all" or step is None:
         pass

@@ -146,7 +146,7 @@ def caption(result: pd.DataFrame) -> str:
     """One line: metric, step selection, how cells read, and the constant configuration columns."""
     attrs = result.attrs
     step = attrs.get("step", "final")
-    step_text = "final step of each trial" if step == "final" else ("all steps" if step in ("all", None) else f"step {step}")
+    step_text = "final step of each run" if step == "final" else ("all steps" if step in ("all", None) else f"step {step}")
     percent = f"{100 * attrs.get('confidence', CONFIDENCE):g}%"
     parts = [f"{attrs.get('metric', 'value')} ({step_text}; mean ± sample std over n seeds, [{percent} Student t "
              f"interval of the mean] when n > 1; '{SINGLE_RUN}' = a single run, no spread or interval)"]
