@@ -172,7 +172,8 @@ def _data_of(outcome) -> str:
 
 
 def test_divergence_stops_the_run_with_the_step_recorded(tmp_path, demo_data_dir):
-    """lr = 1e6 makes the loss NaN at step 2: the run stops there, says why, and the CLI exits 1."""
+    """lr = 1e6 makes the loss NaN at step 2: the run stops at the next step that reports, records step 2 and says
+    why, and the CLI exits 1."""
     out = tmp_path / "diverged"
     res = subprocess.run([sys.executable, "-m", "attnlab.cli", "train", "--preset", "tiny", "--data", str(demo_data_dir),
                           "--out", str(out), "--steps", "20", "--tokens-per-step", "256", "--micro-batch", "4",
@@ -183,8 +184,9 @@ def test_divergence_stops_the_run_with_the_step_recorded(tmp_path, demo_data_dir
     failure = json.loads((out / "failure.json").read_text())
     assert failure["kind"] == "diverged" and failure["step"] == 2 and "loss is nan at step 2" in failure["reason"]
     assert "failure: loss is nan at step 2" in res.stdout
-    last = _metrics(out)[-1]
-    assert last["step"] == 2 and last["diverged"] is True and not math.isfinite(last["train_loss"])
+    last = _metrics(out)[-1]  # found at step 5, the first step that reports (steps between make no collective)
+    assert last["step"] == 5 and last["diverged"] is True and not math.isfinite(last["train_loss"])
+    assert "seen at step 5" in failure["reason"] and not (out / "checkpoints").exists()
 
 
 def test_micro_batch_auto_resolves_on_the_worker_and_keeps_the_step(tmp_path, demo_data_dir, capsys):
@@ -257,8 +259,8 @@ COPY = {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 8}
 
 
 def _parts_cfg(**over):
-    return load_train_config(dict(preset="tiny", data=COPY, seq_len=32, steps=4, tokens_per_step=256, micro_batch=4,
-                                  val_tokens=256, val_every=2, warmup_steps=1, **over))
+    return load_train_config({**dict(preset="tiny", data=COPY, seq_len=32, steps=4, tokens_per_step=256, micro_batch=4,
+                                     val_tokens=256, val_every=2, warmup_steps=1), **over})
 
 
 class _TwoWorkers:
@@ -313,6 +315,26 @@ def test_the_validator_sums_the_workers_and_applies_the_stopping_rule():
     assert never.validate(model, done=4)["stopped"] == STOP_CAP  # the last step without the rule met
     assert never.finished({"stopped": STOP_REACHED}) and not never.finished({})
     assert "stopped" not in Validator.build(source, _parts_cfg(), session).validate(model, done=4)
+
+
+def test_steps_that_report_nothing_make_no_collective(tmp_path):
+    """The loop reads the loss and all-reduces only on log, validation and checkpoint steps (a GPU then never
+    waits for the host between them): 10 steps logging every 5 make 2 loss collectives and validation's 1."""
+    from attnlab.train.loop import LocalSession, train_worker
+
+    class Counting(LocalSession):
+        calls: list = []
+
+        def all_reduce_sum(self, values):
+            self.calls.append(len(self.reports))  # the reports made so far: which reporting step asks
+            return super().all_reduce_sum(values)
+
+    session = Counting(tmp_path / "run", device="cpu")
+    last = train_worker(_parts_cfg(steps=10, log_every=5, val_every=10, checkpoint_every=10), session,
+                        tmp_path / "run")
+    assert last["step"] == 10 and math.isfinite(last["train_loss"]) and "val_loss" in last
+    assert [r["step"] for r in session.reports] == [5, 10]
+    assert session.calls == [0, 1, 1]  # step 5's loss; step 10's loss, then its validation
 
 
 def test_the_checkpointer_saves_with_a_report_and_resumes_a_fresh_model(tmp_path):

@@ -7,7 +7,10 @@ worker: rank and world size, device, DDP wrapping, the latest checkpoint, report
 and all-reduce. ``LocalSession`` (here) runs one process with no Ray; ``attnlab.train.ray_train`` provides the Ray
 Train one. The run's own files (``attnlab.runfolder``) go straight to the run location, local or object storage.
 
-A diverged run (a non-finite loss) writes ``failure.json`` with the step and stops cleanly. With a stopping rule
+The loop reads the loss on the host, and all-reduces it, only on the steps that log, validate or checkpoint: the
+steps between queue their work and never wait (a GPU keeps running while the CPU fetches the next batch). A diverged
+run (a non-finite loss) is found on the first such step after it, writes ``failure.json`` with the step its loss
+first went non-finite, and stops cleanly, before any checkpoint of its non-finite weights. With a stopping rule
 (``cfg.stop_when``) the first validation point that meets it ends the run there with a checkpoint whose metrics
 say ``stopped: reached``; a resumed run whose latest checkpoint says so trains no further; a run that reaches
 ``steps`` without meeting it ends with ``stopped: cap``.
@@ -109,19 +112,29 @@ def train_loop(parts: TrainParts) -> dict:
     flops_per_token, peak = model.model.flops_per_token(cfg.seq_length), peak_flops(session.device)
     last: dict = {"step": parts.start, **({"stopped": STOP_REACHED} if parts.finished else {})}
     t_last, tokens_since = time.perf_counter(), 0
+    # The first step (1-based) whose loss was not finite on this rank, 0 while none: kept on the device, so steps
+    # that log nothing never wait for the host (no .item(), no collective); read on the steps that report.
+    bad_at = torch.zeros((), dtype=torch.int64, device=session.device)
+    bad_loss = torch.zeros((), device=session.device)  # that step's loss
     for step in range(parts.start, parts.start if parts.finished else cfg.steps):
         _maybe_inject_failure(step, rank)
         lr = lr_at(step, cfg)
         loss_sum, grad_norm = model.step(data.micro_batches(step), data.accum, lr, cfg.grad_clip)
         done = step + 1
         tokens_since += data.tokens_per_step
+        first = (bad_at == 0) & ~torch.isfinite(loss_sum)
+        bad_at, bad_loss = torch.where(first, done, bad_at), torch.where(first, loss_sum / data.accum, bad_loss)
         log_now = done % cfg.log_every == 0 or done == cfg.steps
         val_now = done % cfg.val_every == 0 or done == cfg.steps
         ckpt_now = done % cfg.checkpoint_every == 0 or done == cfg.steps
-        train_loss = session.all_reduce_sum([float(loss_sum) / data.accum])[0] / world
-        diverged = not math.isfinite(train_loss)
-        if not (log_now or val_now or ckpt_now or diverged):
+        if not (log_now or val_now or ckpt_now):
             continue
+        # one collective on the steps that report: the loss, and whether any rank has seen a non-finite loss since
+        # the run started (so every rank decides alike that it diverged)
+        first_bad = int(bad_at)
+        loss_total, ranks_bad = session.all_reduce_sum([float(loss_sum) / data.accum, float(first_bad > 0)])
+        train_loss = loss_total / world
+        diverged = ranks_bad > 0 or not math.isfinite(train_loss)
         tokens_per_s = tokens_since / max(time.perf_counter() - t_last, 1e-9)
         metrics = {"step": done, "tokens": done * data.tokens_per_step, "train_loss": train_loss, "lr": lr,
                    "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s,
@@ -133,8 +146,11 @@ def train_loop(parts: TrainParts) -> dict:
         if diverged:
             metrics["diverged"] = True
             gpt = model.model.cfg
-            parts.writer.failure(f"loss is {train_loss} at step {done} (attention={gpt.attention}, "
-                                 f"p_train={gpt.p_train})", done)
+            # where this rank's loss first left the finite numbers (or, where only another rank's did, this step)
+            at, loss = (first_bad, float(bad_loss)) if first_bad else (done, train_loss)
+            seen = "" if at == done else f"; seen at step {done}, the first step since that reports"
+            parts.writer.failure(f"loss is {loss} at step {at} (attention={gpt.attention}, p_train={gpt.p_train}"
+                                 f"{seen})", at)
         parts.writer.append(metrics, force=val_now or ckpt_now or diverged)
         parts.checkpointer.report(metrics, model if ckpt_now and not diverged and rank == 0 else None)
         last = metrics
