@@ -136,6 +136,75 @@ def _figure_title(df: pd.DataFrame, metric: str, by: str, p_column: str | None =
     return f"{metric} vs {against}" + (f" — study {', '.join(studies)}" if studies else "")
 
 
+def _plot_by_length(axes, result: pd.DataFrame, bounds, digits: int):
+    """One line per configuration against the evaluation length (log2 axis, the training length marked, each tick
+    with its multiple). Returns ``(single_runs, header, body)``: whether a point has one seed, and the table."""
+    single_runs = False
+    train_len = result.attrs.get("train_len")
+    seed_values = result.attrs.get("seed_values") or {}
+    label_columns = result.attrs["label_columns"]
+    lengths = result.attrs["lengths"]
+    for i in range(len(result)):
+        row = result.iloc[i]
+        n = np.array([row[f"n@{L}"] for L in lengths])
+        xs = np.array(lengths, dtype=float)[n > 0]
+        ys = np.array([row[f"mean@{L}"] for L in lengths])[n > 0]
+        errs = np.nan_to_num(np.array([row[f"std@{L}"] for L in lengths])[n > 0])
+        seeds = [seed_values.get((i, L)) for L, k in zip(lengths, n) if k > 0]
+        single_runs |= _plot_line(axes, xs, ys, errs, n[n > 0], _config_label(row, label_columns), index=i,
+                                  bounds=bounds, seeds=seeds)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(lengths)
+    axes.set_xticklabels([_length_tick(L, train_len) for L in lengths])
+    axes.minorticks_off()
+    if train_len:
+        axes.axvline(float(train_len), color="0.4", linestyle=(0, (1, 3)), linewidth=1.2,
+                     label=f"training length ({length_label(train_len)})")
+        axes.set_xlabel("evaluation length (tokens, log2 scale; below: multiple of the training length)")
+    else:
+        axes.set_xlabel("evaluation length (tokens, log2 scale; the rows were trained at several lengths)")
+    header, body = formatted_cells(result, digits)
+    return single_runs, header, body
+
+
+def _plot_by_p(axes, rows: pd.DataFrame, result: pd.DataFrame, metric: str, bounds, digits: int):
+    """One line per configuration and evaluation length against the sharpening power (p_eval none reads "as
+    trained"). Returns ``(single_runs, header, body, p_column)``."""
+    single_runs = False
+    train_len = result.attrs.get("train_len")
+    label_columns = result.attrs["label_columns"]
+    p_column = _p_column(rows)
+    group_columns = [c for c in label_columns if c != p_column]
+    stats = aggregate(rows, [*group_columns, p_column], keep_values=True)
+    p_values = sorted(stats[p_column].drop_duplicates().tolist(), key=_sort_key)
+    positions = {format_value(p): i for i, p in enumerate(p_values)}
+    line_columns = [*group_columns, "eval_len"]
+    for index, (_, line) in enumerate(stats.groupby(line_columns, dropna=False, sort=False)):
+        first = line.iloc[0]
+        length = length_label(first["eval_len"])
+        if train_len:
+            length += f" ({int(first['eval_len']) / float(train_len):g}x)"
+        label = ", ".join([*(f"{c}={format_value(first[c])}" for c in group_columns), f"L={length}"])
+        xs = [positions[format_value(p)] for p in line[p_column]]
+        errs = np.nan_to_num(line["std"].to_numpy(float))
+        single_runs |= _plot_line(axes, np.array(xs, dtype=float), line["mean"].to_numpy(float), errs,
+                                  line["n"].to_numpy(int), label, index=index, bounds=bounds,
+                                  seeds=line["values"].tolist())
+    axes.set_xticks(range(len(p_values)))
+    if p_column == "p_eval":  # p_eval none: the model evaluated as it was trained (its own p_train)
+        axes.set_xticklabels(["as trained" if is_missing(p) else format_value(p) for p in p_values])
+        axes.set_xlabel("p_eval (sharpening power at evaluation; as trained = the model's own p_train)")
+    else:
+        axes.set_xticklabels(["none" if is_missing(p) else format_value(p) for p in p_values])
+        axes.set_xlabel("p_train (sharpening power in training; none = no sharpening)")
+    header = [*group_columns, p_column, "eval_len", metric]
+    body = [[*(format_value(r[c]) for c in group_columns), format_value(r[p_column]), str(int(r["eval_len"])),
+             _format_cell(r["mean"], r["std"], int(r["n"]), digits, r["ci_low"], r["ci_high"], bounds=bounds,
+                          seeds=r["values"])]
+            for _, r in stats.iterrows()]
+    return single_runs, header, body, p_column
+
+
 def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length", step="final", digits: int = 4):
     """The figure :func:`curves` saves, and what its page shows: ``(figure, title, caption, header, body)``.
 
@@ -154,68 +223,16 @@ def curve_figure(df: pd.DataFrame, metric: str = "val_loss", by: str = "length",
 
     rows = select(df, metric, step)
     result = table(df, metric=metric, step=step)
-    label_columns = result.attrs["label_columns"]
-    train_len = result.attrs.get("train_len")
     bounds = metric_bounds(metric)
-    seed_values = result.attrs.get("seed_values") or {}
     figure = Figure(figsize=(9, 5.5), dpi=100)
     FigureCanvasAgg(figure)  # a renderer to measure the titles with (they are wrapped to the figure's width)
     axes = figure.add_subplot(1, 1, 1)
-    single_runs = False
-    p_column = None
 
     if by == "length":
-        lengths = result.attrs["lengths"]
-        for i in range(len(result)):
-            row = result.iloc[i]
-            n = np.array([row[f"n@{L}"] for L in lengths])
-            xs = np.array(lengths, dtype=float)[n > 0]
-            ys = np.array([row[f"mean@{L}"] for L in lengths])[n > 0]
-            errs = np.nan_to_num(np.array([row[f"std@{L}"] for L in lengths])[n > 0])
-            seeds = [seed_values.get((i, L)) for L, k in zip(lengths, n) if k > 0]
-            single_runs |= _plot_line(axes, xs, ys, errs, n[n > 0], _config_label(row, label_columns), index=i,
-                                      bounds=bounds, seeds=seeds)
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(lengths)
-        axes.set_xticklabels([_length_tick(L, train_len) for L in lengths])
-        axes.minorticks_off()
-        if train_len:
-            axes.axvline(float(train_len), color="0.4", linestyle=(0, (1, 3)), linewidth=1.2,
-                         label=f"training length ({length_label(train_len)})")
-            axes.set_xlabel("evaluation length (tokens, log2 scale; below: multiple of the training length)")
-        else:
-            axes.set_xlabel("evaluation length (tokens, log2 scale; the rows were trained at several lengths)")
-        header, body = formatted_cells(result, digits)
+        single_runs, header, body = _plot_by_length(axes, result, bounds, digits)
+        p_column = None
     else:
-        p_column = _p_column(rows)
-        group_columns = [c for c in label_columns if c != p_column]
-        stats = aggregate(rows, [*group_columns, p_column], keep_values=True)
-        p_values = sorted(stats[p_column].drop_duplicates().tolist(), key=_sort_key)
-        positions = {format_value(p): i for i, p in enumerate(p_values)}
-        line_columns = [*group_columns, "eval_len"]
-        for index, (_, line) in enumerate(stats.groupby(line_columns, dropna=False, sort=False)):
-            first = line.iloc[0]
-            length = length_label(first["eval_len"])
-            if train_len:
-                length += f" ({int(first['eval_len']) / float(train_len):g}x)"
-            label = ", ".join([*(f"{c}={format_value(first[c])}" for c in group_columns), f"L={length}"])
-            xs = [positions[format_value(p)] for p in line[p_column]]
-            errs = np.nan_to_num(line["std"].to_numpy(float))
-            single_runs |= _plot_line(axes, np.array(xs, dtype=float), line["mean"].to_numpy(float), errs,
-                                      line["n"].to_numpy(int), label, index=index, bounds=bounds,
-                                      seeds=line["values"].tolist())
-        axes.set_xticks(range(len(p_values)))
-        if p_column == "p_eval":  # p_eval none: the model evaluated as it was trained (its own p_train)
-            axes.set_xticklabels(["as trained" if is_missing(p) else format_value(p) for p in p_values])
-            axes.set_xlabel("p_eval (sharpening power at evaluation; as trained = the model's own p_train)")
-        else:
-            axes.set_xticklabels(["none" if is_missing(p) else format_value(p) for p in p_values])
-            axes.set_xlabel("p_train (sharpening power in training; none = no sharpening)")
-        header = [*group_columns, p_column, "eval_len", metric]
-        body = [[*(format_value(r[c]) for c in group_columns), format_value(r[p_column]), str(int(r["eval_len"])),
-                 _format_cell(r["mean"], r["std"], int(r["n"]), digits, r["ci_low"], r["ci_high"], bounds=bounds,
-                              seeds=r["values"])]
-                for _, r in stats.iterrows()]
+        single_runs, header, body, p_column = _plot_by_p(axes, rows, result, metric, bounds, digits)
 
     axes.set_ylabel(metric_axis_label(metric))
     title = _figure_title(df, metric, by, p_column)
