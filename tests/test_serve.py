@@ -7,6 +7,7 @@ come from the application under uvicorn on a loopback port. The real-browser tes
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -54,10 +55,59 @@ def test_trials_carry_status_reason_point_and_progress(local):
     assert by_key["aaaa000000000007"]["reason"].startswith("stopped by asha")
     assert by_key["aaaa000000000007"]["step"] == 20
     assert by_key["aaaa000000000001"]["progress"] == 1.0 and by_key["aaaa000000000001"]["curve"] is None
+    # a run that stopped training shows its last losses, from its metrics.jsonl (train 4.2 - 0.05 x 40, val at 40)
+    for key in ("aaaa000000000001", "aaaa000000000004"):  # complete, cached
+        assert by_key[key]["train_loss"] == pytest.approx(2.2) and by_key[key]["val_loss"] == pytest.approx(2.3)
+    pruned = by_key["aaaa000000000007"]  # stopped at step 20
+    assert pruned["train_loss"] == pytest.approx(3.2) and pruned["val_loss"] == pytest.approx(3.3)
+    assert (out["total"], out["page"], out["pages"], out["first"], out["last"]) == (len(TRIALS), 1, 1, 1, len(TRIALS))
     assert all(t["curve"] for t in data.trials(sources, "probe", curves="all")["trials"])
     assert out["signature"]  # the study has results files
     with pytest.raises(UserError, match="curves='some'"):
         data.trials(sources, "probe", curves="some")
+
+
+def test_a_study_of_many_trials_is_listed_a_page_at_a_time(tmp_path):
+    """500 trials: the page lists 50 at a time (running first), with the counts of them all; the losses and curves
+    are those of the page's trials."""
+    runs = str(tmp_path / "runs")
+    state = StudyState(runs, "many")
+    state.write_study({"name": "many", "search": {"engine": "optuna"}}, "fp")
+    for i in range(500):
+        key = f"k{i:04d}"
+        status = "running" if i in (7, 300) else ("failed" if i % 50 == 0 else "complete")
+        if i < 120:  # only some runs have metrics
+            state.run(key).write_text("metrics.jsonl", json.dumps({"step": 4, "train_loss": 3.0 + i / 1000,
+                                                                   "val_loss": 3.5}) + "\n")
+        state.write_status(key, status=status, point={"attention": "softmax", "seed": i}, steps=4,
+                           started=1000.0 + i)
+    sources = open_sources(str(tmp_path / "results"), runs)
+    first = data.trials(sources, "many", curves="all")
+    assert (first["total"], first["page"], first["pages"], first["per_page"]) == (500, 1, 10, 50)
+    assert first["counts"] == {"running": 2, "complete": 489, "failed": 9}
+    assert len(first["trials"]) == 50 and (first["first"], first["last"]) == (1, 50)
+    assert [t["key"] for t in first["trials"][:3]] == ["k0007", "k0300", "k0000"]  # running first, then by start
+    assert first["trials"][3]["train_loss"] == pytest.approx(3.001) and first["trials"][3]["val_loss"] == 3.5
+    assert all(t["curve"] is not None for t in first["trials"])
+    last = data.trials(sources, "many", page=10)
+    assert (len(last["trials"]), last["first"], last["last"]) == (50, 451, 500)
+    assert last["trials"][-1]["key"] == "k0499" and last["trials"][-1]["train_loss"] is None  # no metrics file
+    assert data.trials(sources, "many", page=99)["page"] == 10  # past the end: the last page
+    with pytest.raises(UserError, match="page=0: give a whole number >= 1"):
+        data.trials(sources, "many", page=0)
+    with pytest.raises(UserError, match="page='x': give a whole number >= 1"):
+        data.page_number("x")
+
+    with serving(create_app(sources)) as base:
+        status, _, page = get(base + "/study/many?page=3")
+        assert status == 200 and page.count('<tr data-key=') == 50
+        assert "trials 101–150 of 500 (running first)" in page and "page 3 of 10" in page
+        assert 'href="?page=2" data-page="2"' in page and 'href="?page=4" data-page="4"' in page
+        status, body = get_json(base + "/api/study/many/trials?page=10&curves=none")
+        assert status == 200 and body["page"] == 10 and body["html"].count("<tr data-key=") == 50
+        assert 'href="?page=11"' not in body["html"]
+        status, body = get_json(base + "/api/study/many/trials?page=-1")
+        assert status == 400 and body["error"] == "page='-1': give a whole number >= 1"
 
 
 def test_results_are_the_reports_of_attnlab_results(local):

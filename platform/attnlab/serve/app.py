@@ -112,9 +112,10 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     def study(request: Request) -> Response:
         name = request.path_params["name"]
         info = data.study_info(sources, name)
-        trials = data.trials(sources, name, curves="none")
+        trials = data.trials(sources, name, curves="none", page=data.page_number(one(request, "page")))
         res = cache.get(name, one(request, "metric"), one(request, "at"))
         page_config = {"study": name, "refresh_ms": int(refresh_s * 1000), "signature": trials["signature"],
+                       "page": trials["page"],
                        "results": res, "api": {"trials": f"/api/study/{name}/trials",
                                                "results": f"/api/study/{name}/results"}}
         return render("study.html", info=info, data=trials, res=res, refresh=f"{refresh_s:g}",
@@ -127,7 +128,8 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     def api_trials(request: Request) -> Response:
         name = request.path_params["name"]
         info = data.study_info(sources, name)
-        trials = data.trials(sources, name, curves=one(request, "curves") or "running")
+        trials = data.trials(sources, name, curves=one(request, "curves") or "running",
+                             page=data.page_number(one(request, "page")))
         return JSONResponse({**trials, "html": fragment("_trials.html", info=info, data=trials)})
 
     def api_results(request: Request) -> Response:
