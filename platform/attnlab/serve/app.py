@@ -33,6 +33,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from attnlab.errors import UserError
+from attnlab.results import StudyRows
 from attnlab.serve import data
 from attnlab.serve.data import NotFound, Sources
 
@@ -61,12 +62,14 @@ def _environment() -> jinja2.Environment:
 
 class ResultsCache:
     """The last few :func:`attnlab.serve.data.results`, keyed by study, metric, length and the study's results
-    signature: rows are immutable files, so a page reloaded while nothing new landed costs a directory listing
-    instead of a new table (``reports.table`` takes seconds on a large study)."""
+    signature, and each study's rows as they were last read (:class:`attnlab.results.StudyRows`): a page reloaded
+    while nothing new landed costs a directory listing, and when rows land only the changed files are read
+    (:meth:`attnlab.results.ResultsStore.read_since`) before the tables are made again."""
 
     def __init__(self, sources: Sources, size: int = 32):
         self.sources, self.size = sources, size
         self._entries: dict[tuple, dict] = {}
+        self._rows: dict[str, StudyRows] = {}  # by study: the latest read
         self._lock = threading.Lock()
 
     def get(self, name: str, metric: str | None, at: str | None) -> dict:
@@ -77,12 +80,25 @@ class ResultsCache:
             if hit is not None:
                 self._entries[key] = hit  # most recently used last
                 return hit
-        value = data.results(self.sources, name, metric=metric, at=at)
+            previous = self._rows.get(name)
+        rows = self.rows(name, previous)
+        value = data.results(self.sources, name, metric=metric, at=at, rows=rows)
         with self._lock:
-            self._entries[key] = value
+            self._entries[(name, metric, at, value["signature"])] = value
             while len(self._entries) > self.size:
                 self._entries.pop(next(iter(self._entries)))
         return value
+
+    def rows(self, name: str, previous: StudyRows | None = None) -> StudyRows | None:
+        """The study's rows, re-reading only what changed since ``previous``; None when the store is not there."""
+        if not self.sources.store.exists():
+            return None
+        rows = self.sources.store.read_since(name, previous)
+        with self._lock:
+            self._rows[name] = rows
+            while len(self._rows) > self.size:
+                self._rows.pop(next(iter(self._rows)))
+        return rows
 
 
 def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:

@@ -15,19 +15,16 @@ infinities become None). No Ray, no HTTP here: the web layer is :mod:`attnlab.se
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 import threading
 import time
 from dataclasses import dataclass
 
-import pyarrow.fs as pafs
-
 from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.names import STUDY_NAME
-from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, reports
+from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, StudyRows, reports
 from attnlab.study.state import STATUSES, STUDY_FILE, SavedStudy, StudyState, TrialStatus
 from attnlab.runfolder import METRICS_FILE, latest_losses, read_metrics
 
@@ -337,16 +334,12 @@ def trials(sources: Sources, name: str, curves: str = "running", page: int = 1, 
 
 
 def results_signature(sources: Sources, name: str) -> str:
-    """A short hash of the study's results files (names, sizes, times): it changes when rows are written."""
-    store = sources.store
+    """A short hash of the study's results files (:meth:`ResultsStore.signature`: one listing, no file read): it
+    changes when rows are written, replaced or compacted; "" when the store cannot be listed."""
     try:
-        infos = store.filesystem.get_file_info(pafs.FileSelector(store.study_dir(name), recursive=True,
-                                                                 allow_not_found=True))
+        return sources.store.signature(name)
     except OSError:
         return ""
-    blob = "\n".join(sorted(f"{i.path}:{i.size}:{i.mtime_ns}" for i in infos
-                            if i.type == pafs.FileType.File and not i.base_name.startswith((".", "_"))))
-    return hashlib.sha1(blob.encode()).hexdigest()[:16] if blob else ""
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -374,10 +367,14 @@ def _default_at(info: dict, lengths: list[int], train_len: int | None) -> str | 
     return str(max(lengths)) if lengths else None
 
 
-def results(sources: Sources, name: str, metric: str | None = None, at: str | None = None) -> dict:
+def results(sources: Sources, name: str, metric: str | None = None, at: str | None = None,
+            rows: StudyRows | None = None) -> dict:
     """A study's results as the page shows them: the metrics present, the Table-4 layout (``reports.table``
     and its formatted cells), the best configurations at one length (``reports.best``), and the extrapolation
     curves (the same ``reports.table`` numbers: one series per configuration, mean and std per length).
+
+    ``rows``: the study's rows as :meth:`ResultsStore.read_since` last read them (a page that refreshes keeps
+    them and re-reads only what changed, :class:`attnlab.serve.app.ResultsCache`); None reads them here.
 
     ``metric`` defaults to the study's objective metric (``acc`` for a probe, ``val_loss`` otherwise) and ``at``
     to the objective's length. ``message`` says why there is nothing to show (no store, no rows yet)."""
@@ -385,12 +382,16 @@ def results(sources: Sources, name: str, metric: str | None = None, at: str | No
     out = {"study": name, "store": sources.store.uri, "metrics": [], "metric": None, "at": None, "at_length": None,
            "lengths": [], "at_options": [],
            "table": None, "best": None, "curves": None, "laws": None, "message": None,
-           "signature": results_signature(sources, name)}
+           "signature": rows.signature if rows is not None else None}
     if not sources.store.exists():
         out["message"] = (f"The results store {sources.store.uri} does not exist yet: nothing has been written "
                           "there. Results appear here once a trial has been evaluated (is --store right?).")
+        out["signature"] = ""
         return clean(out)
-    df = sources.store.read(study=name)
+    if rows is None:
+        rows = sources.store.read_since(name)
+    out["signature"] = rows.signature
+    df = rows.frame()
     present = sorted(set(df["metric"]) - {COMPLETE_METRIC}) if len(df) else []
     out["metrics"] = present
     if not present:
@@ -450,8 +451,10 @@ def _curves(result, metric: str, info: dict) -> dict:
     selectors = {c: [] for c in SELECTABLE if c in label_columns}
     line_columns = [c for c in label_columns if c not in selectors]
     series = []
-    for i in range(len(result)):
-        row = result.iloc[i]
+    # rows as plain values: a frame's row (iloc) carries a deep copy of the frame's attrs (every cell's seeds)
+    position = {c: j for j, c in enumerate(result.columns)}
+    for values_row in result.to_numpy(dtype=object):
+        row = {c: values_row[j] for c, j in position.items()}
         labels = {c: reports.format_value(row[c]) for c in label_columns}
         for c, values in selectors.items():
             if labels[c] not in values:
