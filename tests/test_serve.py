@@ -197,6 +197,16 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     write_study(store, runs, name="bare", ray=Dashboard(None, "the cluster runs without one").record())
     write_study(store, runs, name="legacy")  # a study.json from before the dashboard was recorded
     write_study(store, runs, name="forged", ray={"dashboard": "javascript:alert(1)"})
+    # an embedded cluster: linked while the study's process lives; "the cluster has stopped" once it ended (the
+    # study recorded it as its process ended, or its process is gone); a cluster it joined keeps its link
+    embedded = Dashboard("http://127.0.0.1:41500", embedded=True).record()
+    assert embedded["embedded"] and embedded["pid"] == os.getpid()
+    write_study(store, runs, name="embedded-live", ray=embedded)
+    write_study(store, runs, name="embedded-ended", ray=embedded)
+    StudyState(runs, "embedded-ended").record_cluster_stopped()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    write_study(store, runs, name="embedded-killed", ray={**embedded, "pid": int(dead.stdout)})
+    write_study(store, runs, name="joined-ended", ray={**live, "stopped": 1.0, "embedded": False})
     assert StudyState(runs, "live").saved_study().ray["dashboard"] == "http://127.0.0.1:41234"
     assert StudyState(runs, "legacy").saved_study().ray is None
 
@@ -210,8 +220,16 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     for name in ("legacy", "forged"):  # nothing (usable) recorded: Ray's default port
         assert info[name]["links"]["ray_dashboard"] == data.DEFAULT_RAY_DASHBOARD, name
         assert info[name]["ray"]["source"] == "default"
-    # the header outside a study page: the most recently started study's dashboard
-    assert data.header_dashboard(sources, data.overview(sources)["studies"]) == "http://127.0.0.1:41234"
+    assert data.study_info(sources, "embedded-live")["links"]["ray_dashboard"] == "http://127.0.0.1:41500"
+    assert data.study_info(sources, "joined-ended")["links"]["ray_dashboard"] == "http://127.0.0.1:41234"
+    for name in ("embedded-ended", "embedded-killed"):
+        ended = data.study_info(sources, name)
+        assert ended["links"]["ray_dashboard"] is None and ended["ray"]["stopped"] is True, name
+    assert StudyState(runs, "embedded-ended").saved_study().ray["stopped"] > 0
+    # the header outside a study page: the most recently started study's dashboard (a stopped one: never)
+    assert data.header_dashboard(sources, [s for s in data.overview(sources)["studies"]
+                                           if not s["name"].startswith(("embedded-live", "joined"))]) \
+        == "http://127.0.0.1:41234"
     assert data.header_dashboard(sources) == data.DEFAULT_RAY_DASHBOARD
 
     # an explicit --ray-dashboard (an SSH tunnel) wins everywhere
@@ -227,10 +245,15 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
         _, _, page = get(base + "/study/bare")
         assert 'id="ray-dashboard-none"' in page and "the cluster runs without one" in page
         assert 'class="ray"' not in page and "8265" not in page
+        _, _, page = get(base + "/study/embedded-ended")
+        assert 'id="ray-dashboard-stopped"' in page and "the cluster has stopped" in page
+        assert "41500" not in page and 'class="ray"' not in page  # no link to a dead port, not even in the header
+        _, _, page = get(base + "/study/embedded-live")
+        assert 'href="http://127.0.0.1:41500"' in page and "has stopped" not in page
         _, _, page = get(base + "/study/forged")
         assert "javascript:" not in page and 'href="http://127.0.0.1:8265"' in page
-        _, _, index = get(base + "/")
-        assert 'class="ray" href="http://127.0.0.1:41234"' in index
+        _, _, index = get(base + "/")  # the latest study whose dashboard is up: embedded-live's
+        assert 'class="ray" href="http://127.0.0.1:41500"' in index
     with serving(create_app(tunnel)) as base:
         _, _, page = get(base + "/study/live")
         assert "41234" not in page and page.count('href="http://127.0.0.1:8265"') == 2

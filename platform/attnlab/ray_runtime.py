@@ -80,18 +80,24 @@ def cluster_api_server(address: str) -> str | None:
 @dataclass(frozen=True)
 class Dashboard:
     """The Ray dashboard of the cluster this process runs on: ``url`` (None when there is none, or it is not
-    known) and ``note``, why not (empty when ``url`` is set)."""
+    known), ``note``, why not (empty when ``url`` is set), and ``embedded``: the cluster is the one
+    :func:`ensure_ray` started in this process, so it stops when this process ends."""
 
     url: str | None
     note: str = ""
+    embedded: bool = False
 
     def line(self) -> str:
         """``Ray dashboard: http://...`` or ``Ray dashboard: none (why)``, as the plan line ends."""
         return f"Ray dashboard: {self.url}" if self.url else f"Ray dashboard: none ({self.note})"
 
     def record(self) -> dict:
-        """What a study writes to its state for ``attnlab serve`` (``StudyState.write_study``)."""
-        return {"dashboard": self.url, "note": self.note, "recorded": time.time()}
+        """What a study writes to its state for ``attnlab serve`` (``StudyState.write_study``); an embedded
+        cluster's also names this process (``host``, ``pid``: the cluster lives as long as it does)."""
+        out = {"dashboard": self.url, "note": self.note, "recorded": time.time(), "embedded": self.embedded}
+        if self.embedded:
+            out.update(host=socket.gethostname(), pid=os.getpid())
+        return out
 
 
 _dashboards: dict[str, Dashboard] = {}  # by GCS address: an embedded cluster's own, or what its GCS answered
@@ -150,8 +156,8 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
              object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
              **kwargs)
     _dashboards[ray.get_runtime_context().gcs_address] = (
-        Dashboard(f"http://127.0.0.1:{kwargs['dashboard_port']}") if dashboard
-        else Dashboard(None, "this embedded cluster was started without one"))
+        Dashboard(f"http://127.0.0.1:{kwargs['dashboard_port']}", embedded=True) if dashboard
+        else Dashboard(None, "this embedded cluster was started without one", embedded=True))
     return True
 
 

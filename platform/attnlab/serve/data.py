@@ -16,7 +16,9 @@ infinities become None). No Ray, no HTTP here: the web layer is :mod:`attnlab.se
 from __future__ import annotations
 
 import math
+import os
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -140,10 +142,14 @@ def ray_dashboard(sources: Sources, recorded: dict | None) -> dict:
     """The Ray dashboard a study's page links to, ``{"url": URL or None, "source": ..., "note": ...}``: the one
     ``--ray-dashboard`` named (``source`` "flag": the user reaches it their own way, e.g. an SSH tunnel, so it
     always wins); else the dashboard of the cluster the study runs on, as its ``study.json`` records it
-    (``recorded``, :attr:`SavedStudy.ray`; "study", or ``url`` None when that cluster has none); else
+    (``recorded``, :attr:`SavedStudy.ray`; "study", or ``url`` None when that cluster has none, or when it was
+    the study's own embedded cluster and has stopped: then ``stopped`` is True); else
     :data:`DEFAULT_RAY_DASHBOARD` ("default": nothing recorded, e.g. a study written by an older attnlab)."""
     if sources.ray_dashboard:
         return {"url": sources.ray_dashboard, "source": "flag", "note": "--ray-dashboard"}
+    if recorded is not None and recorded.get("embedded") and _cluster_stopped(recorded):
+        return {"url": None, "source": "study", "stopped": True,
+                "note": "the study ran on a Ray cluster of its own, which ended with it"}
     if recorded is not None:
         url = recorded.get("dashboard")
         if isinstance(url, str) and _HTTP_URL.fullmatch(url):
@@ -151,6 +157,23 @@ def ray_dashboard(sources: Sources, recorded: dict | None) -> dict:
         if url is None:
             return {"url": None, "source": "study", "note": str(recorded.get("note") or "the cluster has none")}
     return {"url": DEFAULT_RAY_DASHBOARD, "source": "default", "note": "nothing recorded: Ray's default port"}
+
+
+def _cluster_stopped(recorded: dict) -> bool:
+    """Whether the embedded cluster a study recorded has stopped: the study said so as it ended (``stopped``), or
+    the process that started it, on this machine, is gone (a study killed before it could say so)."""
+    if recorded.get("stopped"):
+        return True
+    pid, host = recorded.get("pid"), recorded.get("host")
+    if not isinstance(pid, int) or pid <= 0 or host != socket.gethostname():
+        return False  # another machine's process: not ours to look at
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's process)
+        return False
+    return False
 
 
 def header_dashboard(sources: Sources, studies: list[dict] | None = None) -> str | None:
@@ -189,7 +212,7 @@ def study_info(sources: Sources, name: str) -> dict:
                   "description": saved.description if saved else None,
                   "objective": saved.objectives[0].parts if saved and saved.objectives else None,
                   "objectives": [o.metric for o in saved.objectives] if saved else [], "links": links,
-                  "ray": {**board, "recorded": (recorded or {}).get("recorded")}})
+                  "ray": {"stopped": False, **board, "recorded": (recorded or {}).get("recorded")}})
 
 
 def _has_results(store: ResultsStore, name: str) -> bool:
