@@ -168,7 +168,8 @@ def log_file(folder: str, what: str) -> str:
 
 
 def quiet_ray(path: str) -> None:
-    """Send Ray's, Tune's and Train's own logging, and Python warnings, to the file ``path`` instead of the
+    """Send Ray's, Tune's and Train's own logging, Python warnings and the raylets' messages to this driver
+    (``(raylet) WARNING: N PYTHON worker processes have been started ...``) to the file ``path`` instead of the
     terminal (``ensure_ray(log_to_driver=False)`` keeps the workers' output in Ray's session logs). Errors attnlab
     reports itself still reach the terminal, one line each."""
     handler = logging.FileHandler(path)
@@ -187,3 +188,26 @@ def quiet_ray(path: str) -> None:
         stream.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     warnings.showwarning = to_file
+    _raylet_messages_to(stream)
+
+
+def _raylet_messages_to(stream) -> None:
+    """Send the messages raylets push to this driver to ``stream`` (the quiet log file) instead of the terminal.
+
+    Ray's driver prints them from a thread of its own (``ray._private.worker.listen_error_messages``, started by
+    every ``ray.init`` whatever ``log_to_driver`` says) through ``print_to_stdstream``, as ``(raylet) ...`` lines:
+    e.g. ``WARNING: 16 PYTHON worker processes have been started on node ...``, which a study of many short
+    trials triggers. Only those lines (``pid`` "raylet") are routed; anything else goes to Ray's own printer."""
+    from ray._private import worker as ray_worker
+
+    printer = getattr(ray_worker.print_to_stdstream, "attnlab_ray_printer", ray_worker.print_to_stdstream)
+
+    def print_to_stdstream(data, ignore_prefix):
+        if data.get("pid") != "raylet":
+            return printer(data, ignore_prefix)
+        for line in data.get("lines", []):
+            stream.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} (raylet) {line}\n")
+        return None
+
+    print_to_stdstream.attnlab_ray_printer = printer  # a later call (the demo's second study) replaces this one
+    ray_worker.print_to_stdstream = print_to_stdstream

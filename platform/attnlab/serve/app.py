@@ -3,9 +3,11 @@
 Routes (all GET, all read-only)::
 
     /                              every study: trials by status, last change, whether it has results
-    /study/<name>[?metric=&at=]    one study: trials, live training curves, extrapolation curves, Table 4, best
+    /study/<name>[?metric=&at=&page=]  one study: trials (50 a page), live training curves, extrapolation curves,
+                                   Table 4, best
     /api/studies                   the index as JSON
-    /api/study/<name>/trials       trials (+ ``html``, the rendered table) and training curves (?curves=running|all)
+    /api/study/<name>/trials       a page of trials (+ ``html``, the rendered table) and training curves
+                                   (?curves=running|all&page=N)
     /api/study/<name>/results      results (+ ``html``, the rendered section) for ?metric= and ?at=
     /static/plotly.min.js          Plotly's bundle, from the installed ``plotly`` wheel
     /static/page.css, study.js     this package's own files
