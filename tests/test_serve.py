@@ -203,7 +203,9 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     assert embedded["embedded"] and embedded["pid"] == os.getpid()
     write_study(store, runs, name="embedded-live", ray=embedded)
     write_study(store, runs, name="embedded-ended", ray=embedded)
-    StudyState(runs, "embedded-ended").record_cluster_stopped()
+    StudyState(runs, "embedded-ended").record_cluster_stopped(pid=os.getpid() + 1)  # not its record: left alone
+    assert "stopped" not in StudyState(runs, "embedded-ended").saved_study().ray
+    StudyState(runs, "embedded-ended").record_cluster_stopped(pid=os.getpid())  # as the study's process ends
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     write_study(store, runs, name="embedded-killed", ray={**embedded, "pid": int(dead.stdout)})
     write_study(store, runs, name="joined-ended", ray={**live, "stopped": 1.0, "embedded": False})

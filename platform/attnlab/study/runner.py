@@ -291,7 +291,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
 
 def _record_cluster_stopped(state: StudyState) -> None:
     try:
-        state.record_cluster_stopped()
+        state.record_cluster_stopped(pid=os.getpid())
     except Exception:  # noqa: BLE001 - the process is ending; a study.json that cannot be written keeps its link
         pass
 

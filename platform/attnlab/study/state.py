@@ -148,11 +148,13 @@ class StudyState:
             record["ray"] = ray
         self.loc.write_json(STUDY_FILE, record)
 
-    def record_cluster_stopped(self) -> None:
+    def record_cluster_stopped(self, pid: int | None = None) -> None:
         """Say in ``study.json`` that the embedded Ray cluster its latest run ran on has stopped (``ray.stopped``:
-        the time), so ``attnlab serve`` no longer links to its dashboard. Called as that process ends."""
+        the time), so ``attnlab serve`` no longer links to its dashboard. Called as that process ends; ``pid``
+        (that process): only when the record is still its own (a later run of the study may have replaced it)."""
         record = self.loc.read_json(STUDY_FILE)
-        if isinstance(record, dict) and isinstance(record.get("ray"), dict):
+        if isinstance(record, dict) and isinstance(record.get("ray"), dict) and (
+                pid is None or record["ray"].get("pid") == pid):
             self.loc.write_json(STUDY_FILE, {**record, "ray": {**record["ray"], "stopped": time.time()}})
 
     # ------------------------------------------------------------------------------------- trials
