@@ -21,10 +21,17 @@ version writes its own store with the same rows and is run the same way (child p
 - on the S3 server (moto on 127.0.0.1, started here; requests counted from the server's own request log, one
   line per request): the same table, read and skip-done figures, and the compaction's time and requests.
 
+- the study page's results refresh (``attnlab serve``; target 1 s, reading only what changed): this checkout's
+  ``ResultsStore.read_since`` after one run's key was written again (its rows, a new version: one new file), with
+  the rows as a frame, then with the page's tables made from them (``attnlab.serve.data.results``), and a
+  refresh with nothing changed (files opened, requests); median of 3. Today's page re-read the whole study at
+  each refresh: its figure is one ``attnlab.serve.data.results`` call (the second in its process).
+
 The two versions' table outputs are compared (they must be identical). Hardware, versions, date and the load
 average (the machine may be shared: then the wall times are only indicative; CPU times say more) are printed.
 
-Run: ``python bench/store.py [--files 5000] [--small 500] [--baseline REF] [--no-s3] [--no-baseline]``
+Run: ``python bench/store.py [--files 5000] [--small 500] [--baseline REF] [--no-s3] [--no-baseline]
+[--only refresh]`` (``--only refresh``: the page refresh's figures alone)
 (about 15 minutes on 2 busy cores with the S3 part; set PYTHONPATH=platform or install the project).
 """
 
@@ -127,6 +134,8 @@ def child(args) -> None:
             requests.append(_moto_lines(args.moto_log) - before)
         out = {"ms": 1000 * statistics.median(times), "first_ms": 1000 * times[0], "requests": requests,
                "cells": cells}
+    elif args.child == "refresh":
+        out = refresh_figures(args)
     elif args.child == "compact":
         before = _moto_lines(args.moto_log)
         start = time.perf_counter()
@@ -134,6 +143,49 @@ def child(args) -> None:
         out = {"seconds": time.perf_counter() - start, "requests": _moto_lines(args.moto_log) - before,
                "merged": result.merged, "rows": result.rows}
     print(json.dumps(out))
+
+
+def refresh_figures(args) -> dict:
+    """The study page's results refresh (in a child): this checkout's ``read_since`` after one run changed, and
+    with nothing changed; today's code (no ``read_since``): one whole ``data.results``."""
+    from attnlab.results import ResultsStore
+    from attnlab.serve import data
+
+    store = ResultsStore(args.root)
+    sources = data.open_sources(args.root, tempfile.mkdtemp(prefix="attnlab-bench-runs-"))
+    if not hasattr(store, "read_since"):  # today's page: the whole study again (a warm process: the second call)
+        data.results(sources, args.study)
+        start, cpu = time.perf_counter(), time.process_time()
+        data.results(sources, args.study)
+        return {"today_s": time.perf_counter() - start, "today_cpu": time.process_time() - cpu}
+    start = time.perf_counter()
+    rows = store.read_since(args.study)
+    rows.frame()
+    out: dict = {"first_s": time.perf_counter() - start, "rows": rows.rows}
+    changed, frames, pages, opened, requests, cpus = [], [], [], [], [], []
+    for i in range(3):
+        rows_written, key = run_writes(args.study, 3)[i]  # the same rows again: a new version, one new file
+        store.write(rows_written, key=key)
+        before = _moto_lines(args.moto_log)
+        start, cpu = time.perf_counter(), time.process_time()
+        new = store.read_since(args.study, rows)
+        changed.append(time.perf_counter() - start)
+        requests.append(_moto_lines(args.moto_log) - before)
+        new.frame()
+        frames.append(time.perf_counter() - start)
+        data.results(sources, args.study, rows=new)
+        pages.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
+        opened.append(new.files_read)
+        rows = new
+    before = _moto_lines(args.moto_log)
+    start = time.perf_counter()
+    same = store.read_since(args.study, rows)
+    out.update(changed_s=statistics.median(changed), frame_s=statistics.median(frames),
+               page_s=statistics.median(pages), page_cpu=statistics.median(cpus), files_read=opened, requests=requests,
+               unchanged_ms=1000 * (time.perf_counter() - start), unchanged_files=same.files_read,
+               unchanged_requests=_moto_lines(args.moto_log) - before)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -223,15 +275,22 @@ def header() -> list[str]:
 
 
 def measure(version: Version, where: str, root: str, files: int, small: int, workdir: Path, moto: dict | None,
-            compact: bool) -> dict:
-    """Every figure of one version on one store location (local folder or s3:// URI)."""
+            compact: bool, only: str | None = None) -> dict:
+    """Every figure of one version on one store location (local folder or s3:// URI); ``only="refresh"``: the
+    page refresh's alone."""
     extra = moto["env"] if moto else None
     log = moto["log"] if moto else None
     figures: dict = {}
     say = lambda text: print(f"  [{version.name}, {where}] {text}", flush=True)  # noqa: E731
     for study, count in ((SMALL_STUDY, small), (STUDY, files)):
+        if only == "refresh" and study == SMALL_STUDY:
+            continue
         written = version.run_child("write", root, study, extra, files=count, first=0)
         say(f"wrote {written['files']} files to study {study} in {written['seconds']:.1f} s")
+    figures["refresh"] = version.run_child("refresh", root, STUDY, extra, moto_log=log)
+    say(f"page refresh: {figures['refresh']}")
+    if only == "refresh":
+        return figures
     for study in (SMALL_STUDY, STUDY):
         figures[f"skip_{study}"] = version.run_child("skip", root, study, extra, moto_log=log)
         say(f"skip-done in {study}: {figures[f'skip_{study}']}")
@@ -285,6 +344,10 @@ def report(results: dict, files: int, small: int, baseline: str | None, outputs_
             f"| {where}: skip-done after compaction, {small:,} / {files:,} files | | | "
             f"{skip(now.get(f'skip_after_{SMALL_STUDY}'))} / {skip(now.get(f'skip_after_{STUDY}'))} |",
             f"| {where}: compaction of {files:,} files | | | {seconds_only(now.get(f'compact_{STUDY}'))} |",
+            f"| {where}: page refresh, one run changed ({files:,} files): rows read / as a frame / with the page's "
+            f"tables | <= 1 s, only what changed | {refresh_today(today.get('refresh'))} | "
+            f"{refresh_now(now.get('refresh'))} |",
+            f"| {where}: page refresh, nothing changed | no file read | | {refresh_unchanged(now.get('refresh'))} |",
         ]
     lines.append("")
     lines.append(f"issue 31's figures for today's code on this machine: table {ISSUE_FIGURES['table']}, read_table "
@@ -294,6 +357,29 @@ def report(results: dict, files: int, small: int, baseline: str | None, outputs_
         lines.append(f"{where}: `results table` output, today's code vs this checkout's: {words[versions_same]}; "
                      f"before vs after compaction: {words[compaction_same]}")
     return lines
+
+
+def refresh_today(f) -> str:
+    if not f or "today_s" not in f:
+        return "–"
+    cpu = f", CPU {f['today_cpu']:.2f} s" if "today_cpu" in f else ""
+    return f"{f['today_s']:.2f} s{cpu} (the whole study, every refresh)"
+
+
+def refresh_now(f) -> str:
+    if not f or "changed_s" not in f:
+        return "–"
+    requests = f", {f['requests'][-1]} requests" if any(f["requests"]) else ""
+    cpu = f", CPU {f['page_cpu']:.2f} s in all" if "page_cpu" in f else ""
+    return (f"{f['changed_s']:.2f} s / {f['frame_s']:.2f} s / {f['page_s']:.2f} s ({f['files_read'][-1]} file "
+            f"read{requests}{cpu}; first load {f['first_s']:.1f} s)")
+
+
+def refresh_unchanged(f) -> str:
+    if not f or "unchanged_ms" not in f:
+        return "–"
+    requests = f", {f['unchanged_requests']} requests" if f["unchanged_requests"] else ""
+    return f"{f['unchanged_ms']:.0f} ms, {f['unchanged_files']} files read{requests}"
 
 
 def seconds_only(f) -> str:
@@ -312,6 +398,8 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true", help="measure this checkout only")
     parser.add_argument("--no-s3", action="store_true", help="local folders only")
     parser.add_argument("--keep", default=None, metavar="DIR", help="build the stores in DIR and keep them")
+    parser.add_argument("--only", choices=["refresh"], default=None,
+                        help="measure only the study page's refresh (the big study alone)")
     # internal: a child's task
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
@@ -350,7 +438,9 @@ def main() -> None:
                 root = f"s3://{moto['bucket']}/{version.name}" if moto else str(workdir / f"store-{version.name}")
                 print(f"{version.name}, {where}: {root}", flush=True)
                 results[(version.name, where)] = measure(version, where, root, args.files, args.small, workdir,
-                                                         moto, compact=version.name == "now")
+                                                         moto, compact=version.name == "now", only=args.only)
+            if args.only:
+                continue
             now = (workdir / f"table-now-{where}.md").read_text()
             after = (workdir / f"table-now-{where}-after.md").read_text()
             today_file = workdir / f"table-today-{where}.md"
@@ -363,6 +453,8 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     print()
     for line in report(results, args.files, args.small, None if args.no_baseline else args.baseline, outputs_same):
+        if args.only and line.startswith("| ") and "page refresh" not in line and not line.startswith("| measure"):
+            continue  # a figure not measured this time
         print(line)
     print(f"\nload average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min)")
 

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
@@ -245,3 +246,136 @@ def test_threads_writing_one_new_run_at_once(tmp_path):
     assert errors == []
     frame = store.read()
     assert sorted(zip(frame["trial"], frame["eval_len"])) == sorted((f"r{r}", n) for r in range(runs) for n in lengths)
+
+
+class _CountingFiles(pafs.FileSystemHandler):
+    """A local filesystem that records every file opened for reading (what a reader really read)."""
+
+    def __init__(self):
+        self.fs, self.opened = pafs.LocalFileSystem(), []
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
+
+    def get_type_name(self):
+        return "counting"
+
+    def normalize_path(self, path):
+        return self.fs.normalize_path(path)
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def create_dir(self, path, recursive):
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path):
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        raise AssertionError("never")
+
+    def delete_file(self, path):
+        self.fs.delete_file(path)
+
+    def move(self, src, dest):
+        self.fs.move(src, dest)
+
+    def copy_file(self, src, dest):
+        self.fs.copy_file(src, dest)
+
+    def open_input_stream(self, path):
+        self.opened.append(path)
+        return self.fs.open_input_stream(path)
+
+    def open_input_file(self, path):
+        self.opened.append(path)
+        return self.fs.open_input_file(path)
+
+    def open_output_stream(self, path, metadata):
+        return self.fs.open_output_stream(path, metadata=metadata)
+
+    def open_append_stream(self, path, metadata):
+        return self.fs.open_append_stream(path, metadata=metadata)
+
+    def parquet_opened(self) -> list[str]:
+        """The Parquet files opened since the last call, as ``<run folder or _compacted>/<name>``."""
+        out = sorted("/".join(p.split("/")[-2:]) for p in self.opened if p.endswith(".parquet"))
+        self.opened.clear()
+        return out
+
+
+def test_a_refreshing_reader_reads_only_what_changed(tmp_path):
+    """read_since: nothing changed -> no Parquet file opened; one run changed -> only its new file; rows written
+    between refreshes appear, a replaced key's rows replace, and a compaction in between neither duplicates nor
+    loses a row (each refresh equals a fresh read())."""
+    import pandas as pd
+
+    root = str(tmp_path / "store")
+    writer = ResultsStore(root)
+
+    def write(run: str, key: str, value: float, lengths=(64, 128)) -> None:
+        writer.write([make_row(trial=run, config_hash=run, eval_len=L, value=value + L / 1000, seed=int(run[1:]))
+                      for L in lengths], key=(run, key))
+
+    for run in ("r1", "r2", "r3"):
+        write(run, "a", 1.0)
+        write(run, "b", 2.0, lengths=(256,))
+    files = _CountingFiles()
+    reader = ResultsStore(root)
+    reader.filesystem = pafs.PyFileSystem(files)
+
+    def same_as_read(rows) -> None:
+        expected = ResultsStore(root).read(study="s1")
+        pd.testing.assert_frame_equal(rows.frame().reset_index(drop=True), expected.reset_index(drop=True))
+        assert rows.signature == ResultsStore(root).signature("s1") != ""
+
+    first = reader.read_since("s1")
+    assert first.rows == 9 and first.files_read == 6 and len(files.parquet_opened()) == 6
+    same_as_read(first)
+    again = reader.read_since("s1", first)  # nothing changed: a listing, no file opened
+    assert (again.files_read, files.parquet_opened(), again.rows) == (0, [], 9)
+
+    write("r2", "c", 3.0)  # a new key in one run: only its file is read
+    grown = reader.read_since("s1", again)
+    opened = files.parquet_opened()
+    assert len(opened) == 1 and opened[0].startswith("train_key=r2/") and grown.files_read == 1
+    assert grown.rows == 11
+    same_as_read(grown)
+    write("r2", "a", 5.0)  # a key written again: its rows replace the old ones
+    replaced = reader.read_since("s1", grown)
+    assert [p.split("/")[0] for p in files.parquet_opened()] == ["train_key=r2"]
+    frame = replaced.frame()
+    assert replaced.rows == 11 and sorted(frame[frame.trial == "r2"].value.round(3)) == [2.256, 3.064, 3.128, 5.064,
+                                                                                         5.128]
+    same_as_read(replaced)
+
+    writer.compact("s1")  # between refreshes: the merged files are gone, the compacted file holds them once
+    compacted = reader.read_since("s1", replaced)
+    assert [p.split("/")[0] for p in files.parquet_opened()] == ["_compacted"]
+    assert compacted.rows == 11
+    same_as_read(compacted)
+    write("r3", "b", 7.0, lengths=(256,))  # a compacted key written again: the new file wins, read alone
+    after = reader.read_since("s1", compacted)
+    assert [p.split("/")[0] for p in files.parquet_opened()] == ["train_key=r3"]
+    assert after.rows == 11 and 7.256 in after.frame().value.round(3).tolist()
+    assert 2.256 not in after.frame()[after.frame().trial == "r3"].value.round(3).tolist()
+    same_as_read(after)
+    writer.compact("s1")  # and compacted again
+    final = reader.read_since("s1", after)
+    assert [p.split("/")[0] for p in files.parquet_opened()] == ["_compacted"] and final.rows == 11
+    same_as_read(final)
+    assert reader.read_since("s1", final).files_read == 0 and files.parquet_opened() == []
+    # another study's rows are no previous read of this one; a study with nothing yet reads as empty
+    assert reader.read_since("nothing-yet", final).rows == 0
+    with pytest.raises(UserError, match="not a valid study name"):
+        reader.read_since("../x")

@@ -7,6 +7,7 @@ come from the application under uvicorn on a loopback port. The real-browser tes
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -54,10 +55,59 @@ def test_trials_carry_status_reason_point_and_progress(local):
     assert by_key["aaaa000000000007"]["reason"].startswith("stopped by asha")
     assert by_key["aaaa000000000007"]["step"] == 20
     assert by_key["aaaa000000000001"]["progress"] == 1.0 and by_key["aaaa000000000001"]["curve"] is None
+    # a run that stopped training shows its last losses, from its metrics.jsonl (train 4.2 - 0.05 x 40, val at 40)
+    for key in ("aaaa000000000001", "aaaa000000000004"):  # complete, cached
+        assert by_key[key]["train_loss"] == pytest.approx(2.2) and by_key[key]["val_loss"] == pytest.approx(2.3)
+    pruned = by_key["aaaa000000000007"]  # stopped at step 20
+    assert pruned["train_loss"] == pytest.approx(3.2) and pruned["val_loss"] == pytest.approx(3.3)
+    assert (out["total"], out["page"], out["pages"], out["first"], out["last"]) == (len(TRIALS), 1, 1, 1, len(TRIALS))
     assert all(t["curve"] for t in data.trials(sources, "probe", curves="all")["trials"])
     assert out["signature"]  # the study has results files
     with pytest.raises(UserError, match="curves='some'"):
         data.trials(sources, "probe", curves="some")
+
+
+def test_a_study_of_many_trials_is_listed_a_page_at_a_time(tmp_path):
+    """500 trials: the page lists 50 at a time (running first), with the counts of them all; the losses and curves
+    are those of the page's trials."""
+    runs = str(tmp_path / "runs")
+    state = StudyState(runs, "many")
+    state.write_study({"name": "many", "search": {"engine": "optuna"}}, "fp")
+    for i in range(500):
+        key = f"k{i:04d}"
+        status = "running" if i in (7, 300) else ("failed" if i % 50 == 0 else "complete")
+        if i < 120:  # only some runs have metrics
+            state.run(key).write_text("metrics.jsonl", json.dumps({"step": 4, "train_loss": 3.0 + i / 1000,
+                                                                   "val_loss": 3.5}) + "\n")
+        state.write_status(key, status=status, point={"attention": "softmax", "seed": i}, steps=4,
+                           started=1000.0 + i)
+    sources = open_sources(str(tmp_path / "results"), runs)
+    first = data.trials(sources, "many", curves="all")
+    assert (first["total"], first["page"], first["pages"], first["per_page"]) == (500, 1, 10, 50)
+    assert first["counts"] == {"running": 2, "complete": 489, "failed": 9}
+    assert len(first["trials"]) == 50 and (first["first"], first["last"]) == (1, 50)
+    assert [t["key"] for t in first["trials"][:3]] == ["k0007", "k0300", "k0000"]  # running first, then by start
+    assert first["trials"][3]["train_loss"] == pytest.approx(3.001) and first["trials"][3]["val_loss"] == 3.5
+    assert all(t["curve"] is not None for t in first["trials"])
+    last = data.trials(sources, "many", page=10)
+    assert (len(last["trials"]), last["first"], last["last"]) == (50, 451, 500)
+    assert last["trials"][-1]["key"] == "k0499" and last["trials"][-1]["train_loss"] is None  # no metrics file
+    assert data.trials(sources, "many", page=99)["page"] == 10  # past the end: the last page
+    with pytest.raises(UserError, match="page=0: give a whole number >= 1"):
+        data.trials(sources, "many", page=0)
+    with pytest.raises(UserError, match="page='x': give a whole number >= 1"):
+        data.page_number("x")
+
+    with serving(create_app(sources)) as base:
+        status, _, page = get(base + "/study/many?page=3")
+        assert status == 200 and page.count('<tr data-key=') == 50
+        assert "trials 101–150 of 500 (running first)" in page and "page 3 of 10" in page
+        assert 'href="?page=2" data-page="2"' in page and 'href="?page=4" data-page="4"' in page
+        status, body = get_json(base + "/api/study/many/trials?page=10&curves=none")
+        assert status == 200 and body["page"] == 10 and body["html"].count("<tr data-key=") == 50
+        assert 'href="?page=11"' not in body["html"]
+        status, body = get_json(base + "/api/study/many/trials?page=-1")
+        assert status == 400 and body["error"] == "page='-1': give a whole number >= 1"
 
 
 def test_results_are_the_reports_of_attnlab_results(local):
@@ -147,6 +197,18 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     write_study(store, runs, name="bare", ray=Dashboard(None, "the cluster runs without one").record())
     write_study(store, runs, name="legacy")  # a study.json from before the dashboard was recorded
     write_study(store, runs, name="forged", ray={"dashboard": "javascript:alert(1)"})
+    # an embedded cluster: linked while the study's process lives; "the cluster has stopped" once it ended (the
+    # study recorded it as its process ended, or its process is gone); a cluster it joined keeps its link
+    embedded = Dashboard("http://127.0.0.1:41500", embedded=True).record()
+    assert embedded["embedded"] and embedded["pid"] == os.getpid()
+    write_study(store, runs, name="embedded-live", ray=embedded)
+    write_study(store, runs, name="embedded-ended", ray=embedded)
+    StudyState(runs, "embedded-ended").record_cluster_stopped(pid=os.getpid() + 1)  # not its record: left alone
+    assert "stopped" not in StudyState(runs, "embedded-ended").saved_study().ray
+    StudyState(runs, "embedded-ended").record_cluster_stopped(pid=os.getpid())  # as the study's process ends
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    write_study(store, runs, name="embedded-killed", ray={**embedded, "pid": int(dead.stdout)})
+    write_study(store, runs, name="joined-ended", ray={**live, "stopped": 1.0, "embedded": False})
     assert StudyState(runs, "live").saved_study().ray["dashboard"] == "http://127.0.0.1:41234"
     assert StudyState(runs, "legacy").saved_study().ray is None
 
@@ -160,8 +222,16 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     for name in ("legacy", "forged"):  # nothing (usable) recorded: Ray's default port
         assert info[name]["links"]["ray_dashboard"] == data.DEFAULT_RAY_DASHBOARD, name
         assert info[name]["ray"]["source"] == "default"
-    # the header outside a study page: the most recently started study's dashboard
-    assert data.header_dashboard(sources, data.overview(sources)["studies"]) == "http://127.0.0.1:41234"
+    assert data.study_info(sources, "embedded-live")["links"]["ray_dashboard"] == "http://127.0.0.1:41500"
+    assert data.study_info(sources, "joined-ended")["links"]["ray_dashboard"] == "http://127.0.0.1:41234"
+    for name in ("embedded-ended", "embedded-killed"):
+        ended = data.study_info(sources, name)
+        assert ended["links"]["ray_dashboard"] is None and ended["ray"]["stopped"] is True, name
+    assert StudyState(runs, "embedded-ended").saved_study().ray["stopped"] > 0
+    # the header outside a study page: the most recently started study's dashboard (a stopped one: never)
+    assert data.header_dashboard(sources, [s for s in data.overview(sources)["studies"]
+                                           if not s["name"].startswith(("embedded-live", "joined"))]) \
+        == "http://127.0.0.1:41234"
     assert data.header_dashboard(sources) == data.DEFAULT_RAY_DASHBOARD
 
     # an explicit --ray-dashboard (an SSH tunnel) wins everywhere
@@ -177,10 +247,15 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
         _, _, page = get(base + "/study/bare")
         assert 'id="ray-dashboard-none"' in page and "the cluster runs without one" in page
         assert 'class="ray"' not in page and "8265" not in page
+        _, _, page = get(base + "/study/embedded-ended")
+        assert 'id="ray-dashboard-stopped"' in page and "the cluster has stopped" in page
+        assert "41500" not in page and 'class="ray"' not in page  # no link to a dead port, not even in the header
+        _, _, page = get(base + "/study/embedded-live")
+        assert 'href="http://127.0.0.1:41500"' in page and "has stopped" not in page
         _, _, page = get(base + "/study/forged")
         assert "javascript:" not in page and 'href="http://127.0.0.1:8265"' in page
-        _, _, index = get(base + "/")
-        assert 'class="ray" href="http://127.0.0.1:41234"' in index
+        _, _, index = get(base + "/")  # the latest study whose dashboard is up: embedded-live's
+        assert 'class="ray" href="http://127.0.0.1:41500"' in index
     with serving(create_app(tunnel)) as base:
         _, _, page = get(base + "/study/live")
         assert "41234" not in page and page.count('href="http://127.0.0.1:8265"') == 2

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from attnlab.study.state import StudyState
+
 from serve_util import free_port, get
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -159,6 +161,10 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
                     timeout=60_000)
                 page.wait_for_function("() => +(document.getElementById('extrapolation') || {dataset: {}}).dataset.traces > 0",
                                        timeout=60_000)
+                # a finished trial shows its run's last train and validation loss (numbers, not "–")
+                for cell in (4, 5):
+                    text = page.inner_text(f'#trials tr[data-status="complete"] td:nth-child({cell})')
+                    assert float(text) > 0, text
                 header = page.inner_text("#table4 thead")
                 assert "64 (1x)" in header and "256 (4x)" in header and "attention" in header
                 assert page.locator("#table4 tbody tr").count() == 2 * 2 * 2  # attention x p_eval x rope_scaling
@@ -182,6 +188,20 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
                 page.select_option('select[name="metric"]', "val_loss")
                 page.wait_for_url("**metric=val_loss**")
                 assert page.inner_text("#best thead").split()[-1] == "val_loss"
+
+                # a study of 120 trials: 50 a page; "next" shows the next 50 without reloading the page
+                many = StudyState(str(runs), "many")
+                many.write_study({"name": "many"}, "fp")
+                for i in range(120):
+                    many.write_status(f"k{i:04d}", status="complete", point={"seed": i}, steps=4, started=1.0 + i)
+                page.goto(base + "/study/many")
+                assert page.locator("#trials tbody tr").count() == 50
+                assert "trials 1–50 of 120" in page.inner_text("#trials-pager-top")
+                page.evaluate("() => { window.notReloaded = true; }")
+                page.click("#trials-pager-top a[data-page='2']")
+                page.wait_for_function("() => document.querySelector('#trials tbody tr').dataset.key === 'k0050'")
+                assert page.evaluate("() => window.notReloaded") is True and "page=2" in page.url
+                assert "trials 51–100 of 120" in page.inner_text("#trials-pager-top")
 
                 # an unknown study: a clear 404 page in the browser as well
                 response = page.goto(base + "/study/no-such-study")

@@ -80,18 +80,24 @@ def cluster_api_server(address: str) -> str | None:
 @dataclass(frozen=True)
 class Dashboard:
     """The Ray dashboard of the cluster this process runs on: ``url`` (None when there is none, or it is not
-    known) and ``note``, why not (empty when ``url`` is set)."""
+    known), ``note``, why not (empty when ``url`` is set), and ``embedded``: the cluster is the one
+    :func:`ensure_ray` started in this process, so it stops when this process ends."""
 
     url: str | None
     note: str = ""
+    embedded: bool = False
 
     def line(self) -> str:
         """``Ray dashboard: http://...`` or ``Ray dashboard: none (why)``, as the plan line ends."""
         return f"Ray dashboard: {self.url}" if self.url else f"Ray dashboard: none ({self.note})"
 
     def record(self) -> dict:
-        """What a study writes to its state for ``attnlab serve`` (``StudyState.write_study``)."""
-        return {"dashboard": self.url, "note": self.note, "recorded": time.time()}
+        """What a study writes to its state for ``attnlab serve`` (``StudyState.write_study``); an embedded
+        cluster's also names this process (``host``, ``pid``: the cluster lives as long as it does)."""
+        out = {"dashboard": self.url, "note": self.note, "recorded": time.time(), "embedded": self.embedded}
+        if self.embedded:
+            out.update(host=socket.gethostname(), pid=os.getpid())
+        return out
 
 
 _dashboards: dict[str, Dashboard] = {}  # by GCS address: an embedded cluster's own, or what its GCS answered
@@ -150,8 +156,8 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
              object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
              **kwargs)
     _dashboards[ray.get_runtime_context().gcs_address] = (
-        Dashboard(f"http://127.0.0.1:{kwargs['dashboard_port']}") if dashboard
-        else Dashboard(None, "this embedded cluster was started without one"))
+        Dashboard(f"http://127.0.0.1:{kwargs['dashboard_port']}", embedded=True) if dashboard
+        else Dashboard(None, "this embedded cluster was started without one", embedded=True))
     return True
 
 
@@ -162,7 +168,8 @@ def log_file(folder: str, what: str) -> str:
 
 
 def quiet_ray(path: str) -> None:
-    """Send Ray's, Tune's and Train's own logging, and Python warnings, to the file ``path`` instead of the
+    """Send Ray's, Tune's and Train's own logging, Python warnings and the raylets' messages to this driver
+    (``(raylet) WARNING: N PYTHON worker processes have been started ...``) to the file ``path`` instead of the
     terminal (``ensure_ray(log_to_driver=False)`` keeps the workers' output in Ray's session logs). Errors attnlab
     reports itself still reach the terminal, one line each."""
     handler = logging.FileHandler(path)
@@ -181,3 +188,26 @@ def quiet_ray(path: str) -> None:
         stream.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     warnings.showwarning = to_file
+    _raylet_messages_to(stream)
+
+
+def _raylet_messages_to(stream) -> None:
+    """Send the messages raylets push to this driver to ``stream`` (the quiet log file) instead of the terminal.
+
+    Ray's driver prints them from a thread of its own (``ray._private.worker.listen_error_messages``, started by
+    every ``ray.init`` whatever ``log_to_driver`` says) through ``print_to_stdstream``, as ``(raylet) ...`` lines:
+    e.g. ``WARNING: 16 PYTHON worker processes have been started on node ...``, which a study of many short
+    trials triggers. Only those lines (``pid`` "raylet") are routed; anything else goes to Ray's own printer."""
+    from ray._private import worker as ray_worker
+
+    printer = getattr(ray_worker.print_to_stdstream, "attnlab_ray_printer", ray_worker.print_to_stdstream)
+
+    def print_to_stdstream(data, ignore_prefix):
+        if data.get("pid") != "raylet":
+            return printer(data, ignore_prefix)
+        for line in data.get("lines", []):
+            stream.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} (raylet) {line}\n")
+        return None
+
+    print_to_stdstream.attnlab_ray_printer = printer  # a later call (the demo's second study) replaces this one
+    ray_worker.print_to_stdstream = print_to_stdstream

@@ -20,7 +20,8 @@ The training config a run records (in ``provenance.json`` and every checkpoint) 
 :class:`TrainRecord`.
 
 It also watches a run's progress (:class:`Progress`, :func:`watch`): the step, the losses and an estimate of
-the time left, read from ``metrics.jsonl`` by whoever waits for the run. No Ray, no torch here.
+the time left, read from ``metrics.jsonl`` by whoever waits for the run; :func:`latest_losses` is a run's latest
+(a finished run's last) train and validation loss, as the console and ``attnlab serve`` show it. No Ray, no torch here.
 """
 
 from __future__ import annotations
@@ -122,6 +123,14 @@ def read_metrics(run: Location) -> list[dict]:
     return [json.loads(line) for line in run.read_text(METRICS_FILE).splitlines() if line.strip()]
 
 
+def latest_losses(lines: list[dict]) -> dict:
+    """The run's latest losses from its metrics lines: ``{"train_loss": the last report's, "val_loss": the last
+    validation's}`` (None where there is none); for a finished run, its last train and validation loss."""
+    train = next((m["train_loss"] for m in reversed(lines) if m.get("train_loss") is not None), None)
+    val = next((m["val_loss"] for m in reversed(lines) if m.get("val_loss") is not None), None)
+    return {"train_loss": train, "val_loss": val}
+
+
 def write_failure(run: Location, reason: str, step: int, kind: str = "diverged") -> None:
     run.write_json(FAILURE_FILE, {"reason": reason, "step": int(step), "kind": kind})
 
@@ -197,10 +206,7 @@ class Progress:
             return False
         moved = lines[-1].get("step") != self.last.get("step")
         self.last = lines[-1]
-        for line in reversed(lines):
-            if "val_loss" in line:
-                self.val_loss = line["val_loss"]
-                break
+        self.val_loss = latest_losses(lines)["val_loss"]
         if self.first is None:
             self.first = (now, int(self.last.get("step", 0)))
         self._now = now

@@ -2,7 +2,9 @@
 
 Public API:
 - ``ResultsStore(uri)``: ``write(rows, key)``, ``read(study=None, **filters)``,
-  ``stored_eval_keys(study, train_key)``, ``studies()``, ``compact(study)`` (returning a ``Compaction``);
+  ``stored_eval_keys(study, train_key)``, ``studies()``, ``compact(study)`` (returning a ``Compaction``),
+  ``signature(study)`` and ``read_since(study, previous)`` (a ``StudyRows``: a refreshing reader's rows, re-read
+  only where files changed);
   ``key_stem(key)``: the name a write key gives its files.
 - ``reports``: ``table`` / ``to_markdown`` / ``to_csv``, ``curves``, ``best``, ``compare`` (also here as
   ``attnlab.results.compare``, returning a ``Comparison``), ``export``, ``format_reference_table``.
@@ -26,7 +28,7 @@ from attnlab.results.schema import (
     register_metric,
     validate_row,
 )
-from attnlab.results.store import Compaction, ResultsStore, key_stem
+from attnlab.results.store import Compaction, ResultsStore, StudyRows, key_stem
 
 __all__ = [
     "COMPLETE_METRIC",
@@ -38,6 +40,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "STORED_NAMES",
     "ResultsStore",
+    "StudyRows",
     "Compaction",
     "compare",
     "describe_schema",

@@ -3,9 +3,11 @@
 Routes (all GET, all read-only)::
 
     /                              every study: trials by status, last change, whether it has results
-    /study/<name>[?metric=&at=]    one study: trials, live training curves, extrapolation curves, Table 4, best
+    /study/<name>[?metric=&at=&page=]  one study: trials (50 a page), live training curves, extrapolation curves,
+                                   Table 4, best
     /api/studies                   the index as JSON
-    /api/study/<name>/trials       trials (+ ``html``, the rendered table) and training curves (?curves=running|all)
+    /api/study/<name>/trials       a page of trials (+ ``html``, the rendered table) and training curves
+                                   (?curves=running|all&page=N)
     /api/study/<name>/results      results (+ ``html``, the rendered section) for ?metric= and ?at=
     /static/plotly.min.js          Plotly's bundle, from the installed ``plotly`` wheel
     /static/page.css, study.js     this package's own files
@@ -33,6 +35,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from attnlab.errors import UserError
+from attnlab.results import StudyRows
 from attnlab.serve import data
 from attnlab.serve.data import NotFound, Sources
 
@@ -61,12 +64,14 @@ def _environment() -> jinja2.Environment:
 
 class ResultsCache:
     """The last few :func:`attnlab.serve.data.results`, keyed by study, metric, length and the study's results
-    signature: rows are immutable files, so a page reloaded while nothing new landed costs a directory listing
-    instead of a new table (``reports.table`` takes seconds on a large study)."""
+    signature, and each study's rows as they were last read (:class:`attnlab.results.StudyRows`): a page reloaded
+    while nothing new landed costs a directory listing, and when rows land only the changed files are read
+    (:meth:`attnlab.results.ResultsStore.read_since`) before the tables are made again."""
 
     def __init__(self, sources: Sources, size: int = 32):
         self.sources, self.size = sources, size
         self._entries: dict[tuple, dict] = {}
+        self._rows: dict[str, StudyRows] = {}  # by study: the latest read
         self._lock = threading.Lock()
 
     def get(self, name: str, metric: str | None, at: str | None) -> dict:
@@ -77,12 +82,25 @@ class ResultsCache:
             if hit is not None:
                 self._entries[key] = hit  # most recently used last
                 return hit
-        value = data.results(self.sources, name, metric=metric, at=at)
+            previous = self._rows.get(name)
+        rows = self.rows(name, previous)
+        value = data.results(self.sources, name, metric=metric, at=at, rows=rows)
         with self._lock:
-            self._entries[key] = value
+            self._entries[(name, metric, at, value["signature"])] = value
             while len(self._entries) > self.size:
                 self._entries.pop(next(iter(self._entries)))
         return value
+
+    def rows(self, name: str, previous: StudyRows | None = None) -> StudyRows | None:
+        """The study's rows, re-reading only what changed since ``previous``; None when the store is not there."""
+        if not self.sources.store.exists():
+            return None
+        rows = self.sources.store.read_since(name, previous)
+        with self._lock:
+            self._rows[name] = rows
+            while len(self._rows) > self.size:
+                self._rows.pop(next(iter(self._rows)))
+        return rows
 
 
 def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
@@ -112,9 +130,10 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     def study(request: Request) -> Response:
         name = request.path_params["name"]
         info = data.study_info(sources, name)
-        trials = data.trials(sources, name, curves="none")
+        trials = data.trials(sources, name, curves="none", page=data.page_number(one(request, "page")))
         res = cache.get(name, one(request, "metric"), one(request, "at"))
         page_config = {"study": name, "refresh_ms": int(refresh_s * 1000), "signature": trials["signature"],
+                       "page": trials["page"],
                        "results": res, "api": {"trials": f"/api/study/{name}/trials",
                                                "results": f"/api/study/{name}/results"}}
         return render("study.html", info=info, data=trials, res=res, refresh=f"{refresh_s:g}",
@@ -127,7 +146,8 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     def api_trials(request: Request) -> Response:
         name = request.path_params["name"]
         info = data.study_info(sources, name)
-        trials = data.trials(sources, name, curves=one(request, "curves") or "running")
+        trials = data.trials(sources, name, curves=one(request, "curves") or "running",
+                             page=data.page_number(one(request, "page")))
         return JSONResponse({**trials, "html": fragment("_trials.html", info=info, data=trials)})
 
     def api_results(request: Request) -> Response:

@@ -15,25 +15,26 @@ infinities become None). No Ray, no HTTP here: the web layer is :mod:`attnlab.se
 
 from __future__ import annotations
 
-import hashlib
 import math
+import os
 import re
+import socket
+import threading
 import time
 from dataclasses import dataclass
-
-import pyarrow.fs as pafs
 
 from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.names import STUDY_NAME
-from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, reports
+from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, StudyRows, reports
 from attnlab.study.state import STATUSES, STUDY_FILE, SavedStudy, StudyState, TrialStatus
-from attnlab.runfolder import METRICS_FILE, read_metrics
+from attnlab.runfolder import METRICS_FILE, latest_losses, read_metrics
 
 DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
 _HTTP_URL = re.compile(r"https?://[^\s\"'<>]+")
 # The evaluation settings the extrapolation figure lets a reader pick (the other varying columns name the lines).
 SELECTABLE = ("p_eval", "rope_scaling")
+PER_PAGE = 50  # trials per page of a study's trial list
 
 
 class NotFound(UserError):
@@ -141,10 +142,14 @@ def ray_dashboard(sources: Sources, recorded: dict | None) -> dict:
     """The Ray dashboard a study's page links to, ``{"url": URL or None, "source": ..., "note": ...}``: the one
     ``--ray-dashboard`` named (``source`` "flag": the user reaches it their own way, e.g. an SSH tunnel, so it
     always wins); else the dashboard of the cluster the study runs on, as its ``study.json`` records it
-    (``recorded``, :attr:`SavedStudy.ray`; "study", or ``url`` None when that cluster has none); else
+    (``recorded``, :attr:`SavedStudy.ray`; "study", or ``url`` None when that cluster has none, or when it was
+    the study's own embedded cluster and has stopped: then ``stopped`` is True); else
     :data:`DEFAULT_RAY_DASHBOARD` ("default": nothing recorded, e.g. a study written by an older attnlab)."""
     if sources.ray_dashboard:
         return {"url": sources.ray_dashboard, "source": "flag", "note": "--ray-dashboard"}
+    if recorded is not None and recorded.get("embedded") and _cluster_stopped(recorded):
+        return {"url": None, "source": "study", "stopped": True,
+                "note": "the study ran on a Ray cluster of its own, which ended with it"}
     if recorded is not None:
         url = recorded.get("dashboard")
         if isinstance(url, str) and _HTTP_URL.fullmatch(url):
@@ -152,6 +157,23 @@ def ray_dashboard(sources: Sources, recorded: dict | None) -> dict:
         if url is None:
             return {"url": None, "source": "study", "note": str(recorded.get("note") or "the cluster has none")}
     return {"url": DEFAULT_RAY_DASHBOARD, "source": "default", "note": "nothing recorded: Ray's default port"}
+
+
+def _cluster_stopped(recorded: dict) -> bool:
+    """Whether the embedded cluster a study recorded has stopped: the study said so as it ended (``stopped``), or
+    the process that started it, on this machine, is gone (a study killed before it could say so)."""
+    if recorded.get("stopped"):
+        return True
+    pid, host = recorded.get("pid"), recorded.get("host")
+    if not isinstance(pid, int) or pid <= 0 or host != socket.gethostname():
+        return False  # another machine's process: not ours to look at
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's process)
+        return False
+    return False
 
 
 def header_dashboard(sources: Sources, studies: list[dict] | None = None) -> str | None:
@@ -190,7 +212,7 @@ def study_info(sources: Sources, name: str) -> dict:
                   "description": saved.description if saved else None,
                   "objective": saved.objectives[0].parts if saved and saved.objectives else None,
                   "objectives": [o.metric for o in saved.objectives] if saved else [], "links": links,
-                  "ray": {**board, "recorded": (recorded or {}).get("recorded")}})
+                  "ray": {"stopped": False, **board, "recorded": (recorded or {}).get("recorded")}})
 
 
 def _has_results(store: ResultsStore, name: str) -> bool:
@@ -234,25 +256,48 @@ def _curve(lines: list[dict]) -> dict:
                   "val_step": [s for s, _ in val], "val_loss": [v for _, v in val]})
 
 
+_FINISHED_LOSSES: dict[tuple, dict] = {}  # (run, status, updated) -> latest_losses of a run that stopped training
+_FINISHED_LOSSES_SIZE = 4096
+_FINISHED_LOCK = threading.Lock()
+
+
+def _finished_losses(run: Location, trial: TrialStatus) -> dict:
+    """The last train and validation loss of a run that no longer trains (complete, cached, diverged, pruned,
+    failed), from its ``metrics.jsonl``: read once per status record (a finished run's metrics do not change,
+    and a status change rewrites the record), so a page of finished trials re-reads none of them."""
+    key = (run.uri, trial.status, trial.updated)
+    with _FINISHED_LOCK:
+        hit = _FINISHED_LOSSES.get(key)
+    if hit is not None:
+        return hit
+    losses = latest_losses(read_metrics(run))
+    with _FINISHED_LOCK:
+        _FINISHED_LOSSES[key] = losses
+        while len(_FINISHED_LOSSES) > _FINISHED_LOSSES_SIZE:
+            _FINISHED_LOSSES.pop(next(iter(_FINISHED_LOSSES)))
+    return losses
+
+
 def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) -> dict:
     key, status, steps, step, updated = trial.train_key or "?", trial.status, trial.steps, trial.step, trial.updated
-    latest: dict = {}  # the latest losses of a running trial (a finished one shows its objectives)
+    losses: dict = {}  # the run's latest losses (a finished run's last), from its metrics.jsonl
     curve = None
-    if with_curve or status == "running":
-        run = state.run(key)
-        lines = read_metrics(run) if key != "?" else []
+    run = state.run(key) if key != "?" else None
+    if run is not None and (with_curve or status == "running"):
+        lines = read_metrics(run)
         if lines and status == "running":
             # a live run's last report is newer than its status record
             written = run.fs.get_file_info(run.join(METRICS_FILE)).mtime
             if written is not None:
                 updated = max(updated or 0.0, written.timestamp())
             step = lines[-1].get("step", step)
-            vals = [m["val_loss"] for m in lines if m.get("val_loss") is not None]
-            latest = {"train_loss": lines[-1].get("train_loss"), "val_loss": vals[-1] if vals else None}
         elif lines and step is None:
             step = lines[-1].get("step")
+        losses = latest_losses(lines)
         if with_curve:
             curve = _curve(lines)
+    elif run is not None:
+        losses = _finished_losses(run, trial)
     progress = None
     if isinstance(steps, (int, float)) and steps > 0 and isinstance(step, (int, float)):
         progress = max(0.0, min(1.0, float(step) / float(steps)))
@@ -262,41 +307,62 @@ def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) 
         "key": key, "status": status, "reason": trial.reason, "point": trial.point,
         "label": point_label(trial.point), "trial": trial.trial, "run_dir": trial.run_dir,
         "step": step, "steps": steps, "progress": progress, "objectives": trial.objectives,
-        "train_loss": latest.get("train_loss"), "val_loss": latest.get("val_loss"),
+        "train_loss": losses.get("train_loss"), "val_loss": losses.get("val_loss"),
         "started": trial.started, "updated": updated,
         "age": (now - updated) if isinstance(updated, (int, float)) else None, "curve": curve,
     })
 
 
-def trials(sources: Sources, name: str, curves: str = "running") -> dict:
-    """A study's trials (status, reason, point, progress step / steps, latest losses), ordered running first,
-    then by start time. ``curves``: whose training curves to include, ``"running"`` (the live ones, read from
-    each run's ``metrics.jsonl``), ``"all"`` or ``"none"``. ``signature`` changes whenever the study's results
-    in the store change (so a page knows when to fetch them again)."""
+def page_number(value) -> int:
+    """The ``page`` a request names (1 when not given); UserError naming it when it is not a whole number >= 1."""
+    if value in (None, ""):
+        return 1
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1:
+        raise UserError(f"page={value!r}: give a whole number >= 1")
+    return number
+
+
+def trials(sources: Sources, name: str, curves: str = "running", page: int = 1, per_page: int = PER_PAGE) -> dict:
+    """A study's trials, ordered running first, then by start time, one page at a time: ``per_page`` of them
+    from page ``page`` (a page past the last shows the last), each with its status, reason, point, progress
+    (step / steps) and latest losses (a finished run's last train and validation loss). ``counts`` (by status)
+    and ``total`` cover every trial; ``page``, ``pages``, ``first`` and ``last`` (1-based positions) say which
+    ones this is. ``curves``: whose training curves to include, ``"running"`` (the live ones, read from each
+    run's ``metrics.jsonl``), ``"all"`` or ``"none"``, among this page's trials. ``signature`` changes whenever
+    the study's results in the store change (so a page knows when to fetch them again)."""
     if curves not in ("running", "all", "none"):
         raise UserError(f"curves={curves!r}: allowed: running, all, none")
+    if not isinstance(page, int) or page < 1:
+        raise UserError(f"page={page!r}: give a whole number >= 1")
     info = study_info(sources, name)
     state = StudyState(sources.runs, name)
     now = time.time()
     runs = state.trials() if info["has_state"] else []
-    items = [_trial(state, r, curves == "all" or (curves == "running" and r.status == "running"), now) for r in runs]
-    items.sort(key=lambda t: (t["status"] != "running", t["started"] or 0, t["key"]))
-    counts = {s: sum(1 for t in items if t["status"] == s) for s in STATUSES}
+    runs.sort(key=lambda r: (r.status != "running", r.started or 0, r.train_key or "?"))
+    pages = max(1, math.ceil(len(runs) / per_page))
+    page = min(page, pages)
+    shown = runs[(page - 1) * per_page: page * per_page]
+    items = [_trial(state, r, curves == "all" or (curves == "running" and r.status == "running"), now)
+             for r in shown]
+    counts = {s: sum(1 for r in runs if r.status == s) for s in STATUSES}
+    first = (page - 1) * per_page + 1 if shown else 0
     return clean({"study": name, "trials": items, "counts": {s: n for s, n in counts.items() if n},
-                  "running": counts["running"], "signature": results_signature(sources, name), "now": now})
+                  "running": counts["running"], "total": len(runs), "page": page, "pages": pages,
+                  "per_page": per_page, "first": first, "last": first + len(shown) - 1 if shown else 0,
+                  "signature": results_signature(sources, name), "now": now})
 
 
 def results_signature(sources: Sources, name: str) -> str:
-    """A short hash of the study's results files (names, sizes, times): it changes when rows are written."""
-    store = sources.store
+    """A short hash of the study's results files (:meth:`ResultsStore.signature`: one listing, no file read): it
+    changes when rows are written, replaced or compacted; "" when the store cannot be listed."""
     try:
-        infos = store.filesystem.get_file_info(pafs.FileSelector(store.study_dir(name), recursive=True,
-                                                                 allow_not_found=True))
+        return sources.store.signature(name)
     except OSError:
         return ""
-    blob = "\n".join(sorted(f"{i.path}:{i.size}:{i.mtime_ns}" for i in infos
-                            if i.type == pafs.FileType.File and not i.base_name.startswith((".", "_"))))
-    return hashlib.sha1(blob.encode()).hexdigest()[:16] if blob else ""
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -324,10 +390,14 @@ def _default_at(info: dict, lengths: list[int], train_len: int | None) -> str | 
     return str(max(lengths)) if lengths else None
 
 
-def results(sources: Sources, name: str, metric: str | None = None, at: str | None = None) -> dict:
+def results(sources: Sources, name: str, metric: str | None = None, at: str | None = None,
+            rows: StudyRows | None = None) -> dict:
     """A study's results as the page shows them: the metrics present, the Table-4 layout (``reports.table``
     and its formatted cells), the best configurations at one length (``reports.best``), and the extrapolation
     curves (the same ``reports.table`` numbers: one series per configuration, mean and std per length).
+
+    ``rows``: the study's rows as :meth:`ResultsStore.read_since` last read them (a page that refreshes keeps
+    them and re-reads only what changed, :class:`attnlab.serve.app.ResultsCache`); None reads them here.
 
     ``metric`` defaults to the study's objective metric (``acc`` for a probe, ``val_loss`` otherwise) and ``at``
     to the objective's length. ``message`` says why there is nothing to show (no store, no rows yet)."""
@@ -335,12 +405,16 @@ def results(sources: Sources, name: str, metric: str | None = None, at: str | No
     out = {"study": name, "store": sources.store.uri, "metrics": [], "metric": None, "at": None, "at_length": None,
            "lengths": [], "at_options": [],
            "table": None, "best": None, "curves": None, "laws": None, "message": None,
-           "signature": results_signature(sources, name)}
+           "signature": rows.signature if rows is not None else None}
     if not sources.store.exists():
         out["message"] = (f"The results store {sources.store.uri} does not exist yet: nothing has been written "
                           "there. Results appear here once a trial has been evaluated (is --store right?).")
+        out["signature"] = ""
         return clean(out)
-    df = sources.store.read(study=name)
+    if rows is None:
+        rows = sources.store.read_since(name)
+    out["signature"] = rows.signature
+    df = rows.frame()
     present = sorted(set(df["metric"]) - {COMPLETE_METRIC}) if len(df) else []
     out["metrics"] = present
     if not present:
@@ -400,8 +474,10 @@ def _curves(result, metric: str, info: dict) -> dict:
     selectors = {c: [] for c in SELECTABLE if c in label_columns}
     line_columns = [c for c in label_columns if c not in selectors]
     series = []
-    for i in range(len(result)):
-        row = result.iloc[i]
+    # rows as plain values: a frame's row (iloc) carries a deep copy of the frame's attrs (every cell's seeds)
+    position = {c: j for j, c in enumerate(result.columns)}
+    for values_row in result.to_numpy(dtype=object):
+        row = {c: values_row[j] for c, j in position.items()}
         labels = {c: reports.format_value(row[c]) for c in label_columns}
         for c, values in selectors.items():
             if labels[c] not in values:

@@ -1,6 +1,7 @@
 """The study's live view on the terminal: one compact line per trial whenever it changes (status, step, latest
 loss, time), read from the study's state (``attnlab.study.state``) and each running trial's metrics. It replaces
-Ray's and Tune's own output, which goes to a log file (``attnlab.ray_runtime.quiet_ray``).
+Ray's and Tune's own output, which goes to a log file (``attnlab.ray_runtime.quiet_ray``: Ray's logging, Python
+warnings and the raylets' ``(raylet)`` messages to the driver).
 
 Lines, not a redrawn screen: they read the same in a terminal, a ``ray job logs`` stream and a CI log. A trial
 that fails or diverges prints its reason on its line. No Ray here: only files are read (and :func:`say`

@@ -19,6 +19,7 @@ experiment aside).
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -208,7 +209,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     printed) and the terminal shows a line per trial change (:class:`attnlab.study.console.LiveView`);
     ``verbose``: Tune's own status tables (0 = none). The plan line, printed once Ray is up, ends with the
     address of the cluster's Ray dashboard (also written to the log file, and recorded in ``study.json`` for
-    ``attnlab serve``).
+    ``attnlab serve``; a cluster started here, embedded, is recorded as stopped when this process ends).
     """
     import contextlib
 
@@ -246,6 +247,8 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
         print(f"Ray's and Tune's own output: {log} (--verbose shows it here)", flush=True)
     restore = _check_state(spec, state, resume)
     state.write_study(spec.to_json(), spec.search_fingerprint(), ray=board.record())  # `attnlab serve` links it
+    if board.embedded:  # the cluster ends with this process: then `attnlab serve` says so instead of linking it
+        atexit.register(_record_cluster_stopped, state)
     trained_before = state.trainings_started()
 
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
@@ -284,6 +287,13 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     summary.searched = len(grid)
     _report(spec, summary, state, ctx.store, curves_dir)
     return summary
+
+
+def _record_cluster_stopped(state: StudyState) -> None:
+    try:
+        state.record_cluster_stopped(pid=os.getpid())
+    except Exception:  # noqa: BLE001 - the process is ending; a study.json that cannot be written keeps its link
+        pass
 
 
 def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:

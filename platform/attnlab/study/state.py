@@ -4,7 +4,8 @@ folder or object storage), and how the study's files are read and written. The o
 
     <runs>/<study>/study.json               the saved study: its spec as written and its search fingerprint (a
                                             resumed search must match), and the Ray dashboard of the cluster its
-                                            latest run runs on (read back typed: :class:`SavedStudy`)
+                                            latest run runs on, and when that cluster stopped if the run started
+                                            it (read back typed: :class:`SavedStudy`)
     <runs>/<study>/tune/                    the Tune experiment (trial logs, TensorBoard files, searcher state)
     <runs>/<study>/runs/<train_key>/        each training run (metrics.jsonl, provenance.json, checkpoints)
     <runs>/<study>/trials/<train_key>.json  each training run's status: running, complete, cached, diverged,
@@ -41,7 +42,8 @@ class SavedStudy:
 
     spec: dict
     fingerprint: str | None
-    ray: dict | None  # {"dashboard": URL or None, "note", "recorded"}: ray_runtime.Dashboard.record()
+    ray: dict | None  # {"dashboard": URL or None, "note", "recorded", "embedded" (+ "host", "pid"), "stopped"}:
+    # ray_runtime.Dashboard.record(), "stopped" once an embedded cluster ended (StudyState.record_cluster_stopped)
     objectives: tuple  # attnlab.study.spec.Objective, in the spec's order (those that no longer parse left out)
 
     @classmethod
@@ -145,6 +147,15 @@ class StudyState:
         if ray is not None:
             record["ray"] = ray
         self.loc.write_json(STUDY_FILE, record)
+
+    def record_cluster_stopped(self, pid: int | None = None) -> None:
+        """Say in ``study.json`` that the embedded Ray cluster its latest run ran on has stopped (``ray.stopped``:
+        the time), so ``attnlab serve`` no longer links to its dashboard. Called as that process ends; ``pid``
+        (that process): only when the record is still its own (a later run of the study may have replaced it)."""
+        record = self.loc.read_json(STUDY_FILE)
+        if isinstance(record, dict) and isinstance(record.get("ray"), dict) and (
+                pid is None or record["ray"].get("pid") == pid):
+            self.loc.write_json(STUDY_FILE, {**record, "ray": {**record["ray"], "stopped": time.time()}})
 
     # ------------------------------------------------------------------------------------- trials
     def status(self, train_key: str) -> dict | None:

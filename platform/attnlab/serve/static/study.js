@@ -11,6 +11,8 @@
   const colors = {};   // trial key -> a palette colour, stable across refreshes
   let signature = cfg.signature;
   let results = cfg.results;
+  let page = cfg.page || 1;   // the page of the trial list shown (the server clamps it to the last one)
+  let pageChanged = false;    // a new page: fetch its trials' whole curves
 
   function rgba(hex, alpha) {
     const n = parseInt(hex.slice(1), 16);
@@ -135,11 +137,41 @@
   }
 
   // ------------------------------------------------------------------------------------ polling
+  // The trial list is paged (the server renders one page): a pager link shows its page here, without reloading.
+  let timer = null;
+  let inFlight = false;
+  let again = false;  // a page was picked while a poll was on its way: poll again at once
+  document.getElementById("trials").addEventListener("click", (event) => {
+    const link = event.target.closest("a[data-page]");
+    if (!link) return;
+    event.preventDefault();
+    page = parseInt(link.dataset.page, 10) || 1;
+    pageChanged = true;
+    const url = new URL(window.location.href);
+    url.searchParams.set("page", String(page));
+    window.history.replaceState(null, "", url);
+    if (inFlight) {
+      again = true;
+    } else {
+      window.clearTimeout(timer);
+      poll();
+    }
+  });
+
   async function poll(first) {
+    inFlight = true;
     try {
-      const r = await fetch(`${cfg.api.trials}?curves=${first === true ? "all" : "running"}`, {cache: "no-store"});
+      const asked = page;
+      const all = first === true || pageChanged;
+      const r = await fetch(`${cfg.api.trials}?curves=${all ? "all" : "running"}&page=${asked}`, {cache: "no-store"});
       const d = await r.json();
       if (!r.ok) throw new Error(d.error || r.statusText);
+      if (asked !== page) return;  // another page was picked meanwhile: the next poll shows it
+      if (pageChanged) {
+        pageChanged = false;
+        for (const key of Object.keys(curves)) delete curves[key];  // the curves drawn are this page's trials'
+      }
+      page = d.page;
       document.getElementById("trials").innerHTML = d.html;
       for (const t of d.trials) {
         if (t.curve) curves[t.key] = {label: t.label, status: t.status, curve: t.curve};
@@ -154,7 +186,13 @@
     } catch (e) {
       setStatus(`could not refresh: ${e.message || e}`);
     } finally {
-      window.setTimeout(poll, cfg.refresh_ms);
+      inFlight = false;
+      if (again) {
+        again = false;
+        poll();
+      } else {
+        timer = window.setTimeout(poll, cfg.refresh_ms);
+      }
     }
   }
 
