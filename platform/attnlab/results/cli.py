@@ -178,7 +178,7 @@ def _store_options(parser: argparse.ArgumentParser, selection: bool = True) -> N
 def _report_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", default="val_loss", help="metric to report (default val_loss; e.g. acc, bpb)")
     parser.add_argument("--step", default="final",
-                        help="'final' (each trial's last step, default), 'all', or a step number")
+                        help="'final' (each run's last step, default), 'all', or a step number")
 
 
 def add_parser(subparsers) -> None:
@@ -244,7 +244,7 @@ def add_parser(subparsers) -> None:
                                    "regression of the probe's forces (in r, m1, m2), its exponents, its distance "
                                    "from Newton's G m1 m2 / r^2, the fit and probe errors, and the power-law fit.")
     _store_options(p)
-    p.add_argument("--step", default="final", help="'final' (each trial's last step, default) or a step number")
+    p.add_argument("--step", default="final", help="'final' (each run's last step, default) or a step number")
     p.add_argument("--format", choices=("markdown", "csv"), default="markdown", help="markdown (default) or csv")
     p.add_argument("--digits", type=int, default=3, help="decimals in markdown cells (default 3)")
     p.add_argument("--out", default=None, metavar="FILE", help="write to FILE instead of stdout")

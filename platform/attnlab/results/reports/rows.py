@@ -1,4 +1,4 @@
-"""Selecting and aggregating results rows: one metric at each trial's final step, configurations, and the
+"""Selecting and aggregating results rows: one metric at each run's final step, configurations, and the
 mean / std / n / interval of a cell (the rules every report shares; see :mod:`attnlab.results.reports`).
 
 Pure: no Ray, no store access, no network.
