@@ -111,3 +111,18 @@ def test_twins_that_start_together_train_once(tmp_path):
     first, second = order
     assert found[first] == {}  # the winner found the key free
     assert found[second]["status"] == "complete" and found[second]["trial"] == first  # the other found it done
+
+
+@pytest.mark.parametrize("gpus", [1.0, 0.0])
+def test_a_gpu_evaluation_ends_its_worker_process(gpus):
+    """The evaluation task's options, as the trial builds them (no GPU needed: nothing runs): with GPUs the worker
+    process ends after the task (max_calls=1), so no CUDA context outlives an evaluation; on CPU workers stay pooled."""
+    from attnlab.study.trial import evaluation_task
+    from attnlab.train.config import TrainConfig
+
+    cfg = TrainConfig(preset="tiny", data={"synthetic": "copy", "vocab": 64}, steps=2, gpus_per_worker=gpus,
+                      cpus_per_worker=2)
+    options = evaluation_task(cfg, "k1")._default_options
+    assert options["num_gpus"] == gpus and options["num_cpus"] == 2
+    assert options["max_calls"] == (1 if gpus else 0)
+    assert options["name"] == "evaluate-k1"

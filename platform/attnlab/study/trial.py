@@ -6,7 +6,7 @@
    run's latest checkpoint when there is one; with a stopping rule (``train.stop_when``) a run is finished when
    its latest checkpoint met the rule, or reached ``steps`` (the cap) without meeting it;
 3. **evaluate**: only the cells whose key has no rows in the results store, in a Ray task with the resources of
-   one training worker (a GPU when the workers have GPUs), writing the rows to the store (with a stopping rule
+   one training worker (a GPU when the workers have GPUs: then the task's worker process ends with it), writing the rows to the store (with a stopping rule
    every row carries ``stopped``: reached or cap, and ``stop_rule``);
 4. **report**: the objectives, read back from the store's rows of exactly the objective's cell.
 
@@ -122,6 +122,29 @@ def _evaluate_task(run: Location, eval_config: EvalConfig, data: str | dict, row
     return evaluate_checkpoint(run, eval_config, data=data, context=row_context, store=store, skip=set(skip))
 
 
+def evaluation_task(cfg: TrainConfig, train_key: str):
+    """The Ray remote function that evaluates a run of ``cfg``: one training worker's resources, outside the Tune
+    trial's placement group (it holds only the trial driver; like Train's workers, the evaluation asks the cluster
+    for a training worker's resources, on whichever node has them).
+
+    With GPUs the task's worker process ends after the task (``max_calls=1``): a CUDA worker that lived on would
+    keep its context and the caching allocator's memory on that GPU while the next trial trains there, and stay bound
+    to the device it first saw whatever ``CUDA_VISIBLE_DEVICES`` Ray gives it next. ``max_calls`` can only be set
+    in ``ray.remote(...)``, never in ``.options()`` (ray-project/ray#47767), hence the decorator form. A CPU
+    evaluation keeps Ray's pooled workers: it holds nothing across tasks, and a fresh process (with torch's imports)
+    would add seconds to every trial."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from attnlab.train.ray_train import worker_resources
+
+    resources = worker_resources(cfg)
+    gpus = resources.pop("GPU", 0)
+    return ray.remote(num_cpus=resources.pop("CPU"), num_gpus=gpus, resources=resources or None,
+                      max_calls=1 if gpus else 0, max_retries=1, name=f"evaluate-{train_key}",
+                      scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))(_evaluate_task)
+
+
 def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = False) -> int:
     """Measure the plan's cells that have no rows in the study's store yet; a diverged run's cells get NaN rows (so
     tables show it and nothing retries a deterministic failure). Returns the number of cells evaluated."""
@@ -151,17 +174,8 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = Fa
         _evaluate_task(*args)
         return len(missing)
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from attnlab.train.ray_train import worker_resources
-
-    resources = worker_resources(plan.cfg)
-    task = ray.remote(_evaluate_task).options(
-        num_cpus=resources.pop("CPU"), num_gpus=resources.pop("GPU", 0), resources=resources or None,
-        max_retries=1, name=f"evaluate-{plan.train_key}",
-        # Not inside the Tune trial's placement group (it holds only the trial driver): like Train's workers,
-        # the evaluation asks the cluster for a training worker's resources, on whichever node has them.
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))
+    task = evaluation_task(plan.cfg, plan.train_key)
     ray.get(task.remote(*args))
     return len(missing)
 
@@ -371,5 +385,5 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
 
 
 __all__ = ["StudyContext", "StudyData", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason",
-           "knob_label", "objective_values", "plan_trial", "cell_keys", "claim_point", "stop_columns", "study_trial",
+           "knob_label", "objective_values", "plan_trial", "cell_keys", "claim_point", "evaluation_task", "stop_columns", "study_trial",
            "train_step", "wait_for_twin"]
