@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from attnlab.errors import UserError
 from attnlab.location import runs_location, store_location
 from attnlab.study.space import SearchPoint
+from attnlab.study.claims import start_registry
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
 from attnlab.study.trackers import tracker_callbacks
@@ -42,7 +43,7 @@ def study_state(spec: StudySpec, runs: str | None = None) -> StudyState:
     return StudyState(runs_location(runs), spec.name)
 
 
-def study_context(spec: StudySpec, state: StudyState, store: ResultsStore, launched: float = 0.0,
+def study_context(spec: StudySpec, state: StudyState, store: ResultsStore,
                   checked: list[SearchPoint] | None = None) -> StudyContext:
     """Resolve the study's data (``demo`` is built on first use, a relative path made absolute) and open it, once
     for the whole study: every point the study's validation checked (``checked``, when the caller has them) must
@@ -57,7 +58,7 @@ def study_context(spec: StudySpec, state: StudyState, store: ResultsStore, launc
                      label=data_label(resolved), min_tokens=int(source.min_tokens()), described=source.describe())
     for searched in spec.search_space().checked() if checked is None else checked:
         searched.config.check_fits_data(data.vocab_size, data.min_tokens, data.described)
-    return StudyContext(spec=spec, state=state, store=store, data=data, env=forwarded_env(), launched=launched)
+    return StudyContext(spec=spec, state=state, store=store, data=data, env=forwarded_env())
 
 
 # ------------------------------------------------------------------------------------------------ search
@@ -222,7 +223,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     state = study_state(spec, runs)
     space = spec.search_space()
     checked = space.checked()  # the points validation checked, with their configs: fitted to the data, warned about
-    ctx = study_context(spec, state, ResultsStore(store_loc), launched=time.time(), checked=checked)
+    ctx = study_context(spec, state, ResultsStore(store_loc), checked=checked)
     if spec.eval.downstream is not None:  # a missing task folder or task: one line before any trial starts
         from attnlab.evaluate.downstream import check_tasks
 
@@ -247,6 +248,8 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     restore = _check_state(spec, state, resume)
     state.write_study(spec.to_json(), spec.search_fingerprint(), ray=board.record())  # `attnlab serve` links it
     trained_before = state.trainings_started()
+    # one trial per point: this run's claim registry (attnlab.study.claims); the handle keeps it alive until we return
+    ctx.claims, registry = start_registry(spec.name)
 
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
     trainable = tune.with_resources(tune.with_parameters(study_trial, context=ctx),
@@ -276,6 +279,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     print(f"attnlab: TensorBoard: tensorboard --logdir {exp.uri}", flush=True)
     with LiveView(state) if quiet else contextlib.nullcontext():
         grid = tuner.fit()
+    del registry  # every trial has ended: the claim registry goes with its last handle
     _record_pruned(spec, state, grid)
     summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri)
     summary.evaluated = evaluate_missing(ctx)

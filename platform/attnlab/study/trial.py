@@ -1,7 +1,9 @@
 """A trial is a small composition of steps, each with its own identity (docs/protocol.md#steps-and-identities):
 
 1. **plan**: the point's ``TrainConfig``, its training key (what changes the weights, the data by content), its
-   run location ``<runs>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key;
+   run location ``<runs>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key; then the
+   trial claims the key in the study run's claim registry (:mod:`attnlab.study.claims`), waiting while a live twin
+   proposed at the same point holds it, and releases it once its status is written;
 2. **train**: skipped when the run already finished (or diverged); otherwise Ray Train, which resumes from the
    run's latest checkpoint when there is one; with a stopping rule (``train.stop_when``) a run is finished when
    its latest checkpoint met the rule, or reached ``steps`` (the cap) without meeting it;
@@ -26,6 +28,7 @@ from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalCell, EvalConfig
 from attnlab.location import Location
 from attnlab.names import is_missing, resolve_at, same_optional_number
+from attnlab.study.claims import claim_point, release_point
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
 from attnlab.train.config import TrainConfig
@@ -57,7 +60,7 @@ class StudyContext:
     store: ResultsStore
     data: StudyData
     env: dict = field(default_factory=dict)  # attnlab's and the object store's settings, for every process
-    launched: float = 0.0  # when this `study run` started: a status written since is this run's
+    claims: str | None = None  # the name of this `study run`'s claim registry (attnlab.study.claims); None: none
 
 
 @dataclass
@@ -268,45 +271,6 @@ def point_of(config: dict) -> dict:
     return {k: v for k, v in config.items() if not k.startswith("__")}
 
 
-def wait_for_twin(state: StudyState, train_key: str, launched: float, me: str, poll: float = 5.0,
-                  stale: float = 1800.0) -> dict:
-    """A search may propose the same point twice (TPE does on a small categorical space). When another trial of
-    this ``study run`` is training the same key, wait until it is done, so that this trial reuses its run instead
-    of training the same run folder at the same time. A twin whose status and metrics have not changed for
-    ``stale`` seconds (its process died without a word) is no longer waited for: this trial then resumes the run
-    from its latest checkpoint. Returns the key's status record as this trial found it."""
-    from attnlab.runfolder import read_metrics
-
-    seen, since = None, time.monotonic()
-    while True:
-        record = state.status(train_key) or {}
-        if record.get("status") != "running" or record.get("trial") == me or record.get("started", 0) < launched:
-            return record
-        try:
-            mark = (record.get("updated"), len(read_metrics(state.run(train_key))))
-        except (OSError, ValueError):
-            mark = (record.get("updated"), None)
-        if mark != seen:
-            seen, since = mark, time.monotonic()
-        elif time.monotonic() - since > stale:
-            return record
-        time.sleep(poll)
-
-
-def claim_point(state: StudyState, train_key: str, launched: float, status: dict, settle: float = 0.3) -> dict:
-    """Mark the key running for this trial (``status["trial"]``) once no twin trains it (:func:`wait_for_twin`),
-    and return its record as found. Two twins that start together may both find it free: each writes its claim,
-    waits ``settle`` seconds (longer than a status write takes) and reads it back; the one whose claim was
-    overwritten waits for the other. Returns the record as this trial found it before its claim."""
-    me = status["trial"]
-    while True:
-        before = wait_for_twin(state, train_key, launched, me)
-        state.write_status(train_key, **status, status="running", started=time.time(), reason=None)
-        time.sleep(settle)
-        if (state.status(train_key) or {}).get("trial") == me:
-            return before
-
-
 def study_trial(config: dict, context: StudyContext) -> None:
     """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives."""
     from ray import tune
@@ -320,7 +284,9 @@ def study_trial(config: dict, context: StudyContext) -> None:
     status = {"point": point, "trial": trial, "run_dir": plan.run.uri,
               "config": plan.cfg.model_dump(mode="json"), "attention": plan.cfg.gpt_config().attention,
               "steps": plan.cfg.steps}
-    before = claim_point(state, plan.train_key, context.launched, status)
+    # one trial per point: wait while a live twin of this study run holds the key (attnlab.study.claims)
+    before = claim_point(context.claims, plan.train_key, trial)
+    state.write_status(plan.train_key, **status, status="running", started=time.time(), reason=None)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
             from attnlab.evaluate.downstream import check_tasks
@@ -338,18 +304,22 @@ def study_trial(config: dict, context: StudyContext) -> None:
         if outcome.status == "diverged":
             state.write_status(plan.train_key, status="diverged", reason=outcome.failure,
                                step=int(outcome.final.get("step", 0)), objectives=objectives)
+            release_point(context.claims, plan.train_key, trial, "diverged")
             tune.report({**base, **{k: float("nan") for k in objectives}, "diverged": 1})
             return
         done = "cached" if not trained and not evaluated else "complete"
-        if done == "cached" and before.get("status") == "complete" and before.get("finished", 0) >= context.launched:
+        if done == "cached" and before.get("status") == "complete":
             done = "complete"  # another trial of this `study run` trained it: a search may propose a point twice
         stop = {"stopped": outcome.stopped} if plan.cfg.stop_when is not None else {}
         state.write_status(plan.train_key, status=done, objectives=objectives, trained=trained,
                            evaluated_cells=evaluated, step=steps, finished=time.time(), **stop)
+        release_point(context.claims, plan.train_key, trial, done)
         tune.report({**base, **objectives, "diverged": 0, "val_loss": final,
                      **({"stop_reached": int(outcome.stopped == "reached")} if stop else {})})
-    except Exception as exc:
-        state.write_status(plan.train_key, status="failed", reason=failure_reason(exc))
+    except BaseException as exc:  # an error, or Tune stopping the trial: its twins stop waiting either way
+        if isinstance(exc, Exception):
+            state.write_status(plan.train_key, status="failed", reason=failure_reason(exc))
+        release_point(context.claims, plan.train_key, trial, "failed" if isinstance(exc, Exception) else None)
         raise
 
 
@@ -385,5 +355,5 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
 
 
 __all__ = ["StudyContext", "StudyData", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason",
-           "knob_label", "objective_values", "plan_trial", "cell_keys", "claim_point", "evaluation_task", "stop_columns", "study_trial",
-           "train_step", "wait_for_twin"]
+           "knob_label", "objective_values", "plan_trial", "cell_keys", "evaluation_task", "stop_columns", "study_trial",
+           "train_step"]
