@@ -1,9 +1,10 @@
 """Run a study as a Ray Tune search: the only Tune and Optuna code of attnlab.
 
 ``run_study(spec)`` turns a :class:`~attnlab.study.spec.StudySpec` into a ``tune.Tuner`` over the function
-trainable :func:`attnlab.study.trial.study_trial` (plan, train unless done, evaluate the missing cells in a task
-with a training worker's resources, report), then evaluates any cell that a grown ``eval`` added to trials that
-had finished (:func:`~attnlab.study.trial.evaluate_missing`), records the trials the scheduler stopped, and
+trainable :func:`attnlab.study.trial.study_trial` (plan, claim the point in the run's claim registry, train unless
+done, evaluate the missing cells in a task with a training worker's resources, report), then evaluates any cell
+that a grown ``eval`` added to trials that had finished (:func:`~attnlab.study.trial.evaluate_missing`), records the
+trials the scheduler stopped, compacts the study's results (unless told not to; a failure is a warning) and
 prints the table and the curves.
 
 Locations: ``--store`` (the results store) and ``--runs`` (the runs folder) are local paths or object-storage
@@ -142,6 +143,7 @@ class StudySummary:
     searched: int = 0  # Tune trials; more than ``trials`` when the search proposed a point twice (one training)
     trained: int = 0  # trainings started by this call
     evaluated: int = 0  # cells evaluated for trials that had finished before (the evaluation grew)
+    compacted: str | None = None  # what the compaction at the end did (Compaction.describe), None when not run/failed
     table: str = ""
     curves: dict = field(default_factory=dict)
     tensorboard_dir: str | None = None
@@ -199,7 +201,8 @@ def study_plan(spec: StudySpec, dashboard=None) -> str:
 
 
 def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None, resume: bool | None = None,
-              curves_dir: str | None = None, verbose: int = 0, quiet: bool = False) -> StudySummary:
+              curves_dir: str | None = None, verbose: int = 0, quiet: bool = False,
+              compact: bool = True) -> StudySummary:
     """Run ``spec`` on the current Ray cluster (``ensure_ray``: ``RAY_ADDRESS`` or an embedded one).
 
     ``store``: results store (default ``spec.store``, else see the module docstring); ``runs``: the runs folder,
@@ -210,6 +213,9 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     ``verbose``: Tune's own status tables (0 = none). The plan line, printed once Ray is up, ends with the
     address of the cluster's Ray dashboard (also written to the log file, and recorded in ``study.json`` for
     ``attnlab serve``).
+    ``compact``: once every trial has ended (complete, failed or stopped) and the catch-up evaluation is written,
+    merge the study's small files in the store (:func:`compact_results`); False leaves them (``attnlab results
+    compact`` merges them later).
     """
     import contextlib
 
@@ -283,11 +289,31 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     _record_pruned(spec, state, grid)
     summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri)
     summary.evaluated = evaluate_missing(ctx)
+    if compact:
+        summary.compacted = compact_results(ctx.store, spec.name)
     summary.trained = state.trainings_started() - trained_before
     summary.trials = state.statuses()
     summary.searched = len(grid)
     _report(spec, summary, state, ctx.store, curves_dir)
     return summary
+
+
+def compact_results(store: ResultsStore, study: str) -> str | None:
+    """Merge ``study``'s small files in ``store`` (``ResultsStore.compact``: a crash or an error at any step loses
+    and doubles no row) and say so in one line. A failure is a warning, never the study's failure: the store reads
+    whole as it is, and ``attnlab results compact`` finishes the job later. Returns what was done, or None."""
+    try:
+        if not store.has_study(study):
+            return None  # no row written yet (every trial failed early): nothing to merge, no folder to make
+        done = store.compact(study).describe()
+    except Exception as exc:  # noqa: BLE001 - the study's results are written; merging them is an optimisation
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        print(f"attnlab: warning: could not compact the results of study {study} ({type(exc).__name__}: {reason}); "
+              f"they read whole as they are; retry with: attnlab results compact --store {store.uri} --study {study}",
+              file=sys.stderr, flush=True)
+        return None
+    print(f"attnlab: results compacted: {done}", flush=True)
+    return done
 
 
 def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
@@ -341,4 +367,4 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: Re
     print(f"results store: {summary.store}  (attnlab results table --store {summary.store} --study {spec.name})")
 
 
-__all__ = ["StudySummary", "run_study", "study_context", "study_state"]
+__all__ = ["StudySummary", "compact_results", "run_study", "study_context", "study_state"]
