@@ -271,10 +271,25 @@ def point_of(config: dict) -> dict:
     return {k: v for k, v in config.items() if not k.startswith("__")}
 
 
+def process_started() -> float | None:
+    """When this process started (epoch seconds, from ``/proc``; None elsewhere): a trial's timing starts there, so
+    the start of its Tune process is counted."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as boot:
+            btime = next(int(line.split()[1]) for line in boot if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def study_trial(config: dict, context: StudyContext) -> None:
-    """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives."""
+    """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives. Its status
+    records ``timing``: when its process started and each step ended (epoch seconds; ``bench/trials.py`` reads it)."""
     from ray import tune
 
+    timing = {"process": process_started(), "entered": time.time()}
     os.environ.update(context.env)
     spec, state = context.spec, context.state
     spec.load_plugins()  # from the bytes the spec carries: this process reads no plugin file
@@ -286,6 +301,7 @@ def study_trial(config: dict, context: StudyContext) -> None:
               "steps": plan.cfg.steps}
     # one trial per point: wait while a live twin of this study run holds the key (attnlab.study.claims)
     before = claim_point(context.claims, plan.train_key, trial)
+    timing["claimed"] = time.time()
     state.write_status(plan.train_key, **status, status="running", started=time.time(), reason=None)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
@@ -293,7 +309,9 @@ def study_trial(config: dict, context: StudyContext) -> None:
 
             check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
         outcome, trained = train_step(plan, state, callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
+        timing["trained"] = time.time()
         evaluated = evaluate_step(plan, context, outcome)
+        timing["evaluated"] = time.time()
         rows = run_rows(context, plan.train_key)
         objectives = objective_values(spec, rows, plan.cfg.seq_length)
         final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
@@ -303,7 +321,8 @@ def study_trial(config: dict, context: StudyContext) -> None:
                 "timesteps_total": plan.cfg.steps, "steps_trained": steps, "cached": int(not trained and not evaluated)}
         if outcome.status == "diverged":
             state.write_status(plan.train_key, status="diverged", reason=outcome.failure,
-                               step=int(outcome.final.get("step", 0)), objectives=objectives)
+                               step=int(outcome.final.get("step", 0)), objectives=objectives,
+                               timing={**timing, "reported": time.time()})
             release_point(context.claims, plan.train_key, trial, "diverged")
             tune.report({**base, **{k: float("nan") for k in objectives}, "diverged": 1})
             return
@@ -312,7 +331,8 @@ def study_trial(config: dict, context: StudyContext) -> None:
             done = "complete"  # another trial of this `study run` trained it: a search may propose a point twice
         stop = {"stopped": outcome.stopped} if plan.cfg.stop_when is not None else {}
         state.write_status(plan.train_key, status=done, objectives=objectives, trained=trained,
-                           evaluated_cells=evaluated, step=steps, finished=time.time(), **stop)
+                           evaluated_cells=evaluated, step=steps, finished=time.time(),
+                           timing={**timing, "reported": time.time()}, **stop)
         release_point(context.claims, plan.train_key, trial, done)
         tune.report({**base, **objectives, "diverged": 0, "val_loss": final,
                      **({"stop_reached": int(outcome.stopped == "reached")} if stop else {})})
