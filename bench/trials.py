@@ -10,7 +10,8 @@ on ``PYTHONPATH``. Printed:
 - per-trial wall time, from the trial's process start to its final status (median, p90), and the study's wall time
   per trial (the driver's whole run divided by N, Ray's start and the final report included);
 - the breakdown of a trial, from the ``timing`` its status records (``attnlab.study.trial.study_trial``) and the
-  run folder's files: the Tune trial's start (process start to the trainable's first line), the claim, the Train
+  run folder's files: the Tune trial's start (process start to the trainable's first line; in a process Tune
+  reused, the previous trial's end to it), the claim, the Train
   run's start (to ``provenance.json``: controller, worker group, data open, model), the training itself (to the end
   of ``run_training``), the evaluation task, the report; and the gap Tune leaves between one trial's end and the
   next one's process start;
@@ -118,8 +119,11 @@ def breakdown(runs: Path) -> tuple[list[dict], list[float]]:
             continue
         provenance = runs / NAME / "runs" / record["train_key"] / "provenance.json"
         ready = provenance.stat().st_mtime if provenance.exists() else None
-        start = t.get("process") or t["entered"]
-        phases = {"tune trial start": t["entered"] - start, "claim": t["claimed"] - t["entered"]}
+        # the first trial of a process counts the process's start; a reused process's trial starts when the trial
+        # before it ended (set below, one trial at a time)
+        first = t.get("trial_in_process", 1) == 1
+        start = (t.get("process") or t["entered"]) if first else None
+        phases = {"tune trial start": None, "claim": t["claimed"] - t["entered"]}
         if ready and t["claimed"] <= ready <= t["trained"]:
             phases["train run start"] = ready - t["claimed"]
             phases["training"] = t["trained"] - ready
@@ -127,8 +131,14 @@ def breakdown(runs: Path) -> tuple[list[dict], list[float]]:
             phases["train run start"], phases["training"] = t["trained"] - t["claimed"], 0.0
         phases["evaluation"] = t["evaluated"] - t["trained"]
         phases["report"] = t["reported"] - t["evaluated"]
-        trials.append({"start": start, "end": t["reported"], "wall": t["reported"] - start, "phases": phases})
-    trials.sort(key=lambda x: x["start"])
+        trials.append({"start": start, "entered": t["entered"], "end": t["reported"], "phases": phases,
+                       "reused": not first})
+    trials.sort(key=lambda x: x["entered"])
+    for before, trial in zip([None, *trials], trials):
+        if trial["start"] is None:  # a reused process: from the end of the trial before
+            trial["start"] = before["end"] if before else trial["entered"]
+        trial["phases"]["tune trial start"] = trial["entered"] - trial["start"]
+        trial["wall"] = trial["end"] - trial["start"]
     gaps = [b["start"] - a["end"] for a, b in zip(trials, trials[1:])]
     return trials, gaps
 
@@ -238,7 +248,8 @@ def main() -> None:
                   f"| study wall | {run['wall']:.0f} s |"]
         if gaps:
             lines.append(f"| gap between trials (Tune), median | {statistics.median(gaps):.2f} s |")
-        for phase in trials[0]["phases"]:
+        lines.append(f"| trials run in a reused Tune process | {sum(t['reused'] for t in trials)} |")
+        for phase in ("tune trial start", "claim", "train run start", "training", "evaluation", "report"):
             values = [t["phases"][phase] for t in trials]
             lines.append(f"| {phase}, median (p90) | {statistics.median(values):.2f} s ({_pct(values, 0.9):.2f} s) |")
         rss = run["rss"]

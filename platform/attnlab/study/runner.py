@@ -275,8 +275,11 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
             search_alg, param_space, num_samples = None, {"point": tune.grid_search(space.points())}, 1
         tuner = tune.Tuner(
             trainable, param_space=param_space,
+            # reuse_actors: a trial's process (its start and its imports, torch's among them, are seconds: see
+            # bench/trials.py) runs the next trial too; Tune starts a new one when a trial's thread does not end
             tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=_scheduler(spec), num_samples=num_samples,
-                                        max_concurrent_trials=spec.resources.max_concurrent_trials),
+                                        max_concurrent_trials=spec.resources.max_concurrent_trials,
+                                        reuse_actors=True),
             run_config=tune.RunConfig(name="tune", storage_path=storage_path, storage_filesystem=storage_fs,
                                       verbose=verbose, failure_config=tune.FailureConfig(max_failures=0),
                                       callbacks=tracker_callbacks(spec, state) if spec.trackers else []))

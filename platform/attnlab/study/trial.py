@@ -271,9 +271,12 @@ def point_of(config: dict) -> dict:
     return {k: v for k, v in config.items() if not k.startswith("__")}
 
 
+_TRIALS_IN_PROCESS = [0]  # trials this process ran (Tune reuses a trial's process for the next trial)
+
+
 def process_started() -> float | None:
-    """When this process started (epoch seconds, from ``/proc``; None elsewhere): a trial's timing starts there, so
-    the start of its Tune process is counted."""
+    """When this process started (epoch seconds, from ``/proc``; None elsewhere): the first trial of a process counts
+    the process's start in its timing."""
     try:
         with open("/proc/self/stat") as stat:
             ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
@@ -286,10 +289,12 @@ def process_started() -> float | None:
 
 def study_trial(config: dict, context: StudyContext) -> None:
     """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives. Its status
-    records ``timing``: when its process started and each step ended (epoch seconds; ``bench/trials.py`` reads it)."""
+    records ``timing``: when its process started, how many trials that process has run, when each step ended (epoch
+    seconds; ``bench/trials.py`` reads it)."""
     from ray import tune
 
-    timing = {"process": process_started(), "entered": time.time()}
+    _TRIALS_IN_PROCESS[0] += 1
+    timing = {"process": process_started(), "trial_in_process": _TRIALS_IN_PROCESS[0], "entered": time.time()}
     os.environ.update(context.env)
     spec, state = context.spec, context.state
     spec.load_plugins()  # from the bytes the spec carries: this process reads no plugin file
