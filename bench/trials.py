@@ -16,7 +16,8 @@ on ``PYTHONPATH``. Printed:
   of ``run_training``), the evaluation task, the report; and the gap Tune leaves between one trial's end and the
   next one's process start;
 - the driver's RSS over time (sampled every 2 s from ``/proc``: first, at each tenth of the run, peak);
-- Optuna's suggestion time at the end: ``ask()`` of a TPE sampler on a copy of the study's N trials, median of 5;
+- Optuna's suggestion time at the end: ``ask()`` of a TPE sampler on a copy of the study's N trials, median of 5,
+  and on 500 and 2,000 made-up finished trials of the same space (in SQLite, as a study keeps them);
 - the console's size (the driver's stdout and stderr, in bytes and lines);
 - the study page with N trials (``attnlab serve``, read only): time and size of ``/study/<name>`` and the two
   APIs the page reads on load.
@@ -164,6 +165,31 @@ def optuna_ask_seconds(runs: Path) -> float | None:
     return statistics.median(times)
 
 
+def optuna_ask_seconds_at(trials: int) -> float:
+    """TPE's ``ask()`` after ``trials`` finished trials of the same space (made up here, with values of the kind a
+    study reports, in an SQLite file as a study keeps them): the suggestion time of a study that size, without
+    running it."""
+    import random
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    distributions = {"lr": optuna.distributions.FloatDistribution(1.0e-4, 1.0e-2, log=True)}
+    folder = tempfile.mkdtemp(prefix="attnlab-bench-optuna-")
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=1), storage=f"sqlite:///{folder}/optuna.db")
+    rng = random.Random(0)
+    study.add_trials([optuna.trial.create_trial(params={"lr": 10 ** rng.uniform(-4, -2)}, distributions=distributions,
+                                                value=rng.uniform(3.0, 4.5)) for _ in range(trials)])
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        trial = study.ask(distributions)
+        times.append(time.perf_counter() - t0)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    shutil.rmtree(folder, ignore_errors=True)
+    return statistics.median(times)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -259,7 +285,11 @@ def main() -> None:
                          + f"; peak {max(m for _, m in rss):.0f} MiB |")
         ask = optuna_ask_seconds(work / "runs")
         if ask is not None:
-            lines.append(f"| Optuna TPE ask() after {len(trials)} trials, median of 5 | {ask * 1000:.0f} ms |")
+            lines.append(f"| Optuna TPE ask() after this study's {len(trials)} trials, median of 5 | "
+                         f"{ask * 1000:.1f} ms |")
+        for size in (500, 2000):
+            lines.append(f"| Optuna TPE ask() after {size} made-up trials of this space, median of 5 | "
+                         f"{optuna_ask_seconds_at(size) * 1000:.1f} ms |")
         console = run["stdout"] + run["stderr"]
         newlines = console.count(b"\n")
         lines.append(f"| console (stdout + stderr) | {len(console):,} bytes, {newlines:,} lines |")
