@@ -114,6 +114,8 @@ def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ra
     store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
     first = run_study(load_spec(study), store=store_uri, runs=runs, verbose=0)
     assert first.trained == 2 and [t["status"] for t in first.trials] == ["complete"] * 2
+    # no scheduler: Tune ran the second trial in the first one's process (a process start and its imports saved)
+    assert sorted(t["timing"]["trial_in_process"] for t in first.trials) == [1, 2]
     store = ResultsStore(store_uri)
     before = store.read(study="grow", metric="val_loss")
     assert len(before) == 2 * 2

@@ -276,10 +276,11 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
         tuner = tune.Tuner(
             trainable, param_space=param_space,
             # reuse_actors: a trial's process (its start and its imports, torch's among them, are seconds: see
-            # bench/trials.py) runs the next trial too; Tune starts a new one when a trial's thread does not end
+            # bench/trials.py) runs the next trial too. Not with a scheduler: a trial ASHA stopped in a reused
+            # process was left RUNNING in Optuna (tests/test_study_run.py's ASHA study)
             tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=_scheduler(spec), num_samples=num_samples,
                                         max_concurrent_trials=spec.resources.max_concurrent_trials,
-                                        reuse_actors=True),
+                                        reuse_actors=spec.scheduler.type == "none"),
             run_config=tune.RunConfig(name="tune", storage_path=storage_path, storage_filesystem=storage_fs,
                                       verbose=verbose, failure_config=tune.FailureConfig(max_failures=0),
                                       callbacks=tracker_callbacks(spec, state) if spec.trackers else []))
