@@ -29,8 +29,8 @@ LAYERS = {
 }
 # Modules that may import Ray (the thin layer); everything else must import and test without it.
 RAY_MODULES = {"attnlab.ray_runtime", "attnlab.train.ray_train", "attnlab.data.pipeline.parallel",
-               "attnlab.study.runner", "attnlab.study.trial", "attnlab.study.trackers", "attnlab.study.submit",
-               "attnlab.cluster.validate"}
+               "attnlab.study.runner", "attnlab.study.trial", "attnlab.study.claims", "attnlab.study.trackers",
+               "attnlab.study.submit", "attnlab.cluster.validate"}
 
 
 def _modules() -> dict[str, Path]:

@@ -58,6 +58,11 @@ def test_optuna_asha_study_completes_and_a_rerun_trains_nothing(ray_session, tmp
     store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
     summary = run_study(spec, store=store_uri, runs=runs, verbose=0)
     state = study_state(spec, runs)
+    # the study's results were compacted when it ended: one compacted file, no written file left
+    study_dir = tmp_path / "results" / "study=optuna-asha"
+    assert summary.compacted and "merged" in summary.compacted
+    assert len(list((study_dir / "_compacted").glob("*.parquet"))) == 1
+    assert not list(study_dir.glob("train_key=*/*.parquet"))
 
     # 4 Tune trials; Optuna may propose one configuration twice: the second finds it complete and trains nothing
     assert 2 <= len(summary.trials) <= 4
@@ -109,6 +114,8 @@ def test_a_grown_evaluation_evaluates_existing_checkpoints_and_trains_nothing(ra
     store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
     first = run_study(load_spec(study), store=store_uri, runs=runs, verbose=0)
     assert first.trained == 2 and [t["status"] for t in first.trials] == ["complete"] * 2
+    # no scheduler: Tune ran the second trial in the first one's process (a process start and its imports saved)
+    assert sorted(t["timing"]["trial_in_process"] for t in first.trials) == [1, 2]
     store = ResultsStore(store_uri)
     before = store.read(study="grow", metric="val_loss")
     assert len(before) == 2 * 2

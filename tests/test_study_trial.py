@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
+import subprocess
+import sys
 import threading
-import time
+import uuid
 
 import pytest
 
@@ -12,7 +16,8 @@ from attnlab.location import Location
 from attnlab.results import ResultsStore
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
-from attnlab.study.trial import StudyContext, StudyData, claim_point, plan_trial, wait_for_twin
+from attnlab.study.claims import claim_point, release_point, start_registry
+from attnlab.study.trial import StudyContext, StudyData, plan_trial
 
 
 def _spec() -> StudySpec:
@@ -28,12 +33,12 @@ def test_the_context_carries_objects_that_pickle_as_themselves(tmp_path):
     state = StudyState(tmp_path / "runs", spec.name)
     data = StudyData(resolved={"synthetic": "copy"}, fingerprint="f" * 16, vocab_size=64, label="synthetic:copy",
                      min_tokens=2**62, described="synthetic copy")
-    ctx = StudyContext(spec=spec, state=state, store=ResultsStore(tmp_path / "results"), data=data, launched=12.5)
+    ctx = StudyContext(spec=spec, state=state, store=ResultsStore(tmp_path / "results"), data=data, claims="attnlab-claims:twins:0")
     back = pickle.loads(pickle.dumps(ctx))
     assert isinstance(back.spec, StudySpec) and back.spec == spec
     assert isinstance(back.state, StudyState) and back.state.loc == state.loc
     assert isinstance(back.store, ResultsStore) and back.store.uri == str(tmp_path / "results")
-    assert back.launched == 12.5
+    assert back.claims == "attnlab-claims:twins:0"
     assert back.data == data
     plan = plan_trial(back, {"attention": "lssar"}, "trial_0")
     # one name per idea: the rows' trial is the Tune trial, the run's identity is its train_key
@@ -43,71 +48,137 @@ def test_the_context_carries_objects_that_pickle_as_themselves(tmp_path):
     assert plan.run.uri == str(tmp_path / "runs" / "twins" / "runs" / plan.train_key)
 
 
-def _running(state: StudyState, key: str, trial: str, started: float) -> None:
-    state.write_status(key, status="running", trial=trial, started=started)
+# ------------------------------------------------------------------------------------------ twins
+# A search may propose one point twice: its trials claim the training key in the study run's registry
+# (attnlab.study.claims); a twin waits on the holder's hold, which ends when the holder releases or its process dies.
+@pytest.fixture(scope="module")
+def registry(ray_session):
+    """One registry for this file's twin tests (each uses keys of its own): an actor start costs seconds."""
+    name, actor = start_registry("twins")
+    yield name
+    del actor
 
 
-def test_a_twin_waits_for_the_trial_training_its_point(tmp_path):
-    state = StudyState(tmp_path / "runs", "twins")
-    launched = time.time()
-    _running(state, "k1", "trial_a", launched + 1)
-
-    def finish():
-        time.sleep(0.6)
-        state.write_status("k1", status="complete", finished=time.time())
-
-    threading.Thread(target=finish).start()
-    t0 = time.monotonic()
-    record = wait_for_twin(state, "k1", launched, "trial_b", poll=0.05)
-    assert time.monotonic() - t0 >= 0.5
-    assert record["status"] == "complete" and record["finished"] >= launched
+def _key() -> str:
+    return uuid.uuid4().hex[:8]
 
 
+def _claim_in_thread(registry: str, key: str, trial: str, found: dict, order: list) -> threading.Thread:
+    def claim():
+        found[trial] = claim_point(registry, key, trial)
+        order.append(trial)
+
+    thread = threading.Thread(target=claim, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.ray
+def test_a_twin_waits_for_the_trial_training_its_point(registry):
+    k1 = _key()
+    assert claim_point(registry, k1, "trial_a") == {}  # free: trial_a holds it
+    found, order = {}, []
+    waiter = _claim_in_thread(registry, k1, "trial_b", found, order)
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive() and not order  # trial_b waits while trial_a trains
+    order.append("trial_a released")
+    release_point(registry, k1, "trial_a", "complete")
+    waiter.join(timeout=60)
+    assert order == ["trial_a released", "trial_b"]
+    assert found["trial_b"] == {"trial": "trial_a", "status": "complete"}  # it reuses trial_a's run
+
+
+@pytest.mark.ray
 @pytest.mark.parametrize("case", ["own", "earlier run", "unknown key", "finished"])
-def test_nothing_to_wait_for(tmp_path, case):
-    state = StudyState(tmp_path / "runs", "twins")
-    launched = time.time()
+def test_nothing_to_wait_for(registry, case):
+    k1 = _key()
     if case == "own":
-        _running(state, "k1", "trial_b", launched + 1)  # Tune restarted this very trial
-    elif case == "earlier run":
-        _running(state, "k1", "trial_a", launched - 100)  # a study run killed before this one started
+        claim_point(registry, k1, "trial_b")  # Tune restarted this very trial
+    elif case == "earlier run":  # a study run killed before this one started: its registry is not this run's
+        earlier, _earlier = start_registry("twins")
+        claim_point(earlier, k1, "trial_a")
     elif case == "finished":
-        state.write_status("k1", status="cached", trial="trial_a", started=launched + 1)
-    t0 = time.monotonic()
-    record = wait_for_twin(state, "k1", launched, "trial_b", poll=5.0)
-    assert time.monotonic() - t0 < 1.0
-    assert record.get("status") == {"own": "running", "earlier run": "running", "unknown key": None,
-                                    "finished": "cached"}[case]
+        claim_point(registry, k1, "trial_a")
+        release_point(registry, k1, "trial_a", "cached")
+    found, order = {}, []
+    _claim_in_thread(registry, k1, "trial_b", found, order).join(timeout=60)
+    assert order == ["trial_b"]
+    assert found["trial_b"] == ({"trial": "trial_a", "status": "cached"} if case == "finished" else {})
 
 
-def test_a_twin_that_went_silent_is_no_longer_waited_for(tmp_path):
-    state = StudyState(tmp_path / "runs", "twins")
-    launched = time.time()
-    _running(state, "k1", "trial_a", launched + 1)
-    t0 = time.monotonic()
-    record = wait_for_twin(state, "k1", launched, "trial_b", poll=0.05, stale=0.4)
-    assert 0.4 <= time.monotonic() - t0 < 3.0
-    assert record["status"] == "running"  # as found: this trial resumes the run from its checkpoint
+OWNER = """
+import sys, os, ray
+from attnlab.study.claims import claim_point
+ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+claim_point(sys.argv[2], sys.argv[3], "trial_a")
+print(os.getpid(), flush=True)
+sys.stdin.read()  # holds the point until killed
+"""
 
 
-def test_twins_that_start_together_train_once(tmp_path):
+@pytest.mark.ray
+def test_a_twin_whose_process_died_is_taken_over_at_once(ray_session, registry, tmp_path):
+    """The trial holding the point is killed without a word: its twin, waiting on it, takes the point over as soon
+    as Ray knows the process died (it resumes the run from its checkpoint), not after a time-out."""
+    k1 = _key()
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, ray_session.get_runtime_context().gcs_address, registry, k1],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        pid = int(owner.stdout.readline())  # trial_a holds k1
+        found, order = {}, []
+        waiter = _claim_in_thread(registry, k1, "trial_b", found, order)
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not order  # trial_b waits on a live twin
+        os.kill(pid, signal.SIGKILL)
+        waiter.join(timeout=60)  # the old code waited 30 minutes of silence
+        assert order == ["trial_b"] and found["trial_b"] == {}  # taken over: nothing was released
+    finally:
+        owner.kill()
+        owner.wait()
+    # trial_b holds it now: a third twin waits for trial_b, not for the dead trial_a
+    third, after = {}, []
+    waiter = _claim_in_thread(registry, k1, "trial_c", third, after)
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive()
+    release_point(registry, k1, "trial_b", "complete")
+    waiter.join(timeout=60)
+    assert third["trial_c"] == {"trial": "trial_b", "status": "complete"}
+
+
+@pytest.mark.ray
+def test_twins_that_start_together_train_once(registry):
     """Two trials of one point claim it at the same moment: one trains, the other waits for it and finds it done."""
-    state = StudyState(tmp_path / "runs", "twins")
-    launched = time.time()
+    k1 = _key()
     order, found, gate = [], {}, threading.Barrier(2)
 
     def trial(name: str):
-        gate.wait()  # both read the key as free before either claims it
-        found[name] = claim_point(state, "k1", launched, {"trial": name, "point": {}}, settle=0.3)
-        order.append(name)  # "training"
-        time.sleep(0.5)
-        state.write_status("k1", status="complete", trial=name, finished=time.time())
+        gate.wait()
+        found[name] = claim_point(registry, k1, name)
+        order.append(name)  # "training"; the other waits until it is released
+        order.append(f"{name} done")
+        release_point(registry, k1, name, "complete")
 
     threads = [threading.Thread(target=trial, args=(name,)) for name in ("trial_a", "trial_b")]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=30)
-    first, second = order
+        t.join(timeout=60)
+    first, second = order[0], order[2]
+    assert order == [first, f"{first} done", second, f"{second} done"]  # never two at once
     assert found[first] == {}  # the winner found the key free
-    assert found[second]["status"] == "complete" and found[second]["trial"] == first  # the other found it done
+    assert found[second] == {"trial": first, "status": "complete"}  # the other found it done
+
+
+@pytest.mark.parametrize("gpus", [1.0, 0.0])
+def test_a_gpu_evaluation_ends_its_worker_process(gpus):
+    """The evaluation task's options, as the trial builds them (no GPU needed: nothing runs): with GPUs the worker
+    process ends after the task (max_calls=1), so no CUDA context outlives an evaluation; on CPU workers stay pooled."""
+    from attnlab.study.trial import evaluation_task
+    from attnlab.train.config import TrainConfig
+
+    cfg = TrainConfig(preset="tiny", data={"synthetic": "copy", "vocab": 64}, steps=2, gpus_per_worker=gpus,
+                      cpus_per_worker=2)
+    options = evaluation_task(cfg, "k1")._default_options
+    assert options["num_gpus"] == gpus and options["num_cpus"] == 2
+    assert options["max_calls"] == (1 if gpus else 0)
+    assert options["name"] == "evaluate-k1"

@@ -40,6 +40,9 @@ def add_parser(subparsers) -> None:
     run.add_argument("--verbose", action="store_true",
                      help="show Ray's and Tune's own output here (default: a log file, whose path is printed, and a "
                      "line per trial change)")
+    run.add_argument("--no-compact", dest="compact", action="store_false",
+                     help="leave the study's small results files as written when it ends (default: merge them, as "
+                     "`attnlab results compact` does)")
     add_plugin_argument(run)
     run.add_argument("--plugin-bundle", metavar="MODULE", help="the plugins' sources shipped as a package on the "
                      "job's path (set by `attnlab study submit`: the job reads no plugin file)")
@@ -78,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     spec = load_spec(args.study, plugins=args.plugin or (), bundle=bundle)
     resume = True if args.resume else (False if args.fresh else None)
     summary = run_study(spec, store=args.store, runs=args.runs, resume=resume, curves_dir=args.curves,
-                        verbose=1 if args.verbose else 0, quiet=not args.verbose)
+                        verbose=1 if args.verbose else 0, quiet=not args.verbose, compact=args.compact)
     return 1 if summary.trials and summary.count("failed") == len(summary.trials) else 0
 
 

@@ -1,9 +1,10 @@
 """Run a study as a Ray Tune search: the only Tune and Optuna code of attnlab.
 
 ``run_study(spec)`` turns a :class:`~attnlab.study.spec.StudySpec` into a ``tune.Tuner`` over the function
-trainable :func:`attnlab.study.trial.study_trial` (plan, train unless done, evaluate the missing cells in a task
-with a training worker's resources, report), then evaluates any cell that a grown ``eval`` added to trials that
-had finished (:func:`~attnlab.study.trial.evaluate_missing`), records the trials the scheduler stopped, and
+trainable :func:`attnlab.study.trial.study_trial` (plan, claim the point in the run's claim registry, train unless
+done, evaluate the missing cells in a task with a training worker's resources, report), then evaluates any cell
+that a grown ``eval`` added to trials that had finished (:func:`~attnlab.study.trial.evaluate_missing`), records the
+trials the scheduler stopped, compacts the study's results (unless told not to; a failure is a warning) and
 prints the table and the curves.
 
 Locations: ``--store`` (the results store) and ``--runs`` (the runs folder) are local paths or object-storage
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 from attnlab.errors import UserError
 from attnlab.location import runs_location, store_location
 from attnlab.study.space import SearchPoint
+from attnlab.study.claims import start_registry
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
 from attnlab.study.trackers import tracker_callbacks
@@ -43,7 +45,7 @@ def study_state(spec: StudySpec, runs: str | None = None) -> StudyState:
     return StudyState(runs_location(runs), spec.name)
 
 
-def study_context(spec: StudySpec, state: StudyState, store: ResultsStore, launched: float = 0.0,
+def study_context(spec: StudySpec, state: StudyState, store: ResultsStore,
                   checked: list[SearchPoint] | None = None) -> StudyContext:
     """Resolve the study's data (``demo`` is built on first use, a relative path made absolute) and open it, once
     for the whole study: every point the study's validation checked (``checked``, when the caller has them) must
@@ -58,7 +60,7 @@ def study_context(spec: StudySpec, state: StudyState, store: ResultsStore, launc
                      label=data_label(resolved), min_tokens=int(source.min_tokens()), described=source.describe())
     for searched in spec.search_space().checked() if checked is None else checked:
         searched.config.check_fits_data(data.vocab_size, data.min_tokens, data.described)
-    return StudyContext(spec=spec, state=state, store=store, data=data, env=forwarded_env(), launched=launched)
+    return StudyContext(spec=spec, state=state, store=store, data=data, env=forwarded_env())
 
 
 # ------------------------------------------------------------------------------------------------ search
@@ -142,6 +144,7 @@ class StudySummary:
     searched: int = 0  # Tune trials; more than ``trials`` when the search proposed a point twice (one training)
     trained: int = 0  # trainings started by this call
     evaluated: int = 0  # cells evaluated for trials that had finished before (the evaluation grew)
+    compacted: str | None = None  # what the compaction at the end did (Compaction.describe), None when not run/failed
     table: str = ""
     curves: dict = field(default_factory=dict)
     tensorboard_dir: str | None = None
@@ -199,7 +202,8 @@ def study_plan(spec: StudySpec, dashboard=None) -> str:
 
 
 def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None, resume: bool | None = None,
-              curves_dir: str | None = None, verbose: int = 0, quiet: bool = False) -> StudySummary:
+              curves_dir: str | None = None, verbose: int = 0, quiet: bool = False,
+              compact: bool = True) -> StudySummary:
     """Run ``spec`` on the current Ray cluster (``ensure_ray``: ``RAY_ADDRESS`` or an embedded one).
 
     ``store``: results store (default ``spec.store``, else see the module docstring); ``runs``: the runs folder,
@@ -210,6 +214,9 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     ``verbose``: Tune's own status tables (0 = none). The plan line, printed once Ray is up, ends with the
     address of the cluster's Ray dashboard (also written to the log file, and recorded in ``study.json`` for
     ``attnlab serve``; a cluster started here, embedded, is recorded as stopped when this process ends).
+    ``compact``: once every trial has ended (complete, failed or stopped) and the catch-up evaluation is written,
+    merge the study's small files in the store (:func:`compact_results`); False leaves them (``attnlab results
+    compact`` merges them later).
     """
     import contextlib
 
@@ -223,7 +230,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     state = study_state(spec, runs)
     space = spec.search_space()
     checked = space.checked()  # the points validation checked, with their configs: fitted to the data, warned about
-    ctx = study_context(spec, state, ResultsStore(store_loc), launched=time.time(), checked=checked)
+    ctx = study_context(spec, state, ResultsStore(store_loc), checked=checked)
     if spec.eval.downstream is not None:  # a missing task folder or task: one line before any trial starts
         from attnlab.evaluate.downstream import check_tasks
 
@@ -250,6 +257,8 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     if board.embedded:  # the cluster ends with this process: then `attnlab serve` says so instead of linking it
         atexit.register(_record_cluster_stopped, state)
     trained_before = state.trainings_started()
+    # one trial per point: this run's claim registry (attnlab.study.claims); the handle keeps it alive until we return
+    ctx.claims, registry = start_registry(spec.name)
 
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
     trainable = tune.with_resources(tune.with_parameters(study_trial, context=ctx),
@@ -269,8 +278,12 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
             search_alg, param_space, num_samples = None, {"point": tune.grid_search(space.points())}, 1
         tuner = tune.Tuner(
             trainable, param_space=param_space,
+            # reuse_actors: a trial's process (its start and its imports, torch's among them, are seconds: see
+            # bench/trials.py) runs the next trial too. Not with a scheduler: a trial ASHA stopped in a reused
+            # process was left RUNNING in Optuna (tests/test_study_run.py's ASHA study)
             tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=_scheduler(spec), num_samples=num_samples,
-                                        max_concurrent_trials=spec.resources.max_concurrent_trials),
+                                        max_concurrent_trials=spec.resources.max_concurrent_trials,
+                                        reuse_actors=spec.scheduler.type == "none"),
             run_config=tune.RunConfig(name="tune", storage_path=storage_path, storage_filesystem=storage_fs,
                                       verbose=verbose, failure_config=tune.FailureConfig(max_failures=0),
                                       callbacks=tracker_callbacks(spec, state) if spec.trackers else []))
@@ -279,9 +292,12 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     print(f"attnlab: TensorBoard: tensorboard --logdir {exp.uri}", flush=True)
     with LiveView(state) if quiet else contextlib.nullcontext():
         grid = tuner.fit()
+    del registry  # every trial has ended: the claim registry goes with its last handle
     _record_pruned(spec, state, grid)
     summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri)
     summary.evaluated = evaluate_missing(ctx)
+    if compact:
+        summary.compacted = compact_results(ctx.store, spec.name)
     summary.trained = state.trainings_started() - trained_before
     summary.trials = state.statuses()
     summary.searched = len(grid)
@@ -294,6 +310,24 @@ def _record_cluster_stopped(state: StudyState) -> None:
         state.record_cluster_stopped(pid=os.getpid())
     except Exception:  # noqa: BLE001 - the process is ending; a study.json that cannot be written keeps its link
         pass
+
+
+def compact_results(store: ResultsStore, study: str) -> str | None:
+    """Merge ``study``'s small files in ``store`` (``ResultsStore.compact``: a crash or an error at any step loses
+    and doubles no row) and say so in one line. A failure is a warning, never the study's failure: the store reads
+    whole as it is, and ``attnlab results compact`` finishes the job later. Returns what was done, or None."""
+    try:
+        if not store.has_study(study):
+            return None  # no row written yet (every trial failed early): nothing to merge, no folder to make
+        done = store.compact(study).describe()
+    except Exception as exc:  # noqa: BLE001 - the study's results are written; merging them is an optimisation
+        reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        print(f"attnlab: warning: could not compact the results of study {study} ({type(exc).__name__}: {reason}); "
+              f"they read whole as they are; retry with: attnlab results compact --store {store.uri} --study {study}",
+              file=sys.stderr, flush=True)
+        return None
+    print(f"attnlab: results compacted: {done}", flush=True)
+    return done
 
 
 def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
@@ -347,4 +381,4 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: Re
     print(f"results store: {summary.store}  (attnlab results table --store {summary.store} --study {spec.name})")
 
 
-__all__ = ["StudySummary", "run_study", "study_context", "study_state"]
+__all__ = ["StudySummary", "compact_results", "run_study", "study_context", "study_state"]

@@ -1,12 +1,14 @@
 """A trial is a small composition of steps, each with its own identity (docs/protocol.md#steps-and-identities):
 
 1. **plan**: the point's ``TrainConfig``, its training key (what changes the weights, the data by content), its
-   run location ``<runs>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key;
+   run location ``<runs>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key; then the
+   trial claims the key in the study run's claim registry (:mod:`attnlab.study.claims`), waiting while a live twin
+   proposed at the same point holds it, and releases it once its status is written;
 2. **train**: skipped when the run already finished (or diverged); otherwise Ray Train, which resumes from the
    run's latest checkpoint when there is one; with a stopping rule (``train.stop_when``) a run is finished when
    its latest checkpoint met the rule, or reached ``steps`` (the cap) without meeting it;
 3. **evaluate**: only the cells whose key has no rows in the results store, in a Ray task with the resources of
-   one training worker (a GPU when the workers have GPUs), writing the rows to the store (with a stopping rule
+   one training worker (a GPU when the workers have GPUs: then the task's worker process ends with it), writing the rows to the store (with a stopping rule
    every row carries ``stopped``: reached or cap, and ``stop_rule``);
 4. **report**: the objectives, read back from the store's rows of exactly the objective's cell.
 
@@ -26,6 +28,7 @@ from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalCell, EvalConfig
 from attnlab.location import Location
 from attnlab.names import is_missing, resolve_at, same_optional_number
+from attnlab.study.claims import claim_point, release_point
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
 from attnlab.train.config import TrainConfig
@@ -57,7 +60,7 @@ class StudyContext:
     store: ResultsStore
     data: StudyData
     env: dict = field(default_factory=dict)  # attnlab's and the object store's settings, for every process
-    launched: float = 0.0  # when this `study run` started: a status written since is this run's
+    claims: str | None = None  # the name of this `study run`'s claim registry (attnlab.study.claims); None: none
 
 
 @dataclass
@@ -122,6 +125,29 @@ def _evaluate_task(run: Location, eval_config: EvalConfig, data: str | dict, row
     return evaluate_checkpoint(run, eval_config, data=data, context=row_context, store=store, skip=set(skip))
 
 
+def evaluation_task(cfg: TrainConfig, train_key: str):
+    """The Ray remote function that evaluates a run of ``cfg``: one training worker's resources, outside the Tune
+    trial's placement group (it holds only the trial driver; like Train's workers, the evaluation asks the cluster
+    for a training worker's resources, on whichever node has them).
+
+    With GPUs the task's worker process ends after the task (``max_calls=1``): a CUDA worker that lived on would
+    keep its context and the caching allocator's memory on that GPU while the next trial trains there, and stay bound
+    to the device it first saw whatever ``CUDA_VISIBLE_DEVICES`` Ray gives it next. ``max_calls`` can only be set
+    in ``ray.remote(...)``, never in ``.options()`` (ray-project/ray#47767), hence the decorator form. A CPU
+    evaluation keeps Ray's pooled workers: it holds nothing across tasks, and a fresh process (with torch's imports)
+    would add seconds to every trial."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from attnlab.train.ray_train import worker_resources
+
+    resources = worker_resources(cfg)
+    gpus = resources.pop("GPU", 0)
+    return ray.remote(num_cpus=resources.pop("CPU"), num_gpus=gpus, resources=resources or None,
+                      max_calls=1 if gpus else 0, max_retries=1, name=f"evaluate-{train_key}",
+                      scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))(_evaluate_task)
+
+
 def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = False) -> int:
     """Measure the plan's cells that have no rows in the study's store yet; a diverged run's cells get NaN rows (so
     tables show it and nothing retries a deterministic failure). Returns the number of cells evaluated."""
@@ -151,17 +177,8 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = Fa
         _evaluate_task(*args)
         return len(missing)
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from attnlab.train.ray_train import worker_resources
-
-    resources = worker_resources(plan.cfg)
-    task = ray.remote(_evaluate_task).options(
-        num_cpus=resources.pop("CPU"), num_gpus=resources.pop("GPU", 0), resources=resources or None,
-        max_retries=1, name=f"evaluate-{plan.train_key}",
-        # Not inside the Tune trial's placement group (it holds only the trial driver): like Train's workers,
-        # the evaluation asks the cluster for a training worker's resources, on whichever node has them.
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))
+    task = evaluation_task(plan.cfg, plan.train_key)
     ray.get(task.remote(*args))
     return len(missing)
 
@@ -254,49 +271,30 @@ def point_of(config: dict) -> dict:
     return {k: v for k, v in config.items() if not k.startswith("__")}
 
 
-def wait_for_twin(state: StudyState, train_key: str, launched: float, me: str, poll: float = 5.0,
-                  stale: float = 1800.0) -> dict:
-    """A search may propose the same point twice (TPE does on a small categorical space). When another trial of
-    this ``study run`` is training the same key, wait until it is done, so that this trial reuses its run instead
-    of training the same run folder at the same time. A twin whose status and metrics have not changed for
-    ``stale`` seconds (its process died without a word) is no longer waited for: this trial then resumes the run
-    from its latest checkpoint. Returns the key's status record as this trial found it."""
-    from attnlab.runfolder import read_metrics
-
-    seen, since = None, time.monotonic()
-    while True:
-        record = state.status(train_key) or {}
-        if record.get("status") != "running" or record.get("trial") == me or record.get("started", 0) < launched:
-            return record
-        try:
-            mark = (record.get("updated"), len(read_metrics(state.run(train_key))))
-        except (OSError, ValueError):
-            mark = (record.get("updated"), None)
-        if mark != seen:
-            seen, since = mark, time.monotonic()
-        elif time.monotonic() - since > stale:
-            return record
-        time.sleep(poll)
+_TRIALS_IN_PROCESS = [0]  # trials this process ran (Tune reuses a trial's process for the next trial)
 
 
-def claim_point(state: StudyState, train_key: str, launched: float, status: dict, settle: float = 0.3) -> dict:
-    """Mark the key running for this trial (``status["trial"]``) once no twin trains it (:func:`wait_for_twin`),
-    and return its record as found. Two twins that start together may both find it free: each writes its claim,
-    waits ``settle`` seconds (longer than a status write takes) and reads it back; the one whose claim was
-    overwritten waits for the other. Returns the record as this trial found it before its claim."""
-    me = status["trial"]
-    while True:
-        before = wait_for_twin(state, train_key, launched, me)
-        state.write_status(train_key, **status, status="running", started=time.time(), reason=None)
-        time.sleep(settle)
-        if (state.status(train_key) or {}).get("trial") == me:
-            return before
+def process_started() -> float | None:
+    """When this process started (epoch seconds, from ``/proc``; None elsewhere): the first trial of a process counts
+    the process's start in its timing."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as boot:
+            btime = next(int(line.split()[1]) for line in boot if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def study_trial(config: dict, context: StudyContext) -> None:
-    """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives."""
+    """One Tune trial: plan, train (unless done), evaluate the missing cells, report the objectives. Its status
+    records ``timing``: when its process started, how many trials that process has run, when each step ended (epoch
+    seconds; ``bench/trials.py`` reads it)."""
     from ray import tune
 
+    _TRIALS_IN_PROCESS[0] += 1
+    timing = {"process": process_started(), "trial_in_process": _TRIALS_IN_PROCESS[0], "entered": time.time()}
     os.environ.update(context.env)
     spec, state = context.spec, context.state
     spec.load_plugins()  # from the bytes the spec carries: this process reads no plugin file
@@ -306,14 +304,19 @@ def study_trial(config: dict, context: StudyContext) -> None:
     status = {"point": point, "trial": trial, "run_dir": plan.run.uri,
               "config": plan.cfg.model_dump(mode="json"), "attention": plan.cfg.gpt_config().attention,
               "steps": plan.cfg.steps}
-    before = claim_point(state, plan.train_key, context.launched, status)
+    # one trial per point: wait while a live twin of this study run holds the key (attnlab.study.claims)
+    before = claim_point(context.claims, plan.train_key, trial)
+    timing["claimed"] = time.time()
+    state.write_status(plan.train_key, **status, status="running", started=time.time(), reason=None)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
             from attnlab.evaluate.downstream import check_tasks
 
             check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
         outcome, trained = train_step(plan, state, callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
+        timing["trained"] = time.time()
         evaluated = evaluate_step(plan, context, outcome)
+        timing["evaluated"] = time.time()
         rows = run_rows(context, plan.train_key)
         objectives = objective_values(spec, rows, plan.cfg.seq_length)
         final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
@@ -323,19 +326,25 @@ def study_trial(config: dict, context: StudyContext) -> None:
                 "timesteps_total": plan.cfg.steps, "steps_trained": steps, "cached": int(not trained and not evaluated)}
         if outcome.status == "diverged":
             state.write_status(plan.train_key, status="diverged", reason=outcome.failure,
-                               step=int(outcome.final.get("step", 0)), objectives=objectives)
+                               step=int(outcome.final.get("step", 0)), objectives=objectives,
+                               timing={**timing, "reported": time.time()})
+            release_point(context.claims, plan.train_key, trial, "diverged")
             tune.report({**base, **{k: float("nan") for k in objectives}, "diverged": 1})
             return
         done = "cached" if not trained and not evaluated else "complete"
-        if done == "cached" and before.get("status") == "complete" and before.get("finished", 0) >= context.launched:
+        if done == "cached" and before.get("status") == "complete":
             done = "complete"  # another trial of this `study run` trained it: a search may propose a point twice
         stop = {"stopped": outcome.stopped} if plan.cfg.stop_when is not None else {}
         state.write_status(plan.train_key, status=done, objectives=objectives, trained=trained,
-                           evaluated_cells=evaluated, step=steps, finished=time.time(), **stop)
+                           evaluated_cells=evaluated, step=steps, finished=time.time(),
+                           timing={**timing, "reported": time.time()}, **stop)
+        release_point(context.claims, plan.train_key, trial, done)
         tune.report({**base, **objectives, "diverged": 0, "val_loss": final,
                      **({"stop_reached": int(outcome.stopped == "reached")} if stop else {})})
-    except Exception as exc:
-        state.write_status(plan.train_key, status="failed", reason=failure_reason(exc))
+    except BaseException as exc:  # an error, or Tune stopping the trial: its twins stop waiting either way
+        if isinstance(exc, Exception):
+            state.write_status(plan.train_key, status="failed", reason=failure_reason(exc))
+        release_point(context.claims, plan.train_key, trial, "failed" if isinstance(exc, Exception) else None)
         raise
 
 
@@ -371,5 +380,5 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
 
 
 __all__ = ["StudyContext", "StudyData", "TrialPlan", "evaluate_missing", "evaluate_step", "failure_reason",
-           "knob_label", "objective_values", "plan_trial", "cell_keys", "claim_point", "stop_columns", "study_trial",
-           "train_step", "wait_for_twin"]
+           "knob_label", "objective_values", "plan_trial", "cell_keys", "evaluation_task", "stop_columns", "study_trial",
+           "train_step"]
