@@ -182,3 +182,13 @@ def test_a_gpu_evaluation_ends_its_worker_process(gpus):
     assert options["num_gpus"] == gpus and options["num_cpus"] == 2
     assert options["max_calls"] == (1 if gpus else 0)
     assert options["name"] == "evaluate-k1"
+
+
+def test_a_submitted_job_runs_the_study_with_the_submitters_compaction_choice():
+    from attnlab.cli import build_parser
+    from attnlab.study.submit import entrypoint
+
+    assert entrypoint("studies/s.yaml", store="s3://b/r") == "attnlab study run studies/s.yaml --store s3://b/r"
+    assert entrypoint("studies/s.yaml", compact=False).split()[4:] == ["--no-compact"]
+    assert build_parser("study").parse_args(["study", "submit", "s.yaml", "--no-compact"]).compact is False
+    assert build_parser("study").parse_args(["study", "submit", "s.yaml"]).compact is True

@@ -57,13 +57,18 @@ def add_submit_parser(sub) -> None:
     p.add_argument("--plugin", action="append", metavar="FILE_OR_MODULE",
                    help="an attention plugin added to the study's plugins:, repeatable; read here and shipped with "
                    "the job (it may live outside the working directory)")
+    p.add_argument("--no-compact", dest="compact", action="store_false",
+                   help="the job leaves the study's small results files as written when it ends (default: merge them, "
+                   "as `attnlab results compact` does)")
     p.set_defaults(func=_submit)
 
 
 def entrypoint(study: str, store: str | None = None, runs: str | None = None, plugins: list[str] | tuple = (),
-               bundle: str | None = None) -> str:
+               bundle: str | None = None, compact: bool = True) -> str:
     """The job's command line."""
     parts = ["attnlab", "study", "run", study]
+    if not compact:
+        parts.append("--no-compact")
     if store:
         parts += ["--store", store]
     if runs:
@@ -103,8 +108,8 @@ def read_bundle(name: str) -> dict:
 
 def submit_study(study: str, address: str, *, working_dir: str = ".", store: str | None = None,
                  runs: str | None = None, cluster: str | None = None, submission_id: str | None = None,
-                 plugins: list[str] | tuple = ()) -> str:
-    """Validate, package and submit; returns the job id."""
+                 plugins: list[str] | tuple = (), compact: bool = True) -> str:
+    """Validate, package and submit; returns the job id. ``compact``: False runs the job with ``--no-compact``."""
     from attnlab.study.spec import load_spec
 
     if not address:
@@ -144,7 +149,7 @@ def submit_study(study: str, address: str, *, working_dir: str = ".", store: str
             bundle = write_bundle(spec.plugins, folder)
             runtime_env["py_modules"] = [str(bundle)]
         return client.submit_job(
-            entrypoint=entrypoint(rel.as_posix(), store, runs, plugins, bundle.name if bundle else None),
+            entrypoint=entrypoint(rel.as_posix(), store, runs, plugins, bundle.name if bundle else None, compact),
             runtime_env=runtime_env, submission_id=submission_id, metadata={"study": spec.name},
             entrypoint_num_cpus=0)
     finally:
@@ -154,7 +159,7 @@ def submit_study(study: str, address: str, *, working_dir: str = ".", store: str
 def _submit(args: argparse.Namespace) -> int:
     job_id = submit_study(args.study, args.address, working_dir=args.working_dir, store=args.store,
                           runs=args.runs, cluster=args.cluster, submission_id=args.submission_id,
-                          plugins=args.plugin or ())
+                          plugins=args.plugin or (), compact=args.compact)
     address = args.address.rstrip("/")
     print(f"job id: {job_id}")
     print(f"logs:   ray job logs --address {address} {job_id} -f")
