@@ -64,6 +64,28 @@ def _offline_tokenizer():
     seed_tiktoken_cache()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _plugins_stay_in_their_test_file():
+    """Attention plugins a test file loads are unloaded when it ends: a registered plugin variant is every command's
+    variant (``variant_names()``), so one left over would change what later files test."""
+    before = _loaded_plugin_hashes()
+    yield
+    if "attnlab.attention.plugin" in sys.modules:
+        from attnlab.attention.plugin import loaded_plugins, unload_plugin
+
+        for loaded in loaded_plugins():
+            if loaded.source.sha256 not in before:
+                unload_plugin(loaded)
+
+
+def _loaded_plugin_hashes() -> set[str]:
+    if "attnlab.attention.plugin" not in sys.modules:
+        return set()
+    from attnlab.attention.plugin import loaded_plugins
+
+    return {loaded.source.sha256 for loaded in loaded_plugins()}
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster for the whole session (4 logical CPUs on 2 cores, small object store).

@@ -184,7 +184,8 @@ def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_sess
     no retries left fails. Both are recorded with their reason, and the good trial still completes."""
     monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "3")
     monkeypatch.setenv("ATTNLAB_FAIL_RANK", "0")
-    train = {**{k: v for k, v in TRAIN.items() if k != "lr"}, "steps": 6, "checkpoint_every": 6}
+    # log_every 1: the loop finds a divergence on the steps that report, before step 3's injected failure
+    train = {**{k: v for k, v in TRAIN.items() if k != "lr"}, "steps": 6, "checkpoint_every": 6, "log_every": 1}
     study = {"name": "failures", "train": train, "resources": {"trial_cpus": 0.5},
              "search": {"engine": "grid"}, "space": {"attention": ["softmax"], "lr": [1.0e6]},
              "objective": "val_loss@4x", "scheduler": "none", "eval": EVAL}

@@ -160,7 +160,7 @@ def test_searched_knobs_label_rows_so_reports_never_average_them_as_seeds():
     assert knob_label(_spec(space={"attention": ["softmax", "lssa"]}), {"attention": "lssa"}) is None
     rows = [dict(study="t", attention="softmax", knobs=k, seed=s, eval_len=64, train_len=64, metric="val_loss", value=v,
                  step=10, trial=f"{k}-{s}", scale="inv_sqrt_d", p_train=None, p_eval=None, rope_scaling="ntk",
-                 window_mode="nonoverlap", layer=None, bucket=None, preset="tiny", data="demo")
+                 window_mode="nonoverlap", layer=None, bucket=None, preset="tiny", data="demo", train_key=f"{k}-{s}")
             for k, s, v in [("lr=0.001", 0, 5.0), ("lr=0.001", 1, 5.2), ("lr=0.003", 0, 4.0), ("lr=0.003", 1, 4.4)]]
     table = reports.table(pd.DataFrame(rows))
     assert list(table["knobs"]) == ["lr=0.001", "lr=0.003"]
