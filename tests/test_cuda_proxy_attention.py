@@ -28,31 +28,9 @@ import torch
 
 from attnlab.attention import attend, get_variant
 from attnlab.attention import flex
+from attnlab.attention.inductor_proxy import LoweredUpToCodegen, _chain, is_gpu_stop
 
 pytestmark = pytest.mark.cuda_proxy
-
-# Where lowering needs a GPU (the only stops allowed).
-_GPU_STOPS = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver", "0 active drivers")
-
-
-class _LoweredUpToCodegen(Exception):
-    """Raised instead of generating code, once a graph is lowered."""
-
-
-def _chain(exc):
-    while exc is not None:
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _is_gpu_stop(exc) -> bool:
-    for e in _chain(exc):
-        if isinstance(e, ModuleNotFoundError) and e.name == "triton":
-            return True
-        if isinstance(e, (AssertionError, RuntimeError)) and any(s in str(e) for s in _GPU_STOPS):
-            return True
-    return False
-
 
 @contextlib.contextmanager
 def _lowering_up_to_the_gpu(stops: list[str], scatters: list[str] | None = None):
@@ -95,7 +73,7 @@ def _lowering_up_to_the_gpu(stops: list[str], scatters: list[str] | None = None)
             lower_fw(*args, **kwargs)
             raise AssertionError("FlexAttention's forward lowered without needing a GPU")
         except Exception as exc:
-            if not _is_gpu_stop(exc):
+            if not is_gpu_stop(exc):
                 raise
             stops.append("fw")
         finally:
@@ -111,7 +89,7 @@ def _lowering_up_to_the_gpu(stops: list[str], scatters: list[str] | None = None)
             lower_bw(*args, **kwargs)
             raise AssertionError("FlexAttention's backward lowered without needing a GPU")
         except Exception as exc:
-            if not _is_gpu_stop(exc):
+            if not is_gpu_stop(exc):
                 raise
             stops.append("bw")
         captured = args[-2]  # score_mod_other_buffers
@@ -120,7 +98,7 @@ def _lowering_up_to_the_gpu(stops: list[str], scatters: list[str] | None = None)
                 tuple(empty(b.get_size(), b.get_dtype(), b) for b in captured))
 
     def stop_before_codegen(self, *args, **kwargs):
-        raise _LoweredUpToCodegen()
+        raise LoweredUpToCodegen()
 
     scatter_lowering = flex_common.zeros_and_scatter_lowering
 
@@ -147,7 +125,7 @@ def _lowering_backend(lowered: list[str]):
     partition), with each graph lowered and stopped before code generation.
 
     The forward graph then runs eagerly (the backward needs its outputs); the backward raises
-    :class:`_LoweredUpToCodegen` after lowering.
+    :class:`LoweredUpToCodegen` after lowering.
     """
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -158,13 +136,13 @@ def _lowering_backend(lowered: list[str]):
         try:
             compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as exc:
-            if not any(isinstance(e, _LoweredUpToCodegen) for e in _chain(exc)):
+            if not any(isinstance(e, LoweredUpToCodegen) for e in _chain(exc)):
                 raise
         else:
             raise AssertionError("code generation was not stopped")
         lowered.append(which)
         if which == "bw":
-            raise _LoweredUpToCodegen()
+            raise LoweredUpToCodegen()
         return MockFXGraphCacheOutput(gm=make_boxed_func(gm.forward))  # the graph, run eagerly
 
     return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner_compile)
@@ -237,7 +215,7 @@ def _check_lowering(spec, D, dtype):
     with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops, scatters):
         out = fn(q, k, v, gains)
         assert out.shape == (2, 2, T, D) and out.dtype == dtype
-        with pytest.raises(_LoweredUpToCodegen):
+        with pytest.raises(LoweredUpToCodegen):
             out.float().sum().backward()
     assert lowered == ["fw", "bw"]
     # No backward kernel scatters a captured buffer's gradient with atomics: deterministic on the GPU.
@@ -413,7 +391,7 @@ def test_compiled_model_training_graph_lowers_up_to_the_gpu(fresh_dynamo):
     with flex.cuda_code_path(), _lowering_up_to_the_gpu(stops, scatters):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(idx[:, :-1], idx[:, 1:])
-        with pytest.raises(_LoweredUpToCodegen):
+        with pytest.raises(LoweredUpToCodegen):
             loss.backward()
     layers = len(model.blocks)
     assert lowered == ["fw", "bw"]
