@@ -7,7 +7,8 @@ Prints figures with the hardware, versions and date; asserts nothing. Usage:
 
 - sizes: every ``.py`` file under ``SOURCE/attnlab`` read with ``ast``: its lines, and each function's lines
   (``def`` to its last line, nested functions counted inside their parent and on their own);
-- a real one-trial study (a tiny GPT on the copy probe, one Ray Train worker, embedded Ray) run as
+- a real one-trial study (a tiny GPT on the copy probe, one Ray Train worker, embedded Ray; then the same trained
+  in its Tune trial's process, the default for one CPU worker: a source older than that option fails there) run as
   ``attnlab study run`` in a subprocess whose every Python process (the driver, the Tune trial, the Train worker,
   the evaluation task) loads a counting hook (a ``sitecustomize`` on its ``PYTHONPATH``). The hook wraps
   ``attnlab.data.source.open_data`` and ``TrainConfig.model_validate`` / ``model_dump`` as their modules load,
@@ -122,13 +123,17 @@ train:
   threads_per_worker: 1
   workers: 1
   cpus_per_worker: 1
-resources: {max_concurrent_trials: 1, trial_cpus: 0.5}
+resources: {max_concurrent_trials: 1, trial_cpus: 0.5, train_in_trial: false}
 search: {engine: grid}
 space:
   attention: [softmax]
 objective: val_loss@2x
 eval: {multiples: [1, 2], rope_scaling: [none], max_tokens: 128}
 """
+
+# The same study trained in its Tune trial's own process (the default for one CPU worker): one process opens the data
+# for training and evaluation.
+STUDY_IN_TRIAL = STUDY.replace("train_in_trial: false", "train_in_trial: true")
 
 # Which process an event came from, by the attnlab functions on its stack (the first match wins).
 ROLES = (("evaluation task", ("_evaluate_task", "evaluate_checkpoint")),
@@ -238,18 +243,21 @@ def main(argv: list[str] | None = None) -> int:
                                          or "none"))
     if args.skip_study:
         return 0
-    with tempfile.TemporaryDirectory(prefix="attnlab-structure-") as tmp:
-        events = count_study(source, Path(args.workdir or tmp))
-    summary = summarise(events)
-    print("one trial of a one-trial study (copy probe, 1 Train worker):")
-    print("| process | processes | data opens | TrainConfig validations | of them dict round-trips "
-          "| model_dump calls |")
-    print("|---|---|---|---|---|---|")
-    for name, row in summary["roles"].items():
-        print(f"| {name} | {row['processes']} | {row['data_opens']} | {row['validations']} | {row['round_trips']} | "
-              f"{row['dumps']} |")
-    print(f"data opens: {summary['data_opens']} (at most {summary['max_opens_in_one_process']} in one process); "
-          f"dict round-trips: {summary['round_trips']}")
+    studies = {"with a Ray Train worker and an evaluation task (train_in_trial: false)": STUDY,
+               "trained and evaluated in the Tune trial's process (the default)": STUDY_IN_TRIAL}
+    for title, study in studies.items():
+        with tempfile.TemporaryDirectory(prefix="attnlab-structure-") as tmp:
+            events = count_study(source, Path(args.workdir or tmp) / str(len(title)), study=study)
+        summary = summarise(events)
+        print(f"one trial of a one-trial study (copy probe, 1 CPU worker), {title}:")
+        print("| process | processes | data opens | TrainConfig validations | of them dict round-trips "
+              "| model_dump calls |")
+        print("|---|---|---|---|---|---|")
+        for name, row in summary["roles"].items():
+            print(f"| {name} | {row['processes']} | {row['data_opens']} | {row['validations']} | "
+                  f"{row['round_trips']} | {row['dumps']} |")
+        print(f"data opens: {summary['data_opens']} (at most {summary['max_opens_in_one_process']} in one process); "
+              f"dict round-trips: {summary['round_trips']}")
     return 0
 
 

@@ -50,7 +50,7 @@ NAME = "trials"
 ISSUE_FIGURE = "~14 s per trial (6 two-step trials in 85 s of study time)"  # issue 31, same machine
 
 
-def study_yaml(trials: int, concurrent: int) -> dict:
+def study_yaml(trials: int, concurrent: int, in_trial: bool = True) -> dict:
     return {
         "name": NAME,
         "train": {"preset": "tiny", "data": {"synthetic": "copy_distractors", "vocab": 64, "copy_len": 16},
@@ -61,7 +61,7 @@ def study_yaml(trials: int, concurrent: int) -> dict:
         "search": {"engine": "optuna", "num_samples": trials, "seed": 0},
         "space": {"lr": {"low": 1.0e-4, "high": 1.0e-2, "log": True}},
         "objective": "val_loss@1x",
-        "resources": {"max_concurrent_trials": concurrent},
+        "resources": {"max_concurrent_trials": concurrent, **({} if in_trial else {"train_in_trial": False})},
     }
 
 
@@ -76,11 +76,11 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
-def run_study(code: Path, work: Path, trials: int, concurrent: int) -> dict:
+def run_study(code: Path, work: Path, trials: int, concurrent: int, in_trial: bool = True) -> dict:
     import yaml
 
     path = work / f"{NAME}.yaml"
-    path.write_text(yaml.safe_dump(study_yaml(trials, concurrent)))
+    path.write_text(yaml.safe_dump(study_yaml(trials, concurrent, in_trial)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(code), RAY_USAGE_STATS_ENABLED="0")
     started = time.time()
@@ -256,15 +256,19 @@ def main() -> None:
     parser.add_argument("--code", type=Path, default=ROOT / "platform", help="the platform folder to run")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the study here (default: a temporary one)")
     parser.add_argument("--no-page", action="store_true")
+    parser.add_argument("--ray-train", action="store_true",
+                        help="train with Ray Train (resources.train_in_trial: false), as every trial did before")
     args = parser.parse_args()
     lines = header(args.code.resolve())
     work = args.workdir or Path(tempfile.mkdtemp(prefix="attnlab-bench-trials-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        run = run_study(args.code.resolve(), work, args.trials, args.concurrent)
+        run = run_study(args.code.resolve(), work, args.trials, args.concurrent, in_trial=not args.ray_train)
         trials, gaps = breakdown(work / "runs")
         walls = [t["wall"] for t in trials]
-        lines += [f"- study: {args.trials} trials of 2 steps, {args.concurrent} at once; issue 31's figure: "
+        how = "Ray Train (train_in_trial: false)" if args.ray_train else "in the Tune trial's process"
+        lines += [f"- study: {args.trials} trials of 2 steps, {args.concurrent} at once, trained {how}; "
+                  "issue 31's figure: "
                   f"{ISSUE_FIGURE}", "",
                   "| figure | value |", "|---|---|",
                   f"| trials with a timing | {len(trials)} |",

@@ -538,15 +538,18 @@ def test_fake_cluster_adds_worker_nodes_for_a_study_and_removes_them_when_idle(t
         rows = ResultsStore(str(store)).read(study="autoscale", metric="val_loss")
         assert len(set(rows.train_key)) == 2  # both trials trained, were evaluated and wrote their rows
         assert events["done"]["nodes"] >= 2  # the autoscaler added fake.gpu node(s) for them
-        # Training and evaluation ran on added nodes (the head has no fake_gpu_node); the trial drivers may not.
+        # Training and evaluation ran on added nodes (the head has no fake_gpu_node).
         head_id = "f" * 51 + "00000"  # the fake provider's head node id
         dashboard = f"http://127.0.0.1:{cluster.dashboard_port}"
         with without_api_server_env():
+            trials = list_actors(address=dashboard, filters=[("class_name", "=", "ImplicitFunc")], detail=True)
             workers = list_actors(address=dashboard, filters=[("class_name", "=", "RayTrainWorker")], detail=True)
             evals = [t for t in list_tasks(address=dashboard, detail=True, limit=10_000)
                      if (t.name or "").startswith("evaluate-")]
-        assert len(workers) == 2 and len(evals) == 2
-        assert all(a.node_id != head_id for a in workers) and all(t.node_id != head_id for t in evals)
+        # one CPU worker: each trial trained and evaluated in its own process, which held the worker's resources
+        # (fake_gpu_node) and so ran on an added node; no Train worker group, no evaluation task
+        assert 1 <= len(trials) <= 2 and workers == [] and evals == []  # Tune may reuse a trial's process
+        assert all(a.node_id != head_id for a in trials)
         assert events["idle"]["nodes"] == 1  # and removed them after idle_timeout_minutes
         monitor_log = next(cluster.temp_dir.glob("session_*/logs/monitor.log")).read_text()
         assert re.search(r"Adding \d+ node\(s\) of type fake\.gpu", monitor_log)

@@ -291,8 +291,11 @@ def _job_id(cluster: TwoNodeCluster, submission_id: str) -> str:
 # ------------------------------------------------------------------------------------------ 1. the study
 def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_the_bucket_and_resumes(
         cluster, s3_bucket, tmp_path):
+    # Ray Train workers and evaluation tasks, as a GPU study runs them (a one-worker CPU trial would train in its
+    # own process: the submitted study below does)
     study = {"name": "mn-study", "train": {**TINY_TRAIN, "worker_resources": {"worker_node": 1}},
-             "resources": {"trial_cpus": 0.5, "max_concurrent_trials": 1}, "search": {"engine": "grid"},
+             "resources": {"trial_cpus": 0.5, "max_concurrent_trials": 1, "train_in_trial": False},
+             "search": {"engine": "grid"},
              "space": {"seeds": [0, 1]}, "objective": "val_loss@2x",
              "eval": {"multiples": [1, 2], "p_eval": ["none"], "max_tokens": 512}}
     work = tmp_path / "work"
@@ -527,4 +530,10 @@ def test_a_submitted_study_runs_the_plugin_bytes_it_was_submitted_with(cluster, 
     assert set(rows.plugin_sha256) == {sha}
     provenance = Location.parse(f"{storage}/mn-plugin/runs/{rows.train_key.iloc[0]}").read_json("provenance.json")
     assert provenance["plugin"] == {"origin": "../laptop/recency.py", "sha256": sha, "attention": "recency"}
+    # its one CPU worker trained in the Tune trial's own process (no Ray Train run): the plain process's checkpoints,
+    # written straight to the bucket
+    prefix = f"ray/mn-plugin/runs/{rows.train_key.iloc[0]}/"
+    written = [k for k in s3_keys(s3_bucket) if k.startswith(prefix)]
+    assert any(k.startswith(f"{prefix}checkpoints/step_0000004/") for k in written), written
+    assert not any(k.startswith(f"{prefix}checkpoint_") for k in written), written
     assert "--plugin-bundle attnlab_job_plugins_" in cluster.job(job_id).entrypoint

@@ -205,3 +205,38 @@ def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_sess
     assert by_status == ["complete", "failed"], summary.trials
     failed = next(t for t in summary.trials if t["status"] == "failed")
     assert "injected worker failure at step 3" in failed["reason"]
+
+
+def test_a_one_worker_trial_trains_in_its_own_process_as_ray_train_would(ray_session, tmp_path, monkeypatch):
+    """The default one-worker CPU trial trains and evaluates in its Tune trial's process (resources.train_in_trial):
+    a failure restarts it from its latest checkpoint (max_failures), and its losses, checkpoints' step and results
+    equal those of the same point trained with Ray Train (train_in_trial: false), uninterrupted."""
+    from attnlab.location import Location
+    from attnlab.runfolder import read_metrics
+
+    train = {**TRAIN, "steps": 8, "log_every": 2, "val_every": 4, "checkpoint_every": 4, "max_failures": 1}
+    base = {"train": train, "search": {"engine": "grid"}, "space": {"attention": ["lssar"]},
+            "objective": "val_loss@4x", "eval": EVAL}
+    store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    ray_train = run_study(load_spec({**base, "name": "by-ray-train", "resources": {"train_in_trial": False}}),
+                          store=store_uri, runs=runs, verbose=0)
+    monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "5")  # once, after the step-4 checkpoint: one restart absorbs it
+    monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "failed-once"))
+    here = run_study(load_spec({**base, "name": "in-trial"}), store=store_uri, runs=runs, verbose=0)
+    assert (tmp_path / "failed-once").exists()
+    (a,), (b,) = ray_train.trials, here.trials
+    assert a["status"] == b["status"] == "complete" and a["train_key"] == b["train_key"]
+    folders = {name: Location.parse(f"{runs}/{name}/runs/{a['train_key']}") for name in ("by-ray-train", "in-trial")}
+    assert any(n.startswith("checkpoint_") for n in folders["by-ray-train"].list_names(hidden=False))
+    assert not any(n.startswith("checkpoint_") for n in folders["in-trial"].list_names(hidden=False))
+    assert folders["in-trial"].list_names("checkpoints", hidden=False) == ["step_0000008"]  # keep_checkpoints 1
+
+    def losses(folder):
+        return {(m["step"], k): m[k] for m in read_metrics(folder) for k in ("train_loss", "val_loss") if k in m}
+
+    assert losses(folders["in-trial"]) == losses(folders["by-ray-train"]) and len(losses(folders["in-trial"])) == 6
+    store = ResultsStore(store_uri)
+    cells = ["eval_len", "p_eval", "metric"]
+    first, second = (store.read(study=s).sort_values(cells)[cells + ["value"]].reset_index(drop=True)
+                     for s in ("by-ray-train", "in-trial"))
+    assert len(first) > 0 and first.equals(second)

@@ -36,3 +36,14 @@ def test_one_trial_opens_its_data_once_per_process_and_reads_back_no_dumped_conf
     trial_side = {name: row["round_trips"] for name, row in roles.items() if name != "study driver"}
     assert set(trial_side.values()) == {0}, roles
     assert roles["Train worker"]["validations"] == 0, roles  # the worker receives the TrainConfig itself
+
+
+@pytest.mark.ray
+def test_a_trial_that_trains_in_its_own_process_opens_the_data_there_once(tmp_path):
+    """The default one-worker CPU trial: training and evaluation in the Tune trial's process, which opens the data
+    once for both; no Train worker, no evaluation task."""
+    bench = _bench()
+    summary = bench.summarise(bench.count_study(ROOT / "platform", tmp_path, study=bench.STUDY_IN_TRIAL))
+    roles = summary["roles"]
+    assert {name: row["data_opens"] for name, row in roles.items()} == {"study driver": 1, "Tune trial": 1}, roles
+    assert summary["max_opens_in_one_process"] == 1 and roles["Tune trial"]["round_trips"] == 0, roles

@@ -124,7 +124,8 @@ def base_row(loaded: LoadedCheckpoint, source, train_key: str, context: dict | N
 
 def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: str | dict | None = None,
                         context: dict | None = None, store: ResultsStore | str | Location | None = None, device=None,
-                        skip: set[str] | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
+                        skip: set[str] | None = None, log: Callable[[str], None] | None = None,
+                        source=None) -> list[dict]:
     """Evaluate one checkpoint over the cells of ``config``; return the rows of the cells measured.
 
     ``checkpoint``: a checkpoint folder, a run folder (its latest checkpoint), a path or a URI, or an already
@@ -133,6 +134,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: s
     caller fixes (``study`` defaults to ``adhoc``, ``trial`` to the run folder name). ``store``: a
     ``ResultsStore`` (or where one is: a path or a URI) to write the rows to, one file per length, named by the
     cells' keys (a retry replaces, never duplicates). ``skip``: cell keys already measured (not measured again).
+    ``source``: ``data`` already opened in this process (a trial that trained here), instead of opening it again.
     The model's weights are never modified. Raises UserError on bad input.
     """
     from attnlab.data.source import open_data
@@ -145,9 +147,10 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: s
     model, cfg = loaded.model, loaded.train_config
     gpt = model.cfg
     data = cfg.data if data is None else data
-    if not data:
-        raise UserError("data: the checkpoint's config names no data; pass --data DIR")
-    source = open_data(data)
+    if source is None:
+        if not data:
+            raise UserError("data: the checkpoint's config names no data; pass --data DIR")
+        source = open_data(data)
     check_tokenizer(source, gpt.vocab_size)
     lengths = config.eval_lengths(int(gpt.train_len))
     if config.windows and config.max_tokens < max(lengths):

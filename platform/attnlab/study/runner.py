@@ -194,8 +194,9 @@ def study_plan(spec: StudySpec, dashboard=None) -> str:
     ``dashboard``, an :class:`attnlab.ray_runtime.Dashboard`) the Ray dashboard of the cluster it runs on."""
     cfg = spec.train
     cells = len(spec.eval.cells(cfg.seq_length))
+    workers = "1 worker in the trial's own process" if spec.trains_in_trial() else f"{cfg.workers} worker(s)"
     return (f"plan: study {spec.name}: {spec.search_space().size()} trial(s) ({spec.search.engine}), each "
-            f"{cfg.steps:,} steps x {cfg.tokens_per_step:,} tokens on {cfg.workers} worker(s), then {cells} "
+            f"{cfg.steps:,} steps x {cfg.tokens_per_step:,} tokens on {workers}, then {cells} "
             f"evaluation cell(s) (lengths {spec.eval.eval_lengths(cfg.seq_length)}, {spec.eval.max_tokens:,} tokens "
             f"each); at most {spec.resources.max_concurrent_trials} trial(s) at once"
             + (f"; {dashboard.line()}" if dashboard is not None else ""))
@@ -262,7 +263,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
 
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
     trainable = tune.with_resources(tune.with_parameters(study_trial, context=ctx),
-                                    {"cpu": spec.resources.trial_cpus})
+                                    tune.PlacementGroupFactory([spec.trial_bundle()]))
     url = state.optuna_url(spec.optuna_storage) if spec.search.engine == "optuna" else None
     exp = state.tune
     storage_path, storage_fs = state.loc.ray_storage()

@@ -30,7 +30,8 @@ Shape (``name`` and ``train.preset`` / ``train.data`` required)::
       cpus_per_worker: 0.5
       model: {n_layer: 2}             # overrides of the preset
     eval: {multiples: [1, 2, 4, 8, 16], p_eval: [none, 15], rope_scaling: [ntk], max_tokens: 16384}
-    resources: {max_concurrent_trials: 1, trial_cpus: 0.5}   # the Tune trial driver and how many run at once
+    resources: {max_concurrent_trials: 1, trial_cpus: 0.5}   # the Tune trial driver and how many run at once;
+                                              # train_in_trial: false (Ray Train even for one CPU worker)
     search: {engine: grid|random|optuna, num_samples: 8, seed: 0, sampler: tpe|random|nsgaii}
     space:
       attention: [softmax, lssa, lssar]
@@ -112,6 +113,10 @@ class Resources(_Strict):
 
     max_concurrent_trials: int = Field(default=1, ge=1)
     trial_cpus: float = Field(default=0.5, gt=0)  # the Tune trial (the Train driver) itself
+    # A one-worker CPU trial trains and evaluates in its Tune trial's own process, which then also holds the
+    # worker's resources: no Ray Train worker group to start (most of a cheap trial's cost: bench/trials.py). The
+    # same weights and losses; false: Ray Train always (e.g. to see the run in the dashboard's Train view).
+    train_in_trial: bool = True
 
 
 class Search(_Strict):
@@ -406,6 +411,19 @@ class StudySpec(_Strict):
         """What one running trial holds: the driver plus its Train workers."""
         t = self.train
         return {"CPU": self.resources.trial_cpus + t.workers * t.cpus_per_worker, "GPU": t.workers * t.gpus_per_worker}
+
+    def trains_in_trial(self) -> bool:
+        """Whether each trial trains in its Tune trial's process (``resources.train_in_trial``): one CPU worker only
+        (a GPU worker keeps Ray Train, whose worker process ends with the run; several workers need its DDP group).
+        Workers, GPUs and CPUs are study-wide (no search axis sets them), so this holds for every trial."""
+        return self.resources.train_in_trial and self.train.workers == 1 and not self.train.gpu
+
+    def trial_bundle(self) -> dict:
+        """What the Tune trial asks Ray for: its driver's CPUs, plus one training worker's resources when it trains
+        in its own process (:meth:`trains_in_trial`)."""
+        if not self.trains_in_trial():
+            return {"CPU": self.resources.trial_cpus}
+        return {**self.train.worker_resources, "CPU": self.resources.trial_cpus + self.train.cpus_per_worker}
 
     def to_json(self) -> dict:
         """The spec as the user wrote it (unset fields left out), so that validating it again checks the same

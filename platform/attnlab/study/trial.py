@@ -4,12 +4,14 @@
    run location ``<runs>/<study>/runs/<train_key>`` and its evaluation cells, each with its own key; then the
    trial claims the key in the study run's claim registry (:mod:`attnlab.study.claims`), waiting while a live twin
    proposed at the same point holds it, and releases it once its status is written;
-2. **train**: skipped when the run already finished (or diverged); otherwise Ray Train, which resumes from the
-   run's latest checkpoint when there is one; with a stopping rule (``train.stop_when``) a run is finished when
-   its latest checkpoint met the rule, or reached ``steps`` (the cap) without meeting it;
-3. **evaluate**: only the cells whose key has no rows in the results store, in a Ray task with the resources of
-   one training worker (a GPU when the workers have GPUs: then the task's worker process ends with it), writing the rows to the store (with a stopping rule
-   every row carries ``stopped``: reached or cap, and ``stop_rule``);
+2. **train**: skipped when the run already finished (or diverged); otherwise from the run's latest checkpoint when
+   there is one: in the trial's own process for one CPU worker (``resources.train_in_trial``), else with Ray Train;
+   with a stopping rule (``train.stop_when``) a run is finished when its latest checkpoint met the rule, or reached
+   ``steps`` (the cap) without meeting it;
+3. **evaluate**: only the cells whose key has no rows in the results store: in the trial's process when it trained
+   there, else in a Ray task with the resources of one training worker (a GPU when the workers have GPUs: then the
+   task's worker process ends with it); the rows go to the store (with a stopping rule every row carries
+   ``stopped``: reached or cap, and ``stop_rule``);
 4. **report**: the objectives, read back from the store's rows of exactly the objective's cell.
 
 Each step is a plain function testable without Tune; :func:`study_trial` is the Tune function trainable that
@@ -19,6 +21,7 @@ composes them, and :func:`evaluate_missing` runs step 3 for finished trials when
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -98,23 +101,31 @@ def plan_trial(ctx: StudyContext, point: dict, trial: str, cfg: TrainConfig | No
 
 
 # ------------------------------------------------------------------------------------------ step 2: train
-def train_step(plan: TrialPlan, state: StudyState, callbacks=()):
-    """Train unless the run already finished or diverged. Returns ``(outcome, trained: bool)``."""
+def train_step(plan: TrialPlan, state: StudyState, callbacks=(), here=None, on_report=None):
+    """Train unless the run already finished or diverged. Returns ``(outcome, trained: bool)``. ``here``: train in
+    this process (a one-worker CPU trial: :meth:`StudySpec.trains_in_trial`), a function returning the data opened
+    in it, each step's metrics going to ``on_report``; None: Ray Train, its reports going to ``callbacks``."""
     from attnlab.runfolder import outcome
 
     done = outcome(plan.run, steps=plan.cfg.steps)
     if done.status in ("finished", "diverged"):
         return done, False
+    state.record_training_started(plan.train_key, plan.point)
+    if here is not None:
+        from attnlab.train.loop import train_here
+
+        train_here(plan.cfg, plan.run, source=here(), on_report=on_report, device="cpu")
+        return outcome(plan.run, steps=plan.cfg.steps), True
     from attnlab.train.ray_train import run_training
 
-    state.record_training_started(plan.train_key, plan.point)
     return run_training(plan.cfg, plan.run, callbacks=callbacks), True
 
 
 # ------------------------------------------------------------------------------------------ step 3: evaluate
 def _evaluate_task(run: Location, eval_config: EvalConfig, data: str | dict, row_context: dict, store: ResultsStore,
-                   skip: list[str], threads: int | None, env: dict) -> list[dict]:
-    """Runs inside a Ray task with one training worker's resources (a GPU when the workers had one)."""
+                   skip: list[str], threads: int | None, env: dict, source=None) -> list[dict]:
+    """Runs inside a Ray task with one training worker's resources (a GPU when the workers had one), or in the trial
+    that trained the run in its own process (``source``: the data it opened)."""
     import torch
 
     from attnlab.evaluate.extrapolation import evaluate_checkpoint
@@ -122,7 +133,8 @@ def _evaluate_task(run: Location, eval_config: EvalConfig, data: str | dict, row
     os.environ.update(env)
     if threads:
         torch.set_num_threads(threads)
-    return evaluate_checkpoint(run, eval_config, data=data, context=row_context, store=store, skip=set(skip))
+    return evaluate_checkpoint(run, eval_config, data=data, context=row_context, store=store, skip=set(skip),
+                               source=source)
 
 
 def evaluation_task(cfg: TrainConfig, train_key: str):
@@ -148,9 +160,10 @@ def evaluation_task(cfg: TrainConfig, train_key: str):
                       scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))(_evaluate_task)
 
 
-def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = False) -> int:
+def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, here=None) -> int:
     """Measure the plan's cells that have no rows in the study's store yet; a diverged run's cells get NaN rows (so
-    tables show it and nothing retries a deterministic failure). Returns the number of cells evaluated."""
+    tables show it and nothing retries a deterministic failure). ``here``: measure in this process, with the data
+    the function returns (opened here); None: in a Ray task. Returns the number of cells evaluated."""
     from attnlab.evaluate.cell_rows import nan_rows
 
     store = ctx.store
@@ -173,8 +186,8 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, inline: bool = Fa
                         "nothing to evaluate")
     args = (plan.run, ctx.spec.eval, ctx.data.resolved, {**plan.row_context, **stop_columns(plan, outcome)}, store,
             sorted(stored), plan.cfg.threads_per_worker, ctx.env)
-    if inline:
-        _evaluate_task(*args)
+    if here is not None:
+        _evaluate_task(*args, source=here())
         return len(missing)
     import ray
 
@@ -247,28 +260,59 @@ def failure_reason(exc: BaseException) -> str:
     return reason[:500]
 
 
+def progress_report(metrics: dict, final_step: int, train_key: str) -> dict | None:
+    """What Tune hears of a training report: tagged with the train key, and None for the last one (the final step,
+    or the one that met the stopping rule; the trial reports its objective after the evaluation instead, so ASHA
+    never stops a trial at its final step)."""
+    if int(metrics.get("step", 0)) >= final_step or metrics.get("stop_reached"):
+        return None
+    # timesteps_total: TensorBoard's and MLflow's x axis is then the training step, not Tune's report count
+    return {**metrics, "train_key": train_key, "timesteps_total": int(metrics.get("step", 0))}
+
+
 def report_callback(final_step: int, train_key: str):
-    """A ``TuneReportCallback`` that tags reports with the train key and holds back the last one (the final step,
-    or the one that met the stopping rule; the trial reports its objective after the evaluation instead, so
-    ASHA never stops a trial at its final step)."""
+    """A ``TuneReportCallback`` passing Ray Train's reports on as :func:`progress_report` says."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class StudyReportCallback(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
-            if metrics and (int(metrics[0].get("step", 0)) >= final_step or metrics[0].get("stop_reached")):
-                return
-            # timesteps_total: TensorBoard's and MLflow's x axis is then the training step, not Tune's report count
-            metrics = [{**metrics[0], "train_key": train_key, "timesteps_total": int(metrics[0].get("step", 0))},
-                       *metrics[1:]]
-            super().after_report(run_context, metrics, checkpoint)
+            report = progress_report(metrics[0], final_step, train_key) if metrics else None
+            if report is not None:
+                super().after_report(run_context, [report, *metrics[1:]], checkpoint)
 
     return StudyReportCallback()
+
+
+def tune_reporter(final_step: int, train_key: str):
+    """The same for a trial that trains in its own process: each training report straight to ``tune.report``."""
+    from ray import tune
+
+    def report(metrics: dict) -> None:
+        passed = progress_report(metrics, final_step, train_key)
+        if passed is not None:
+            tune.report(passed)
+
+    return report
 
 
 def point_of(config: dict) -> dict:
     if "point" in config:
         return dict(config["point"])
     return {k: v for k, v in config.items() if not k.startswith("__")}
+
+
+_DATA_HERE: dict = {}  # the study's data as opened in this process (fingerprint -> source)
+
+
+def data_here(data: StudyData):
+    """The study's data, opened in this process once: a trial that trains here opens it for training and evaluation
+    alike, and the next trial of a process Tune reuses finds it open."""
+    if data.fingerprint not in _DATA_HERE:
+        from attnlab.data.source import open_data
+
+        _DATA_HERE.clear()
+        _DATA_HERE[data.fingerprint] = open_data(data.resolved)
+    return _DATA_HERE[data.fingerprint]
 
 
 _TRIALS_IN_PROCESS = [0]  # trials this process ran (Tune reuses a trial's process for the next trial)
@@ -313,9 +357,12 @@ def study_trial(config: dict, context: StudyContext) -> None:
             from attnlab.evaluate.downstream import check_tasks
 
             check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
-        outcome, trained = train_step(plan, state, callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
+        # a one-worker CPU trial holds the worker's resources too: it trains and evaluates here, the data opened once
+        here = functools.partial(data_here, context.data) if spec.trains_in_trial() else None
+        outcome, trained = train_step(plan, state, here=here, on_report=tune_reporter(plan.cfg.steps, plan.train_key),
+                                      callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
         timing["trained"] = time.time()
-        evaluated = evaluate_step(plan, context, outcome)
+        evaluated = evaluate_step(plan, context, outcome, here=here)
         timing["evaluated"] = time.time()
         rows = run_rows(context, plan.train_key)
         objectives = objective_values(spec, rows, plan.cfg.seq_length)

@@ -105,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"run folder: {run.uri}", flush=True)
     with _progress(run, cfg.steps):
         if args.local:
-            from attnlab.train.loop import LocalSession, train_worker
+            from attnlab.train.loop import train_here
             from attnlab.runfolder import outcome
 
-            train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints), run, source=source)  # opened once
+            train_here(cfg, run, source=source)  # the data opened once
             result = outcome(run, steps=cfg.steps)
         else:
             from attnlab.ray_runtime import ensure_ray, log_file, quiet_ray

@@ -23,11 +23,12 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from attnlab.data.source import DataSource
+from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.model.checkpoint import find_latest_checkpoint, local_checkpoint
 from attnlab.train.config import TrainConfig
@@ -54,11 +55,13 @@ class LocalSession:
 
     rank, world_size = 0, 1
 
-    def __init__(self, run: str | Path | Location, keep: int = 2, device: str | None = None):
+    def __init__(self, run: str | Path | Location, keep: int = 2, device: str | None = None,
+                 on_report: Callable[[dict], None] | None = None):
         self.run = Location.parse(run, field="run")
         self.keep = keep
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.reports: list[dict] = []
+        self.on_report = on_report  # e.g. a Tune trial's report of each step's metrics
 
     def prepare_model(self, model):
         return model
@@ -79,6 +82,8 @@ class LocalSession:
             self.run.upload(checkpoint_dir, f"checkpoints/step_{metrics['step']:07d}")
             for old in self.run.list_names("checkpoints", hidden=False)[:-self.keep]:
                 self.run.delete(f"checkpoints/{old}")
+        if self.on_report is not None:
+            self.on_report(metrics)
 
     def all_reduce_sum(self, values):
         return list(values)
@@ -102,6 +107,27 @@ def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location,
     """Train ``cfg`` on this worker, the run's files going to ``run``; ``source``: the data when this process has
     already opened it. Returns the last metrics (rank 0's view)."""
     return train_loop(build_parts(cfg, session, Location.parse(run, field="run"), source))
+
+
+def train_here(cfg: TrainConfig, run: str | Path | Location, source: DataSource | None = None,
+               on_report: Callable[[dict], None] | None = None, device: str | None = None) -> dict:
+    """Train ``cfg`` as one worker in this process, no Ray Train (``attnlab train --local``, and a study's one-worker
+    CPU trial, which trains in its Tune trial's process). As Ray Train's ``FailureConfig`` does, an error restarts
+    the run from its latest checkpoint, up to ``cfg.max_failures`` times; a ``UserError`` (bad input: it would fail
+    again) is never retried. Returns the last metrics."""
+    run = Location.parse(run, field="run")
+    for attempt in range(cfg.max_failures + 1):
+        try:
+            return train_worker(cfg, LocalSession(run, keep=cfg.keep_checkpoints, device=device, on_report=on_report),
+                                run, source=source)
+        except UserError:
+            raise
+        except Exception as exc:
+            if attempt == cfg.max_failures:
+                raise
+            print(f"attnlab: training run {run.name} failed ({type(exc).__name__}: {str(exc)[:200]}); restarting "
+                  f"from its latest checkpoint ({attempt + 1} of max_failures={cfg.max_failures})", flush=True)
+    raise AssertionError("unreachable")
 
 
 def train_loop(parts: TrainParts) -> dict:
@@ -161,4 +187,5 @@ def train_loop(parts: TrainParts) -> dict:
     return last
 
 
-__all__ = ["FAIL_AT_STEP_ENV", "LocalSession", "STOP_CAP", "STOP_REACHED", "Session", "train_loop", "train_worker"]
+__all__ = ["FAIL_AT_STEP_ENV", "LocalSession", "STOP_CAP", "STOP_REACHED", "Session", "train_here", "train_loop",
+           "train_worker"]

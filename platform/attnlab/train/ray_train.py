@@ -18,7 +18,7 @@ from pathlib import Path
 
 from attnlab.location import Location
 from attnlab.train.config import TrainConfig
-from attnlab.train.loop import train_worker
+from attnlab.train.loop import LocalSession, train_worker
 from attnlab.runfolder import TrainOutcome, outcome
 
 # Environment variables every worker gets (attnlab's own settings, e.g. the test-only fault injection, and
@@ -31,12 +31,13 @@ def forwarded_env() -> dict[str, str]:
 
 
 class RayTrainSession:
-    """``Session`` for a Ray Train worker."""
+    """``Session`` for a Ray Train worker of the run at ``run``."""
 
-    def __init__(self):
+    def __init__(self, run: Location):
         import ray.train
         import ray.train.torch
 
+        self.run = run
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
@@ -52,7 +53,10 @@ class RayTrainSession:
 
         ckpt = ray.train.get_checkpoint()
         if ckpt is None:
-            yield None
+            # none of Ray Train's: a run that trained in one process (a study's one-worker trial, ``train --local``)
+            # left its checkpoints under ``checkpoints/`` of the same folder
+            with LocalSession(self.run).latest_checkpoint() as directory:
+                yield directory
         else:
             with ckpt.as_directory() as directory:
                 yield directory
@@ -76,7 +80,7 @@ class RayTrainSession:
 
 def _worker(config: dict) -> None:
     """A Ray Train worker: ``config`` holds the ``TrainConfig`` and the run's ``Location`` themselves."""
-    train_worker(config["cfg"], RayTrainSession(), config["run"])
+    train_worker(config["cfg"], RayTrainSession(config["run"]), config["run"])
 
 
 def worker_resources(cfg: TrainConfig) -> dict[str, float]:
