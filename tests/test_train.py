@@ -119,6 +119,35 @@ def test_local_loop_resumes_exactly_after_a_crash(tmp_path, demo_data_dir):
     assert a[-1]["val_loss"] == pytest.approx(b[-1]["val_loss"], rel=1e-6)
 
 
+@pytest.mark.ray
+def test_ray_train_resumes_a_plain_process_runs_checkpoint(tmp_path, demo_data_dir, ray_session):
+    """A run a plain process (a study's one-worker trial, ``train --local``) left at its step-4 checkpoint is
+    resumed by Ray Train from there (Ray has no checkpoint of its own for it), with the losses of an uninterrupted
+    run: switching ``resources.train_in_trial`` or the worker count never restarts a run from scratch."""
+    from attnlab.train.loop import train_here
+    from attnlab.train.ray_train import run_training
+
+    cfg = _cfg(demo_data_dir, steps=8, tokens_per_step=512, log_every=1, val_every=8, val_tokens=2048, workers=1,
+               max_failures=0)
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    train_here(cfg, ref)
+    os.environ.update(ATTNLAB_FAIL_AT_STEP="6", ATTNLAB_FAIL_RANK="0")
+    try:
+        with pytest.raises(RuntimeError, match="injected worker failure at step 6"):
+            train_here(cfg, crashed)
+    finally:
+        del os.environ["ATTNLAB_FAIL_AT_STEP"], os.environ["ATTNLAB_FAIL_RANK"]
+    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_0000004"]
+    assert run_training(cfg, crashed).status == "finished"
+    # Ray Train checkpointed step 8 only (from scratch it would have checkpointed step 4 too: keep_checkpoints 2)
+    assert cfg.keep_checkpoints >= 2 and len([p for p in crashed.glob("checkpoint_*") if p.is_dir()]) == 1
+    a, b = _metrics(ref), _metrics(crashed)
+    assert [m["step"] for m in b] == list(range(1, 9))  # resumed at step 5, not from scratch
+    for x, y in zip(a, b):
+        assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-6, abs=1e-6)
+    assert a[-1]["val_loss"] == pytest.approx(b[-1]["val_loss"], rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory, demo_data_dir, ray_session):
     from attnlab.train.ray_train import run_training
