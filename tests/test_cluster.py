@@ -354,6 +354,22 @@ def test_a_study_resource_request_is_the_one_request_shape(tmp_path):
                        "trial_cpus": 0.5}
 
 
+def test_a_trial_that_trains_in_its_own_process_is_placed_as_one_bundle(tmp_path):
+    """One CPU worker trains in the Tune trial's process: the trial asks for its driver's and the worker's CPUs (and
+    the worker's resources) as one bundle, and the fit check places that bundle on one node."""
+    from attnlab.study.spec import load_spec
+
+    text = ("name: x\ntrain: {preset: tiny, data: demo, cpus_per_worker: 2, worker_resources: {fast: 1}}\n"
+            "resources: {trial_cpus: 0.5%s}\n")
+    (tmp_path / "a.yaml").write_text(text % "")
+    (tmp_path / "b.yaml").write_text(text % ", train_in_trial: false")
+    here, ray_train = load_spec(tmp_path / "a.yaml"), load_spec(tmp_path / "b.yaml")
+    assert here.trains_in_trial() and not ray_train.trains_in_trial()
+    assert here.trial_bundle() == {"CPU": 2.5, "fast": 1} and ray_train.trial_bundle() == {"CPU": 0.5}
+    assert here.resource_request()["cpus_per_worker"] == 2.5 and ray_train.resource_request()["cpus_per_worker"] == 2
+    assert here.trial_resources() == ray_train.trial_resources() == {"CPU": 2.5, "GPU": 0}
+
+
 def test_a_trial_driver_bigger_than_every_node_is_refused():
     with pytest.raises(UserError, match=r"trial driver needs 500 CPU"):
         cf.check_fits({"workers": 1, "trial_cpus": 500}, CLUSTER / "aws.yaml")

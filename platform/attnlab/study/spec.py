@@ -403,8 +403,10 @@ class StudySpec(_Strict):
         from attnlab.cluster.fit import normalise_request
 
         t, r = self.train, self.resources
+        # a trial that trains in its own process is one bundle on one node: the worker's CPUs and the driver's
+        cpus = t.cpus_per_worker + (r.trial_cpus if self.trains_in_trial() else 0.0)
         return normalise_request({"workers": t.workers, "gpus_per_worker": t.gpus_per_worker,
-                                  "cpus_per_worker": t.cpus_per_worker,
+                                  "cpus_per_worker": cpus,
                                   "max_concurrent_trials": r.max_concurrent_trials, "trial_cpus": r.trial_cpus})
 
     def trial_resources(self) -> dict:
