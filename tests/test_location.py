@@ -70,6 +70,40 @@ def test_whole_file_writes_reads_listing_and_folders(where, tmp_path, request):
         assert "store/a/b/record.json" in keys and "store/checkpoint_1/state.pt" in keys
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_upload_writes_its_last_file_once_every_other_one_is_there(where, tmp_path, request, monkeypatch):
+    """A plain process's checkpoint: ``meta.json`` (which says its step) is written last and whole, so a copy cut
+    short is a folder without it, which no resume picks; a copy replacing an older one drops the old meta first."""
+    from attnlab.model.checkpoint import find_latest_checkpoint
+
+    base = str(tmp_path / "run") if where == "local" else f"{request.getfixturevalue('s3_bucket')}/run"
+    run = Location.parse(base)
+    local = tmp_path / "ckpt"
+    (local / "extra").mkdir(parents=True)
+    (local / "state.pt").write_bytes(b"\x00" * 100)
+    (local / "extra" / "rng.bin").write_bytes(b"\x01")
+    (local / "meta.json").write_text('{"step": 8}')
+    seen = []
+    write_bytes = Location.write_bytes
+
+    def spy(self, name, data):
+        if name == "meta.json":
+            seen.append((self.is_file("state.pt"), self.is_file("extra/rng.bin"), self.is_file("meta.json")))
+        return write_bytes(self, name, data)
+
+    run.write_json("checkpoints/step_0000004/meta.json", {"step": 4})
+    run.write_bytes("checkpoints/step_0000004/state.pt", b"\x00")
+    monkeypatch.setattr(Location, "write_bytes", spy)
+    run.upload(str(local), "checkpoints/step_0000008", last="meta.json")
+    run.upload(str(local), "checkpoints/step_0000008", last="meta.json")  # again: replaces
+    assert seen == [(True, True, False), (True, True, False)]
+    assert run.list_names("checkpoints/step_0000008") == ["extra", "meta.json", "state.pt"]
+    assert find_latest_checkpoint(run).name == "step_0000008"
+    monkeypatch.undo()
+    run.delete("checkpoints/step_0000008/meta.json")  # a copy cut short before its meta: the step-4 one is latest
+    assert find_latest_checkpoint(run).name == "step_0000004"
+
+
 def test_results_store_on_s3(s3_bucket):
     from attnlab.results import ResultsStore
 

@@ -224,17 +224,34 @@ class Location:
     def move(self, name: str, new_name: str) -> None:
         self.fs.move(self.join(name), self.join(new_name))
 
-    def upload(self, local_dir: str, name: str) -> None:
-        """Copy a local folder's files to ``name`` below this location (replacing what is there)."""
+    def upload(self, local_dir: str, name: str, last: str | None = None) -> None:
+        """Copy a local folder's files to ``name`` below this location (replacing what is there). ``last``: a file of
+        the folder's top level written after every other one, whole (a checkpoint's ``meta.json``: a reader that
+        finds it finds the rest, and a copy cut short leaves a folder without it)."""
         target = self.child(name)
+        held = os.path.join(local_dir, last) if last and os.path.isfile(os.path.join(local_dir, last)) else None
         if self.is_local:
             if os.path.exists(target.path):
                 shutil.rmtree(target.path)
-            shutil.copytree(local_dir, target.path)
-            return
-        target.mkdir()
-        pafs.copy_files(local_dir, target.path, source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=self.fs)
+            shutil.copytree(local_dir, target.path, ignore=lambda folder, names: [last] if held and os.path.samefile(
+                folder, local_dir) and last in names else [])
+        elif held is None:
+            target.mkdir()
+            pafs.copy_files(local_dir, target.path, source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=self.fs)
+        else:
+            if target.is_file(last):
+                target.delete(last)  # an older copy's: it must not vouch for the files being replaced
+            target.mkdir()
+            for folder, _, files in os.walk(local_dir):
+                for file in files:
+                    path = os.path.join(folder, file)
+                    if path != held:
+                        pafs.copy_files(path, target.join(os.path.relpath(path, local_dir)),
+                                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
+        if held is not None:
+            with open(held, "rb") as f:
+                target.write_bytes(last, f.read())
 
     def download(self, name: str, local_dir: str) -> str:
         """Copy the folder ``name`` below this location into ``local_dir``; returns ``local_dir``."""

@@ -30,7 +30,7 @@ import torch
 from attnlab.data.source import DataSource
 from attnlab.errors import UserError
 from attnlab.location import Location
-from attnlab.model.checkpoint import find_latest_checkpoint, local_checkpoint
+from attnlab.model.checkpoint import META_FILE, find_latest_checkpoint, local_checkpoint
 from attnlab.train.config import TrainConfig
 from attnlab.train.parts import STOP_CAP, STOP_REACHED, TrainParts, build_parts
 from attnlab.train.recipe import lr_at, peak_flops
@@ -79,7 +79,8 @@ class LocalSession:
     def report(self, metrics, checkpoint_dir):
         self.reports.append(metrics)
         if checkpoint_dir is not None:
-            self.run.upload(checkpoint_dir, f"checkpoints/step_{metrics['step']:07d}")
+            # meta.json last: a checkpoint only counts once it is whole (find_latest_checkpoint reads its step there)
+            self.run.upload(checkpoint_dir, f"checkpoints/step_{metrics['step']:07d}", last=META_FILE)
             for old in self.run.list_names("checkpoints", hidden=False)[:-self.keep]:
                 self.run.delete(f"checkpoints/{old}")
         if self.on_report is not None:
