@@ -153,9 +153,16 @@ def _value(rows, task, metric, length=64):
 
 
 # ------------------------------------------------------------------------------------------ tests
-def test_known_scores_land_in_the_store_and_the_table(trained, tasks_dir, tmp_path, capsys):
+def test_known_scores_land_in_the_store_and_the_table(trained, tasks_dir, tmp_path, capsys, monkeypatch):
+    import multiprocessing
+
     from attnlab.cli import main
     from attnlab.results import ResultsStore
+
+    def no_fork(*args, **kwargs):
+        raise AssertionError("the harness forked a multiprocessing pool (its bootstrap must run in this process)")
+
+    monkeypatch.setattr(multiprocessing, "Pool", no_fork)  # a fork of a process with Ray's threads can hang
 
     folder, mc, lastword, rolling = tasks_dir
     model = _model(trained)
@@ -173,6 +180,7 @@ def test_known_scores_land_in_the_store_and_the_table(trained, tasks_dir, tmp_pa
     assert stderr == pytest.approx(math.sqrt(0.75 * 0.25 / (N_MC - 1)), rel=1e-9)  # the harness's sample stderr
     perplexity, greedy = _expected_lastword(model, lastword)
     assert _value(rows, "attnlab_lastword", "perplexity")["value"] == pytest.approx(perplexity, rel=1e-4)
+    assert _value(rows, "attnlab_lastword", "perplexity")["stderr"] > 0  # bootstrapped, in one process
     assert _value(rows, "attnlab_lastword", "acc")["value"] == pytest.approx(greedy, abs=1e-12)
     assert _value(rows, "attnlab_rolling", "bpb")["value"] == pytest.approx(_expected_bpb(model, rolling), rel=1e-4)
     assert {r["window_mode"] for r in rows} == {"downstream"} and {r["rope_scaling"] for r in rows} == {"ntk"}

@@ -139,6 +139,23 @@ def _quiet():
 
 
 @contextlib.contextmanager
+def _one_process():
+    """The harness bootstraps a perplexity's stderr in a ``multiprocessing`` pool it forks per metric unless
+    ``DISABLE_MULTIPROC`` is set. A fork of a process holding Ray's threads (an evaluation task, a trial) can hang in
+    the child on a lock another thread held (seen once under load in the tests); BOOTSTRAP_ITERS draws take
+    milliseconds in one process."""
+    before = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = before
+
+
+@contextlib.contextmanager
 def _working_dir(folder: str | None):
     if folder is None:
         yield
@@ -164,7 +181,7 @@ def run_tasks(model, task_set: TaskSet, tasks: list[str], *, length: int, rope_s
     lm = AttnlabLM(model, max_length=length, rope_scaling=rope_scaling, attention=attention, device=device,
                    precision=precision, batch_size=batch_size)
     try:
-        with _quiet(), _working_dir(task_set.folder):
+        with _quiet(), _one_process(), _working_dir(task_set.folder):
             results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                               task_manager=task_set.manager, log_samples=False,
                                               bootstrap_iters=BOOTSTRAP_ITERS, random_seed=None,
