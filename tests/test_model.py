@@ -107,7 +107,12 @@ def test_token_stats_agree_with_forward_loss_and_masks():
         _, masked = model(x, y, loss_mask=mask)
     assert tok_loss.mean().item() == pytest.approx(loss.item(), rel=1e-5)
     assert masked.item() == pytest.approx(tok_loss[:, 20:].mean().item(), rel=1e-5)
-    assert torch.equal(tok_correct, logits.argmax(-1) == y)
+    # token_stats runs the LM head in chunks of 7 positions, the forward over all of them: logits equal to float32
+    # rounding, not bit for bit, so an argmax may flip only where the top two logits (nearly) tie
+    top2 = logits.topk(2, dim=-1).values
+    decisive = top2[..., 0] - top2[..., 1] > 1e-4
+    assert decisive.float().mean() > 0.9, decisive.float().mean()
+    assert torch.equal(tok_correct[decisive], (logits.argmax(-1) == y)[decisive])
 
 
 def test_eval_time_attention_override_leaves_weights_untouched():

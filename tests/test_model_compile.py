@@ -77,7 +77,12 @@ def test_compiled_forward_and_eval_paths_match_eager(attention, impl):
         for T in (64, 256):  # a longer window, NTK RoPE: one more specialisation each, no error
             got = compiled.token_stats(idx[:, :T][:, :-1], idx[:, 1:T], chunk=16, rope_scaling="ntk")
             want = eager.token_stats(idx[:, :T][:, :-1], idx[:, 1:T], chunk=16, rope_scaling="ntk")
-            assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6) and torch.equal(got[1], want[1])
+            assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+            # compiled vs eager: logits equal to float32 rounding, so an argmax may flip only at a near tie
+            logits = eager.lm_head(eager.hidden_states(idx[:, :T][:, :-1], rope_scaling="ntk"))
+            top2 = logits.topk(2, dim=-1).values
+            decisive = top2[..., 0] - top2[..., 1] > 1e-4
+            assert decisive.float().mean() > 0.9 and torch.equal(got[1][decisive], want[1][decisive])
     assert _graph_breaks() == 0 and _graphs() == 3  # + one block graph per length, shared by both layers
 
 

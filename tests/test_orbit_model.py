@@ -56,8 +56,13 @@ def test_coord_stats_measures_the_distance_of_the_argmax_bins(data):
     logits, _ = model(x)
     guess = logits.argmax(-1)
     expect = (guess - y).float().pow(2).sum(-1).sqrt()
-    torch.testing.assert_close(dist, expect)
-    assert torch.equal(correct, (guess == y).all(-1))
+    # the head in chunks of 5 positions vs all at once: logits equal to float32 rounding, not bit for bit, so an
+    # argmax bin may differ only where a coordinate's top two logits (nearly) tie
+    top2 = logits.topk(2, dim=-1).values
+    decisive = (top2[..., 0] - top2[..., 1] > 1e-4).all(-1)
+    assert decisive.float().mean() > 0.9, decisive.float().mean()
+    torch.testing.assert_close(dist[decisive], expect[decisive])
+    assert torch.equal(correct[decisive], (guess == y).all(-1)[decisive])
     assert torch.equal(correct, dist == 0)
     torch.testing.assert_close(loss, model.token_stats(x, y)[0])
 

@@ -263,7 +263,11 @@ def test_gpt_forward_loss_mask_by_hand():
     total, count, correct = mean_window_loss(model, windows, target_mask=mask.numpy(), precision="fp32")
     assert count == 12 and total / count == pytest.approx(float(loss), rel=1e-5)
     argmax_right = sum(int(logits[b, t].argmax() == y[b, t]) for b in range(3) for t in range(12) if mask[b, t])
-    assert correct == argmax_right
+    # mean_window_loss runs its own batches and LM-head chunks: logits equal to float32 rounding, not bit for bit,
+    # so an argmax may differ only at a masked position whose top two logits (nearly) tie
+    top2 = logits.topk(2, dim=-1).values
+    near_ties = int(((top2[..., 0] - top2[..., 1] <= 1e-4) & mask).sum())
+    assert near_ties <= 1 and abs(correct - argmax_right) <= near_ties, (correct, argmax_right, near_ties)
 
 
 # ---------------------------------------------------------------- a short real training run
