@@ -11,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnlab-installed
 OUT    ?= demo-out
 
-.PHONY: setup browser demo test bench bench-gpu clean-venv
+.PHONY: setup browser demo test bench bench-gpu gpu-check clean-venv
 
 setup: $(STAMP)
 
@@ -51,9 +51,17 @@ bench: setup
 # On one CUDA GPU, the first thing to run on a GPU node: the CPU tests of the CUDA paths (pytest -m cuda_proxy),
 # the memory plan, the CUDA tests, then attention, training and evaluation figures with the measured peak memory
 # beside the plan's estimate, and one line per part saying what passed and what did not; appended to
-# bench/RESULTS.md (bench/gpu.py; under 25 minutes on one H100; `python bench/gpu.py --smoke` on CPU).
+# bench/RESULTS.md (bench/gpu.py; under 25 minutes on one H100; `python bench/gpu.py --smoke` on CPU). For a short
+# session on a bare node, `make gpu-check` (below) first.
 bench-gpu: setup
 	$(PY) bench/gpu.py
+
+# The quick check for a first GPU session (docs/gpu.md#the-quick-check): six parts, PASS/FAIL/SKIP each, at most
+# 6 minutes on one H100 from a cold start. It uses the machine's own python3 and its preinstalled torch and Triton
+# (no set-up, no Ray, no network; pydantic from a folder of wheels: the docs say how), and writes gpu-check/quick.json
+# and gpu-check/quick.md as each part ends.
+gpu-check:
+	$(PYTHON) bench/gpu.py --quick
 
 clean-venv:
 	rm -rf $(VENV)
