@@ -130,8 +130,9 @@ def warm(ctx: Context) -> None:
                           attention=attention_spec_for(model, p))
 
 
-# The lowering failure torch 2.11's inductor raised on the compiled LSSAR evaluation graph (an H200, bench/RESULTS.md);
-# torch 2.13 lowers the same graph (the cuda_proxy test of evaluation graphs).
+# The lowering failure torch 2.11's inductor raised on the compiled LSSAR evaluation graph (an H200, bench/RESULTS.md).
+# On CPU, torch 2.13 lowers such a graph up to the GPU (tests/test_cuda_proxy_attention.py), which cannot tell
+# whether 2.13 would lower it on a GPU.
 KNOWN_LOWERING_FAILURE = "convert FlexibleLayout to FixedLayout first"
 
 
@@ -196,7 +197,8 @@ def evaluation(ctx: Context) -> Outcome:
         _score_cells(ctx, model, rows, problems)
     except Exception as exc:  # noqa: BLE001 - the compiled path failed: say why, then score with eager blocks
         compile_error = one_line(exc, 300)
-        hint = (" (torch < 2.13: evaluate with eval.compile: false; docs/gpu.md#what-the-first-gpu-runs-found)"
+        hint = (" (as torch 2.11 failed on an H200: evaluate with eval.compile: false; "
+                "docs/gpu.md#what-the-first-gpu-runs-found)"
                 if KNOWN_LOWERING_FAILURE in str(exc) else "")
         problems.append(f"the compiled evaluation failed: {compile_error}{hint}")
         say(f"compiled evaluation failed: {compile_error}{hint}\nscoring again with the blocks eager:")
