@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from attnlab.errors import UserError
+from attnlab.location import Location
+from attnlab.states import RunStatus, StopReason
 from attnlab.train import load_train_config
 from attnlab.train.loop import LocalSession, train_worker
 from attnlab.runfolder import outcome
@@ -58,6 +60,43 @@ def test_the_rule_stops_the_run_where_it_is_met(reached):
     assert _checkpoints(run)[-1] == f"step_{stop:07d}"  # evaluation reads the weights that met the rule
     done = outcome(run, steps=300)
     assert (done.status, done.stopped, done.steps_trained) == ("finished", "reached", stop)
+    assert (done.status, done.stopped) == (RunStatus.FINISHED, StopReason.REACHED)
+    assert "stop_reached" not in lines[-1] and lines[-1]["mfu"] is None  # one field; no peak FLOPs on a CPU
+    meta = json.loads((run / "checkpoints" / _checkpoints(run)[-1] / "meta.json").read_text())
+    assert meta["metrics"]["stopped"] == "reached" and "stop_reached" not in meta["metrics"]
+
+
+@pytest.mark.parametrize("old_fields", [{"stopped": "reached", "stop_reached": 1}, {"stop_reached": 1}])
+def test_a_run_folder_written_before_stopped_was_one_field_reads_the_same(reached, tmp_path, monkeypatch, old_fields):
+    """Runs written before ``stopped`` was the one field also said ``stop_reached`` (and ``mfu: "unknown"`` without
+    a peak-FLOPs figure), in metrics.jsonl and in the checkpoint: read back they are the same run, met rule and all
+    (the second case, a line with ``stop_reached`` alone, was never written: it reads too)."""
+    import shutil
+
+    from attnlab.runfolder import Progress, read_metrics
+
+    run = tmp_path / "old"
+    shutil.copytree(reached[0], run)
+    stop = reached[1]["step"]
+    lines = _metrics(run)
+    old = {k: v for k, v in lines[-1].items() if k != "stopped"}
+    lines[-1] = {**old, **old_fields, "mfu": "unknown"}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    meta_file = run / "checkpoints" / _checkpoints(run)[-1] / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["metrics"] = {**{k: v for k, v in meta["metrics"].items() if k != "stopped"}, **old_fields}
+    meta_file.write_text(json.dumps(meta))
+    done = outcome(run, steps=300)
+    assert (done.status, done.stopped, done.steps_trained) == (RunStatus.FINISHED, StopReason.REACHED, stop)
+    last = read_metrics(Location.parse(run))[-1]
+    assert last["stopped"] is StopReason.REACHED and "stop_reached" not in last and last["mfu"] is None
+    progress = Progress(300)
+    progress.update(read_metrics(Location.parse(run)))
+    assert progress.line().endswith("stopping rule met: done")
+    # resumed, the old checkpoint's met rule still ends the run: the failure injected at the next step never fires
+    monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", str(stop))
+    again = _train(_cfg(), run)
+    assert again["step"] == stop and again["stopped"] is StopReason.REACHED
 
 
 def test_a_run_that_never_meets_the_rule_ends_at_the_cap(tmp_path):

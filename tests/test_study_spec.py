@@ -130,11 +130,13 @@ def test_p_train_says_what_it_means():
 
 
 def test_objective_syntax():
-    assert parse_objective("val_loss@16x") == {"metric": "val_loss", "multiple": 16.0, "length": None,
-                                               "p_eval": None, "rope": None, "key": "val_loss@16x"}
+    sixteen = parse_objective("val_loss@16x")
+    assert sixteen.as_dict() == {"metric": "val_loss", "multiple": 16.0, "length": None, "p_eval": None, "rope": None,
+                                 "key": "val_loss@16x"}
+    assert sixteen.eval_len(64) == 1024  # the multiple resolved at the training length
     parsed = parse_objective("val_loss@16k,p_eval=15,rope=none")
-    assert (parsed["length"], parsed["p_eval"], parsed["rope"]) == (16384, 15.0, "none")
-    assert parsed["key"] == "val_loss@16k,p_eval=15,rope=none"
+    assert (parsed.length, parsed.p_eval, parsed.rope, parsed.eval_len(64)) == (16384, 15.0, "none", 16384)
+    assert parsed.key == "val_loss@16k,p_eval=15,rope=none"
     spec = _spec(search={"engine": "optuna", "num_samples": 2},
                  objective=["val_loss@1x", {"metric": "passkey_acc@4x", "mode": "max"}],
                  eval={"multiples": [1, 4], "passkey": True})

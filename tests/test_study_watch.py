@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from attnlab.states import TrialState
 from attnlab.study.console import LiveView, trial_label
 from attnlab.study.state import StudyState, TrialStatus
 from attnlab.train import load_train_config
@@ -55,7 +56,13 @@ def test_the_live_view_prints_a_line_per_change(tmp_path):
     assert trial_label(TrialStatus.parse({"point": {"attention": "lssa", "p_train": False}})) == "lssa p_train=off"
     # a point without an attention axis: the variant its config resolved; an older file saying config_hash reads alike
     older = TrialStatus.parse({"config_hash": "k3", "point": {"seed": 1}, "attention": "softmax", "status": "cached"})
-    assert (trial_label(older), older.train_key, older.status) == ("softmax seed=1", "k3", "cached")
+    assert (trial_label(older), older.train_key, older.status) == ("softmax seed=1", "k3", TrialState.CACHED)
+    # every status an older file holds reads as its member; a file without one (or with one never written) as UNKNOWN
+    for written in ("running", "complete", "cached", "diverged", "pruned", "failed"):
+        assert TrialStatus.parse({"status": written}).status is TrialState(written)
+    assert TrialStatus.parse({}).status is TrialState.read("queued") is TrialState.UNKNOWN
+    state.write_status("k4", status=TrialState.PRUNED)  # written as its string
+    assert json.loads(Path(state.loc.path, "trials", "k4.json").read_text())["status"] == "pruned"
 
 
 def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path, monkeypatch):
@@ -126,7 +133,7 @@ def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path
     saved = state.saved_study()
     assert (saved.engine, saved.optuna_storage, saved.description) == ("optuna", "sqlite:////x.db", None)
     assert [o.key for o in saved.objectives] == ["val_loss@16x,p_eval=15", "acc@4x"]
-    assert saved.objectives[0].parts["multiple"] == 16.0 and saved.objectives[1].mode == "max"
+    assert saved.objectives[0].parts.multiple == 16.0 and saved.objectives[1].mode == "max"
 
 
 def test_train_prints_its_plan_warnings_and_progress(tmp_path, demo_data_dir):

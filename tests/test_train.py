@@ -176,7 +176,7 @@ def test_two_workers_learn_and_stay_identical(ddp_reference):
     assert ddp_reference.checkpoint and "checkpoint_" in ddp_reference.checkpoint
     for key in ("lr", "grad_norm", "tokens_per_s", "mfu"):
         assert key in m[-1]
-    assert m[-1]["mfu"] == "unknown"  # CPU: no peak-FLOPs figure rather than a wrong one
+    assert m[-1]["mfu"] is None  # CPU: no peak-FLOPs figure rather than a wrong one
 
 
 @pytest.mark.ray
@@ -328,7 +328,8 @@ def test_the_validator_sums_the_workers_and_applies_the_stopping_rule():
 
     from attnlab.data.source import open_data
     from attnlab.model import build_model
-    from attnlab.train.parts import STOP_CAP, STOP_REACHED, Validator
+    from attnlab.states import StopReason
+    from attnlab.train.parts import Validator
 
     session = _TwoWorkers()
     source = open_data(COPY)
@@ -337,12 +338,13 @@ def test_the_validator_sums_the_workers_and_applies_the_stopping_rule():
     model = build_model(cfg.gpt_config(vocab_size=source.vocab_size)).eval()
     validator = Validator.build(source, cfg, session)
     metrics = validator.validate(model, done=2)
-    assert metrics["stopped"] == STOP_REACHED and metrics["stop_reached"] == 1
+    assert metrics["stopped"] is StopReason.REACHED and "stop_reached" not in metrics  # one field
     assert metrics["val_tokens"] % 2 == 0 and 0 < metrics["val_loss"] < 10  # the doubled sums, divided alike
     never = Validator.build(source, _parts_cfg(stop_when={"metric": "val_acc", "at_least": 2.0}), session)
     assert "stopped" not in never.validate(model, done=2)
-    assert never.validate(model, done=4)["stopped"] == STOP_CAP  # the last step without the rule met
-    assert never.finished({"stopped": STOP_REACHED}) and not never.finished({})
+    assert never.validate(model, done=4)["stopped"] is StopReason.CAP  # the last step without the rule met
+    assert never.finished({"stopped": "reached"}) and not never.finished({}) and not never.finished({"stopped": "cap"})
+    assert never.finished({"stopped": "reached", "stop_reached": 1})  # a checkpoint written before the one field
     assert "stopped" not in Validator.build(source, _parts_cfg(), session).validate(model, done=4)
 
 
@@ -370,6 +372,7 @@ def test_the_checkpointer_saves_with_a_report_and_resumes_a_fresh_model(tmp_path
     import torch
 
     from attnlab.data.source import open_data
+    from attnlab.states import StopReason
     from attnlab.train.loop import LocalSession
     from attnlab.train.parts import Checkpointer, ModelAndOptimizer
 
@@ -381,12 +384,14 @@ def test_the_checkpointer_saves_with_a_report_and_resumes_a_fresh_model(tmp_path
     assert checkpointer.resume(first) == (0, {})  # nothing saved yet
     with torch.no_grad():
         next(first.model.parameters()).add_(1.0)
-    checkpointer.report({"step": 2, "train_loss": 3.0, "stopped": "reached", "mfu": "unknown"}, first)
+    checkpointer.report({"step": 2, "train_loss": 3.0, "stopped": StopReason.REACHED, "mfu": None}, first)
     checkpointer.report({"step": 3, "train_loss": 2.9}, None)  # a report without a checkpoint
     assert [r["step"] for r in session.reports] == [2, 3] and "mfu" not in session.reports[0]
+    assert type(session.reports[0]["stopped"]) is str and session.reports[0]["stopped"] == "reached"  # Tune's
     second = ModelAndOptimizer.build(cfg, gpt, session)
     step, metrics = Checkpointer(session, cfg, gpt).resume(second)
     assert step == 2 and metrics == {"step": 2, "train_loss": 3.0, "stopped": "reached"}
+    assert metrics["stopped"] is StopReason.REACHED
     for a, b in zip(first.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)
 

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from attnlab.errors import UserError
+from attnlab.states import TrialState
 
 DEFAULT_OUT = "demo-out"
 
@@ -72,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
         summary = run_study(spec, store=store, runs=runs, resume=False if args.fresh else None,
                             curves_dir=out.child("curves", spec.name).uri, verbose=1 if args.verbose else 0,
                             quiet=not args.verbose)
-        ok = ok and bool(summary.count("complete"))
+        ok = ok and bool(summary.count(TrialState.COMPLETE))
     print(f"\ndemo done: tables above; curves in {out.child('curves').uri}; results store {store}")
     for spec in specs:
-        metric = spec.objective[0].parts["metric"]
+        metric = spec.objective[0].parts.metric
         print(f"  attnlab results table --store {store} --study {spec.name} --metric {metric}")
     print(f"watch and compare the studies in a browser:\n  attnlab serve --store {store} --runs {runs}"
           "   # then open http://127.0.0.1:8000/")

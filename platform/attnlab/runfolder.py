@@ -5,9 +5,10 @@ on a worker's own disk, so the process that reads the outcome may sit on another
 
 Layout of a run folder (``RUN``)::
 
-    RUN/metrics.jsonl          one JSON object per report (step, train_loss, lr, grad_norm, tokens_per_s, mfu,
-                               val_loss when measured; with a stopping rule the last one says stopped:
-                               reached or cap), rewritten whole (object storage has no append)
+    RUN/metrics.jsonl          one JSON object per report (step, train_loss, lr, grad_norm, tokens_per_s, mfu:
+                               null where the device's peak is unknown, val_loss when measured; with a stopping
+                               rule the last one says stopped: reached or cap), rewritten whole (object storage
+                               has no append)
     RUN/provenance.json        config, train_key, git, versions, hardware, data fingerprint, FLOPs (a run written
                                before train_key was its name says config_hash: :func:`recorded_train_key`)
     RUN/failure.json           only when the run diverged: {"reason", "step", "kind"}
@@ -18,6 +19,11 @@ The training config a run records (in ``provenance.json`` and every checkpoint) 
 "json")``, the one serialised form of :class:`attnlab.train.config.TrainConfig`. Training reads it back whole
 (``TrainConfig.model_validate``); the stages that may not import training (evaluation) read it here, typed, as a
 :class:`TrainRecord`.
+
+Metrics are read back typed (:func:`decode_metrics`), the one place that reads what older runs wrote: ``stopped``
+as a :class:`attnlab.states.StopReason` (lines and checkpoints of runs before it was the one field also said
+``stop_reached``: dropped, read only when ``stopped`` is missing) and ``mfu`` as a float or None (older lines say
+``"unknown"``).
 
 It also watches a run's progress (:class:`Progress`, :func:`watch`): the step, the losses and an estimate of
 the time left, read from ``metrics.jsonl`` by whoever waits for the run; :func:`latest_losses` is a run's latest
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.names import format_duration
+from attnlab.states import RunStatus, StopReason
 
 METRICS_FILE = "metrics.jsonl"
 PROVENANCE_FILE = "provenance.json"
@@ -117,10 +124,22 @@ def recorded_train_key(run: Location) -> str | None:
     return str(key) if key else None
 
 
+def decode_metrics(metrics: dict) -> dict:
+    """A metrics mapping (a ``metrics.jsonl`` line, or what a checkpoint recorded) as this version writes it:
+    ``stopped`` a :class:`StopReason` (from ``stop_reached`` in older files), ``mfu`` a float or None."""
+    out = {k: v for k, v in metrics.items() if k != "stop_reached"}
+    stop = StopReason.of(metrics)
+    if stop is not None:
+        out["stopped"] = stop
+    if "mfu" in out and not isinstance(out["mfu"], (int, float)):
+        out["mfu"] = None  # "unknown" in older lines: no peak-FLOPs figure for the device
+    return out
+
+
 def read_metrics(run: Location) -> list[dict]:
     if not run.exists(METRICS_FILE):
         return []
-    return [json.loads(line) for line in run.read_text(METRICS_FILE).splitlines() if line.strip()]
+    return [decode_metrics(json.loads(line)) for line in run.read_text(METRICS_FILE).splitlines() if line.strip()]
 
 
 def latest_losses(lines: list[dict]) -> dict:
@@ -131,7 +150,7 @@ def latest_losses(lines: list[dict]) -> dict:
     return {"train_loss": train, "val_loss": val}
 
 
-def write_failure(run: Location, reason: str, step: int, kind: str = "diverged") -> None:
+def write_failure(run: Location, reason: str, step: int, kind: str = RunStatus.DIVERGED) -> None:
     run.write_json(FAILURE_FILE, {"reason": reason, "step": int(step), "kind": kind})
 
 
@@ -150,14 +169,14 @@ def replica_checksums(run: Location) -> dict[int, str]:
 @dataclass
 class TrainOutcome:
     run_dir: str  # the run's location (a path or a URI)
-    status: str  # "finished" | "diverged" | "incomplete"
+    status: RunStatus
     final: dict  # the last metrics line
     checkpoint: str | None  # the latest checkpoint's location
     failure: str | None = None
     train_key: str | None = None
-    # with a stopping rule (TrainConfig.stop_when): "reached" (met at steps_trained) or "cap" (steps ran out
-    # first); None without a rule, or while the run is incomplete
-    stopped: str | None = None
+    # with a stopping rule (TrainConfig.stop_when): reached (met at steps_trained) or cap (steps ran out first);
+    # None without a rule, or while the run is incomplete
+    stopped: StopReason | None = None
     steps_trained: int | None = None  # the latest checkpoint's step
 
 
@@ -174,18 +193,18 @@ def outcome(run: str | Location, steps: int | None = None) -> TrainOutcome:
     try:
         checkpoint = find_latest_checkpoint(run)
         meta = json.loads(checkpoint.read_bytes("meta.json"))
-        step, stopped = meta.get("step"), (meta.get("metrics") or {}).get("stopped")
+        step, stopped = meta.get("step"), StopReason.of(meta.get("metrics") or {})
     except UserError:
         checkpoint, step, stopped = None, None, None
     if failure:
-        status = "diverged"
-    elif checkpoint is None or (steps is not None and (step or 0) < steps and stopped != "reached"):
-        status = "incomplete"
+        status = RunStatus.DIVERGED
+    elif checkpoint is None or (steps is not None and (step or 0) < steps and stopped is not StopReason.REACHED):
+        status = RunStatus.INCOMPLETE
     else:
-        status = "finished"
+        status = RunStatus.FINISHED
     return TrainOutcome(run.uri, status, final, checkpoint.uri if checkpoint else None,
                         failure["reason"] if failure else None, recorded_train_key(run),
-                        stopped if status == "finished" else None, None if step is None else int(step))
+                        stopped if status is RunStatus.FINISHED else None, None if step is None else int(step))
 
 
 # ------------------------------------------------------------------------------------------ progress
@@ -229,7 +248,7 @@ class Progress:
         if self.val_loss is not None:
             parts.append(f"val {self.val_loss:.4f}")
         eta = self.eta_seconds()
-        if self.last.get("stopped") == "reached":
+        if self.last.get("stopped") is StopReason.REACHED:
             parts.append("stopping rule met: done")
         elif step >= self.steps:
             parts.append("done")

@@ -46,6 +46,7 @@ import pyarrow as pa
 
 from attnlab.errors import UserError
 from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
+from attnlab.states import StopReason
 
 # 2: eval_key; 3: expression; 4: task, stderr; 5: stopped, stop_rule (rows of older versions read them as null);
 # 6: train_key (the column versions 1-5 called config_hash); 7: plugin_sha256 (rows of older versions read it as null)
@@ -56,7 +57,7 @@ COMPLETE_METRIC = "complete"
 # The orbit study's law row: the recovered force law's distance from Newton's; it carries the expression, and a
 # store with rows of it is an orbit study's (reports, the page and ``attnlab eval`` show its laws table).
 LAW_METRIC = "force_newton_dist"
-STOPPED_VALUES = ("reached", "cap")  # the stopped column: how a run with a stopping rule ended
+STOPPED_VALUES = tuple(s.value for s in StopReason)  # the stopped column: how a run with a stopping rule ended
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ def create_app(sources: Sources, refresh_s: float = 3.0) -> Starlette:
     def api_trials(request: Request) -> Response:
         name = request.path_params["name"]
         info = data.study_info(sources, name)
-        trials = data.trials(sources, name, curves=one(request, "curves") or "running",
+        trials = data.trials(sources, name, curves=one(request, "curves") or data.CURVES[0],
                              page=data.page_number(one(request, "page")))
         return JSONResponse({**trials, "html": fragment("_trials.html", info=info, data=trials)})
 

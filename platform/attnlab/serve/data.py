@@ -29,12 +29,16 @@ from attnlab.names import STUDY_NAME
 from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, StudyRows, reports
 from attnlab.study.state import STATUSES, STUDY_FILE, SavedStudy, StudyState, TrialStatus
 from attnlab.runfolder import METRICS_FILE, latest_losses, read_metrics
+from attnlab.states import TrialState
 
 DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
 _HTTP_URL = re.compile(r"https?://[^\s\"'<>]+")
 # The evaluation settings the extrapolation figure lets a reader pick (the other varying columns name the lines).
 SELECTABLE = ("p_eval", "rope_scaling")
 PER_PAGE = 50  # trials per page of a study's trial list
+# Whose training curves a page of trials carries (``curves=``): the trials whose status is running (the default),
+# all of them, or none.
+CURVES = (TrialState.RUNNING.value, "all", "none")
 
 
 class NotFound(UserError):
@@ -210,7 +214,7 @@ def study_info(sources: Sources, name: str) -> dict:
     return clean({"name": name, "has_state": saved is not None, "has_results": has_results,
                   "state": state.loc.uri, "store": sources.store.uri, "engine": saved.engine if saved else None,
                   "description": saved.description if saved else None,
-                  "objective": saved.objectives[0].parts if saved and saved.objectives else None,
+                  "objective": saved.objectives[0].parts.as_dict() if saved and saved.objectives else None,
                   "objectives": [o.metric for o in saved.objectives] if saved else [], "links": links,
                   "ray": {"stopped": False, **board, "recorded": (recorded or {}).get("recorded")}})
 
@@ -239,8 +243,7 @@ def overview(sources: Sources) -> dict:
     for name, where in study_names(sources).items():
         info = study_info(sources, name)
         runs = StudyState(sources.runs, name).trials() if where["has_state"] else []
-        counts = {s: sum(1 for r in runs if r.status == s) for s in STATUSES}
-        studies.append({**info, "trials": len(runs), "counts": {s: n for s, n in counts.items() if n},
+        studies.append({**info, "trials": len(runs), "counts": _status_counts(runs),
                         "updated": max((r.updated or 0 for r in runs), default=None)})
     return clean({"runs": sources.runs.uri, "store": sources.store.uri,
                   "runs_exists": _exists(sources.runs), "store_exists": sources.store.exists(),
@@ -283,9 +286,9 @@ def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) 
     losses: dict = {}  # the run's latest losses (a finished run's last), from its metrics.jsonl
     curve = None
     run = state.run(key) if key != "?" else None
-    if run is not None and (with_curve or status == "running"):
+    if run is not None and (with_curve or status is TrialState.RUNNING):
         lines = read_metrics(run)
-        if lines and status == "running":
+        if lines and status is TrialState.RUNNING:
             # a live run's last report is newer than its status record
             written = run.fs.get_file_info(run.join(METRICS_FILE)).mtime
             if written is not None:
@@ -301,7 +304,7 @@ def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) 
     progress = None
     if isinstance(steps, (int, float)) and steps > 0 and isinstance(step, (int, float)):
         progress = max(0.0, min(1.0, float(step) / float(steps)))
-    if status in ("complete", "cached") and steps:
+    if status.succeeded and steps:
         step, progress = steps, 1.0
     return clean({
         "key": key, "status": status, "reason": trial.reason, "point": trial.point,
@@ -326,34 +329,40 @@ def page_number(value) -> int:
     return number
 
 
-def trials(sources: Sources, name: str, curves: str = "running", page: int = 1, per_page: int = PER_PAGE) -> dict:
+def trials(sources: Sources, name: str, curves: str = CURVES[0], page: int = 1, per_page: int = PER_PAGE) -> dict:
     """A study's trials, ordered running first, then by start time, one page at a time: ``per_page`` of them
     from page ``page`` (a page past the last shows the last), each with its status, reason, point, progress
     (step / steps) and latest losses (a finished run's last train and validation loss). ``counts`` (by status)
     and ``total`` cover every trial; ``page``, ``pages``, ``first`` and ``last`` (1-based positions) say which
-    ones this is. ``curves``: whose training curves to include, ``"running"`` (the live ones, read from each
-    run's ``metrics.jsonl``), ``"all"`` or ``"none"``, among this page's trials. ``signature`` changes whenever
+    ones this is. ``curves``: whose training curves to include (:data:`CURVES`): the running trials' (read from
+    each run's ``metrics.jsonl``), all or none, among this page's trials. ``signature`` changes whenever
     the study's results in the store change (so a page knows when to fetch them again)."""
-    if curves not in ("running", "all", "none"):
-        raise UserError(f"curves={curves!r}: allowed: running, all, none")
+    if curves not in CURVES:
+        raise UserError(f"curves={curves!r}: allowed: {', '.join(CURVES)}")
     if not isinstance(page, int) or page < 1:
         raise UserError(f"page={page!r}: give a whole number >= 1")
     info = study_info(sources, name)
     state = StudyState(sources.runs, name)
     now = time.time()
     runs = state.trials() if info["has_state"] else []
-    runs.sort(key=lambda r: (r.status != "running", r.started or 0, r.train_key or "?"))
+    runs.sort(key=lambda r: (r.status is not TrialState.RUNNING, r.started or 0, r.train_key or "?"))
     pages = max(1, math.ceil(len(runs) / per_page))
     page = min(page, pages)
     shown = runs[(page - 1) * per_page: page * per_page]
-    items = [_trial(state, r, curves == "all" or (curves == "running" and r.status == "running"), now)
-             for r in shown]
-    counts = {s: sum(1 for r in runs if r.status == s) for s in STATUSES}
+    running = TrialState.RUNNING
+    items = [_trial(state, r, curves == "all" or (curves == running and r.status is running), now) for r in shown]
+    counts = _status_counts(runs)
     first = (page - 1) * per_page + 1 if shown else 0
-    return clean({"study": name, "trials": items, "counts": {s: n for s, n in counts.items() if n},
-                  "running": counts["running"], "total": len(runs), "page": page, "pages": pages,
+    return clean({"study": name, "trials": items, "counts": counts,
+                  "running": counts.get(TrialState.RUNNING.value, 0), "total": len(runs), "page": page, "pages": pages,
                   "per_page": per_page, "first": first, "last": first + len(shown) - 1 if shown else 0,
                   "signature": results_signature(sources, name), "now": now})
+
+
+def _status_counts(runs: list[TrialStatus]) -> dict[str, int]:
+    """How many trials have each status a trial writes, those with none left out (keyed by the status string)."""
+    counts = {s.value: sum(1 for r in runs if r.status is s) for s in STATUSES}
+    return {s: n for s, n in counts.items() if n}
 
 
 def results_signature(sources: Sources, name: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from attnlab.errors import UserError
+from attnlab.states import TrialState
 
 
 def add_parser(subparsers) -> None:
@@ -82,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     resume = True if args.resume else (False if args.fresh else None)
     summary = run_study(spec, store=args.store, runs=args.runs, resume=resume, curves_dir=args.curves,
                         verbose=1 if args.verbose else 0, quiet=not args.verbose, compact=args.compact)
-    return 1 if summary.trials and summary.count("failed") == len(summary.trials) else 0
+    return 1 if summary.trials and summary.count(TrialState.FAILED) == len(summary.trials) else 0
 
 
 def _validate(args: argparse.Namespace) -> int:

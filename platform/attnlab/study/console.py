@@ -14,6 +14,7 @@ import threading
 import time
 
 from attnlab.names import format_duration
+from attnlab.states import TrialState
 from attnlab.study.state import StudyState, TrialStatus
 from attnlab.runfolder import Progress, read_metrics
 
@@ -54,7 +55,7 @@ class LiveView:
             if not key:
                 continue
             detail = ""
-            if status == "running" and trial.run_dir:
+            if status is TrialState.RUNNING and trial.run_dir:
                 progress = self._progress.setdefault(key, Progress(int(trial.steps or 0)))
                 try:
                     progress.update(read_metrics(self.state.run(key)))
@@ -62,9 +63,9 @@ class LiveView:
                     pass
                 if progress.last:
                     detail = progress.line()
-            elif status in ("complete", "cached"):
+            elif status.succeeded:
                 detail = " ".join(f"{k} {v:.4f}" for k, v in trial.objectives.items() if isinstance(v, float))
-            elif status in ("failed", "diverged", "pruned"):
+            elif status.has_reason:
                 detail = str(trial.reason or "")[:200]
             shown = (status, detail)
             if self._shown.get(key) == shown:

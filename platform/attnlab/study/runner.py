@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from attnlab.errors import UserError
 from attnlab.location import runs_location, store_location
+from attnlab.states import TrialState
 from attnlab.study.space import SearchPoint
 from attnlab.study.claims import start_registry
 from attnlab.study.spec import StudySpec
@@ -150,8 +151,8 @@ class StudySummary:
     tensorboard_dir: str | None = None
     restored: bool = False
 
-    def count(self, status: str) -> int:
-        return sum(1 for t in self.trials if t.get("status") == status)
+    def count(self, status: TrialState) -> int:
+        return sum(1 for t in self.trials if TrialState.read(t.get("status")) is status)
 
 
 def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> bool:
@@ -340,9 +341,9 @@ def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
         if not key or result.error is not None or objective in metrics:
             continue
         current = state.status(key) or {}
-        # "failed" too: stopping a trial kills its Train controller, which the trial sees as an error.
-        if current.get("status") in (None, "running", "failed"):
-            state.write_status(key, status="pruned",
+        # failed too: stopping a trial kills its Train controller, which the trial sees as an error.
+        if TrialState.read(current.get("status")) in (TrialState.UNKNOWN, TrialState.RUNNING, TrialState.FAILED):
+            state.write_status(key, status=TrialState.PRUNED,
                                reason=f"stopped by {spec.scheduler.type} at step {metrics.get('step')} "
                                       f"({spec.scheduler.metric}={metrics.get(spec.scheduler.metric)})")
 
@@ -363,9 +364,9 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: Re
           + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) + f"; {summary.trained} trained this run"
           + (f", {summary.evaluated} new evaluation cell(s) of earlier trials" if summary.evaluated else ""))
     for t in summary.trials:
-        if t.get("status") in ("diverged", "failed", "pruned"):
+        if TrialState.read(t.get("status")).has_reason:
             print(f"  {t['status']}: {t.get('train_key')} {t.get('point')}: {t.get('reason')}")
-    metric = spec.objective[0].parts["metric"]  # the study's own measure: val_loss, or acc for a probe
+    metric = spec.objective[0].parts.metric  # the study's own measure: val_loss, or acc for a probe
     if len(df) == 0 or not (df["metric"] == metric).any():
         print("no results in the store yet")
         return

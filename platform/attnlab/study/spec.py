@@ -64,9 +64,11 @@ metric's direction (loss: min, accuracy: max).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -158,12 +160,34 @@ class Scheduler(_Strict):
         return value
 
 
+@dataclass(frozen=True)
+class ObjectiveParts:
+    """An objective's text ``METRIC@AT[,p_eval=P][,rope=R]`` parsed (:func:`parse_objective`): the one cell of a
+    trial's rows it reads. ``AT`` is either a multiple of the training length or a length in tokens."""
+
+    metric: str
+    multiple: float | None  # AT as a multiple of the training length (16x) ...
+    length: int | None  # ... or as a length in tokens (1024, 16k): exactly one of the two is set
+    p_eval: float | None  # None: the variant as trained
+    rope: str | None  # None: the study's first eval.rope_scaling
+    key: str  # the canonical spelling: the Tune metric name
+
+    def eval_len(self, train_len: int) -> int:
+        """The evaluation length in tokens for a model trained at ``train_len``."""
+        at = ("multiple", self.multiple) if self.multiple is not None else ("length", self.length)
+        return resolve_at(at, train_len)
+
+    def as_dict(self) -> dict:
+        """The fields as JSON (the web page's ``objective``)."""
+        return dataclasses.asdict(self)
+
+
 class Objective(_Strict):
     """One objective: ``METRIC@AT[,p_eval=P][,rope=R]`` and a mode; parsed once, when validated (:attr:`parts`)."""
 
     metric: str
     mode: Literal["min", "max"] | None = None
-    _parts: dict = PrivateAttr(default_factory=dict)
+    _parts: ObjectiveParts | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -176,25 +200,24 @@ class Objective(_Strict):
         if self.mode is None:
             from attnlab.results.schema import METRICS
 
-            object.__setattr__(self, "mode", "max" if METRICS[self._parts["metric"]].higher_is_better else "min")
+            object.__setattr__(self, "mode", "max" if METRICS[self._parts.metric].higher_is_better else "min")
         return self
 
     @property
-    def parts(self) -> dict:
-        """``{"metric", "multiple", "length", "p_eval", "rope", "key"}`` (:func:`parse_objective`)."""
+    def parts(self) -> ObjectiveParts:
         return self._parts
 
     @property
     def key(self) -> str:
         """The Tune metric name (canonical spelling)."""
-        return self._parts["key"]
+        return self._parts.key
 
 
 _OBJECTIVE = re.compile(r"^(?P<metric>[a-z][a-z0-9_]*)@(?P<at>\d+(?:\.\d+)?x|\d+k?)(?P<opts>(?:,[a-z_]+=[^,]+)*)$")
 
 
-def parse_objective(text: str) -> dict:
-    """``"val_loss@16x,p_eval=15"`` -> ``{"metric", "multiple" | "length", "p_eval", "rope", "key"}``."""
+def parse_objective(text: str) -> ObjectiveParts:
+    """``"val_loss@16x,p_eval=15"`` -> its :class:`ObjectiveParts`; ValueError saying what is allowed."""
     from attnlab.results.schema import COMPLETE_METRIC, METRICS
 
 
@@ -224,8 +247,7 @@ def parse_objective(text: str) -> dict:
         key += f",p_eval={out['p_eval']:g}"
     if out["rope"] is not None:
         key += f",rope={out['rope']}"
-    out["key"] = key
-    return out
+    return ObjectiveParts(key=key, **out)
 
 
 class StudySpec(_Strict):
@@ -369,16 +391,15 @@ class StudySpec(_Strict):
         lengths = self.eval.eval_lengths(self.train.seq_length)
         for obj in self.objective:
             parts = obj.parts
-            if parts["p_eval"] not in self.eval.p_eval:
-                raise ValueError(f"objective {obj.metric}: p_eval={parts['p_eval']} is not evaluated "
+            if parts.p_eval not in self.eval.p_eval:
+                raise ValueError(f"objective {obj.metric}: p_eval={parts.p_eval} is not evaluated "
                                  f"(eval.p_eval: {self.eval.p_eval})")
-            if parts["rope"] is not None and parts["rope"] not in self.eval.rope_scaling:
-                raise ValueError(f"objective {obj.metric}: rope={parts['rope']} is not evaluated "
+            if parts.rope is not None and parts.rope not in self.eval.rope_scaling:
+                raise ValueError(f"objective {obj.metric}: rope={parts.rope} is not evaluated "
                                  f"(eval.rope_scaling: {self.eval.rope_scaling})")
-            at = ("multiple", parts["multiple"]) if parts["multiple"] is not None else ("length", parts["length"])
-            if resolve_at(at, self.train.seq_length) not in lengths:
+            if parts.eval_len(self.train.seq_length) not in lengths:
                 raise ValueError(f"objective {obj.metric}: that length is not evaluated (eval lengths: {lengths})")
-            if parts["metric"].startswith("passkey") and not self.eval.passkey:
+            if parts.metric.startswith("passkey") and not self.eval.passkey:
                 raise ValueError(f"objective {obj.metric} needs eval.passkey: true")
         if self.eval.downstream is not None and isinstance(self.train.data, dict):
             raise ValueError("eval.downstream scores English tasks: it needs train.data of GPT-2 text (demo or a "

@@ -28,10 +28,11 @@ import uuid
 from dataclasses import dataclass
 
 from attnlab.location import Location
+from attnlab.states import TrialState
 
 TUNE_DIR, RUNS_DIR, TRIALS_DIR, EVENTS_DIR, CURVES_DIR, STUDY_FILE = "tune", "runs", "trials", "events", "curves", \
     "study.json"
-STATUSES = ("running", "complete", "cached", "diverged", "pruned", "failed")
+STATUSES = TrialState.recorded()  # what a status file's status may say (attnlab.states.TrialState)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class TrialStatus:
     by an older attnlab lacks read as None."""
 
     train_key: str | None
-    status: str  # one of STATUSES, or "unknown"
+    status: TrialState  # UNKNOWN for a file without a status the enum knows
     trial: str | None  # the Tune trial that holds the run
     point: dict
     attention: str | None  # the variant trained, as its TrainConfig resolved it
@@ -97,7 +98,7 @@ class TrialStatus:
     def parse(cls, record: dict) -> TrialStatus:
         record = _with_train_key(record) or {}
         point = dict(record.get("point") or {})
-        return cls(train_key=record.get("train_key"), status=record.get("status") or "unknown",
+        return cls(train_key=record.get("train_key"), status=TrialState.read(record.get("status")),
                    trial=record.get("trial"), point=point,
                    attention=record.get("attention") or point.get("attention"), reason=record.get("reason"),
                    steps=record.get("steps"), step=record.get("step"), objectives=dict(record.get("objectives") or {}),

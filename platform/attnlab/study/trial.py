@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalCell, EvalConfig
 from attnlab.location import Location
-from attnlab.names import is_missing, resolve_at, same_optional_number
+from attnlab.names import is_missing, same_optional_number
+from attnlab.states import RunStatus, StopReason, TrialState
 from attnlab.study.claims import claim_point, release_point
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
@@ -108,7 +109,7 @@ def train_step(plan: TrialPlan, state: StudyState, callbacks=(), here=None, on_r
     from attnlab.runfolder import outcome
 
     done = outcome(plan.run, steps=plan.cfg.steps)
-    if done.status in ("finished", "diverged"):
+    if done.status in (RunStatus.FINISHED, RunStatus.DIVERGED):
         return done, False
     state.record_training_started(plan.train_key, plan.point)
     if here is not None:
@@ -171,7 +172,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, here=None) -> int
     missing = [(cell, key) for cell, key in cell_keys(plan, ctx, outcome) if key not in stored]
     if not missing:
         return 0
-    if outcome.status == "diverged":
+    if outcome.status is RunStatus.DIVERGED:
         rows = []
         step = int(outcome.final.get("step", 0))
         base = diverged_base_row(plan, step)
@@ -179,9 +180,9 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, here=None) -> int
             if cell.kind in ("windows", "force", "downstream"):
                 rows += nan_rows(base, cell, key)
         if rows:
-            store.write(rows, key=("eval", plan.train_key, "diverged"))
+            store.write(rows, key=("eval", plan.train_key, RunStatus.DIVERGED.value))
         return len(missing)
-    if outcome.status != "finished":
+    if outcome.status is not RunStatus.FINISHED:
         raise UserError(f"training run {plan.train_key} at {plan.run.uri} has not finished ({outcome.status}); "
                         "nothing to evaluate")
     args = (plan.run, ctx.spec.eval, ctx.data.resolved, {**plan.row_context, **stop_columns(plan, outcome)}, store,
@@ -199,7 +200,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, here=None) -> int
 def cell_keys(plan: TrialPlan, ctx: StudyContext, outcome) -> list[tuple[EvalCell, str]]:
     """The plan's cells keyed by the step of the checkpoint evaluation reads (as the evaluation keys its rows):
     ``steps``, or for a finished run with a stopping rule the step it stopped at, known only after training."""
-    step = outcome.steps_trained if plan.cfg.stop_when is not None and outcome.status == "finished" else None
+    step = outcome.steps_trained if plan.cfg.stop_when is not None and outcome.status is RunStatus.FINISHED else None
     if not step or step == plan.cfg.steps:
         return plan.cells
     return [(cell, cell.key(plan.train_key, step, ctx.data.fingerprint)) for cell, _ in plan.cells]
@@ -210,7 +211,7 @@ def stop_columns(plan: TrialPlan, outcome) -> dict:
     rule = plan.cfg.stop_when
     if rule is None:
         return {}
-    return {"stop_rule": rule.describe(), **({"stopped": outcome.stopped} if outcome.stopped else {})}
+    return {"stop_rule": rule.describe(), **({"stopped": outcome.stopped.value} if outcome.stopped else {})}
 
 
 def diverged_base_row(plan: TrialPlan, step: int) -> dict:
@@ -228,9 +229,8 @@ def objective_values(spec: StudySpec, rows: list[dict], train_len: int) -> dict[
     out = {}
     for obj in spec.objective:
         parts = obj.parts
-        at = ("multiple", parts["multiple"]) if parts["multiple"] is not None else ("length", parts["length"])
-        out[obj.key] = cell_value(rows, parts["metric"], resolve_at(at, train_len), parts["p_eval"],
-                                  parts["rope"] or spec.eval.rope_scaling[0])
+        out[obj.key] = cell_value(rows, parts.metric, parts.eval_len(train_len), parts.p_eval,
+                                  parts.rope or spec.eval.rope_scaling[0])
     return out
 
 
@@ -264,7 +264,7 @@ def progress_report(metrics: dict, final_step: int, train_key: str) -> dict | No
     """What Tune hears of a training report: tagged with the train key, and None for the last one (the final step,
     or the one that met the stopping rule; the trial reports its objective after the evaluation instead, so ASHA
     never stops a trial at its final step)."""
-    if int(metrics.get("step", 0)) >= final_step or metrics.get("stop_reached"):
+    if int(metrics.get("step", 0)) >= final_step or StopReason.of(metrics) is StopReason.REACHED:
         return None
     # timesteps_total: TensorBoard's and MLflow's x axis is then the training step, not Tune's report count
     return {**metrics, "train_key": train_key, "timesteps_total": int(metrics.get("step", 0))}
@@ -351,7 +351,7 @@ def study_trial(config: dict, context: StudyContext) -> None:
     # one trial per point: wait while a live twin of this study run holds the key (attnlab.study.claims)
     before = claim_point(context.claims, plan.train_key, trial)
     timing["claimed"] = time.time()
-    state.write_status(plan.train_key, **status, status="running", started=time.time(), reason=None)
+    state.write_status(plan.train_key, **status, status=TrialState.RUNNING, started=time.time(), reason=None)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
             from attnlab.evaluate.downstream import check_tasks
@@ -368,30 +368,31 @@ def study_trial(config: dict, context: StudyContext) -> None:
         objectives = objective_values(spec, rows, plan.cfg.seq_length)
         final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
         # Tune's time is the cap (the trial is over); steps trained: the cap, or where the stopping rule was met
-        steps = outcome.steps_trained if outcome.stopped == "reached" and outcome.steps_trained else plan.cfg.steps
+        reached = outcome.stopped is StopReason.REACHED
+        steps = outcome.steps_trained if reached and outcome.steps_trained else plan.cfg.steps
         base = {"train_key": plan.train_key, "run_dir": plan.run.uri, "step": plan.cfg.steps,
                 "timesteps_total": plan.cfg.steps, "steps_trained": steps, "cached": int(not trained and not evaluated)}
-        if outcome.status == "diverged":
-            state.write_status(plan.train_key, status="diverged", reason=outcome.failure,
+        if outcome.status is RunStatus.DIVERGED:
+            state.write_status(plan.train_key, status=TrialState.DIVERGED, reason=outcome.failure,
                                step=int(outcome.final.get("step", 0)), objectives=objectives,
                                timing={**timing, "reported": time.time()})
-            release_point(context.claims, plan.train_key, trial, "diverged")
+            release_point(context.claims, plan.train_key, trial, TrialState.DIVERGED)
             tune.report({**base, **{k: float("nan") for k in objectives}, "diverged": 1})
             return
-        done = "cached" if not trained and not evaluated else "complete"
-        if done == "cached" and before.get("status") == "complete":
-            done = "complete"  # another trial of this `study run` trained it: a search may propose a point twice
+        done = TrialState.CACHED if not trained and not evaluated else TrialState.COMPLETE
+        if done is TrialState.CACHED and TrialState.read(before.get("status")) is TrialState.COMPLETE:
+            done = TrialState.COMPLETE  # another trial of this `study run` trained it: a point proposed twice
         stop = {"stopped": outcome.stopped} if plan.cfg.stop_when is not None else {}
         state.write_status(plan.train_key, status=done, objectives=objectives, trained=trained,
                            evaluated_cells=evaluated, step=steps, finished=time.time(),
                            timing={**timing, "reported": time.time()}, **stop)
         release_point(context.claims, plan.train_key, trial, done)
         tune.report({**base, **objectives, "diverged": 0, "val_loss": final,
-                     **({"stop_reached": int(outcome.stopped == "reached")} if stop else {})})
+                     **({"stopped": outcome.stopped.value} if stop and outcome.stopped else {})})
     except BaseException as exc:  # an error, or Tune stopping the trial: its twins stop waiting either way
         if isinstance(exc, Exception):
-            state.write_status(plan.train_key, status="failed", reason=failure_reason(exc))
-        release_point(context.claims, plan.train_key, trial, "failed" if isinstance(exc, Exception) else None)
+            state.write_status(plan.train_key, status=TrialState.FAILED, reason=failure_reason(exc))
+        release_point(context.claims, plan.train_key, trial, TrialState.FAILED if isinstance(exc, Exception) else None)
         raise
 
 
@@ -404,7 +405,8 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
     pending = []
     current = set(ctx.spec.plugin_hashes().values())
     for record in ctx.state.statuses():
-        if record.get("status") not in ("complete", "cached", "diverged") or not record.get("config"):
+        status = TrialState.read(record.get("status"))
+        if not (status.succeeded or status is TrialState.DIVERGED) or not record.get("config"):
             continue
         plugin = record["config"].get("plugin") or {}
         if plugin and plugin.get("sha256") not in current:

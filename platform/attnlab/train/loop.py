@@ -31,8 +31,9 @@ from attnlab.data.source import DataSource
 from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.model.checkpoint import META_FILE, find_latest_checkpoint, local_checkpoint
+from attnlab.states import StopReason
 from attnlab.train.config import TrainConfig
-from attnlab.train.parts import STOP_CAP, STOP_REACHED, TrainParts, build_parts
+from attnlab.train.parts import TrainParts, build_parts
 from attnlab.train.recipe import lr_at, peak_flops
 
 # Test-only fault injection: rank FAIL_RANK raises at step FAIL_AT_STEP once (the marker file records it).
@@ -137,7 +138,7 @@ def train_loop(parts: TrainParts) -> dict:
     cfg, session, data, model = parts.cfg, parts.session, parts.data, parts.model
     rank, world = session.rank, session.world_size
     flops_per_token, peak = model.model.flops_per_token(cfg.seq_length), peak_flops(session.device)
-    last: dict = {"step": parts.start, **({"stopped": STOP_REACHED} if parts.finished else {})}
+    last: dict = {"step": parts.start, **({"stopped": StopReason.REACHED} if parts.finished else {})}
     t_last, tokens_since = time.perf_counter(), 0
     # The first step (1-based) whose loss was not finite on this rank, 0 while none: kept on the device, so steps
     # that log nothing never wait for the host (no .item(), no collective); read on the steps that report.
@@ -166,10 +167,11 @@ def train_loop(parts: TrainParts) -> dict:
         metrics = {"step": done, "tokens": done * data.tokens_per_step, "train_loss": train_loss, "lr": lr,
                    "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s,
                    "tokens_per_s_per_worker": tokens_per_s / world,
-                   "mfu": (flops_per_token * tokens_per_s / world / peak) if peak else "unknown"}
+                   "mfu": (flops_per_token * tokens_per_s / world / peak) if peak else None}  # None: no peak known
         if val_now and not diverged:
             metrics.update(parts.validator.validate(model.model, done))
-            ckpt_now = ckpt_now or metrics.get("stopped") == STOP_REACHED  # evaluation uses the weights that met it
+            # evaluation uses the weights that met the rule
+            ckpt_now = ckpt_now or metrics.get("stopped") is StopReason.REACHED
         if diverged:
             metrics["diverged"] = True
             gpt = model.model.cfg
@@ -182,11 +184,10 @@ def train_loop(parts: TrainParts) -> dict:
         parts.checkpointer.report(metrics, model if ckpt_now and not diverged and rank == 0 else None)
         last = metrics
         t_last, tokens_since = time.perf_counter(), 0
-        if diverged or metrics.get("stopped") == STOP_REACHED:
+        if diverged or metrics.get("stopped") is StopReason.REACHED:
             break
     parts.writer.finish(model.model)
     return last
 
 
-__all__ = ["FAIL_AT_STEP_ENV", "LocalSession", "STOP_CAP", "STOP_REACHED", "Session", "train_here", "train_loop",
-           "train_worker"]
+__all__ = ["FAIL_AT_STEP_ENV", "LocalSession", "Session", "train_here", "train_loop", "train_worker"]

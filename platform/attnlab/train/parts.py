@@ -35,11 +35,10 @@ from attnlab.model import GPT, build_model, compile_model, is_compiled
 from attnlab.model.checkpoint import META_FILE, resume, save_checkpoint
 from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
-from attnlab.runfolder import PROVENANCE_FILE, MetricsLog, write_failure, write_replica_checksum
+from attnlab.runfolder import PROVENANCE_FILE, MetricsLog, decode_metrics, write_failure, write_replica_checksum
+from attnlab.states import StopReason
 from attnlab.train.config import TrainConfig
 from attnlab.train.recipe import build_optimizer
-
-STOP_REACHED, STOP_CAP = "reached", "cap"  # how a run with a stopping rule ended (metrics' "stopped")
 
 
 class TrainData:
@@ -120,7 +119,7 @@ class Validator:
 
     def validate(self, model: torch.nn.Module, done: int) -> dict:
         """``val_loss``, ``val_acc`` and ``val_tokens`` over every worker's windows, after step ``done``; with a
-        stopping rule also ``stopped`` (reached, or cap at the last step) and ``stop_reached``."""
+        stopping rule also ``stopped`` (:class:`StopReason`: reached, or cap at the last step)."""
         total, count, correct = mean_window_loss(model, self.windows, batch_size=self.batch_size,
                                                  device=self.session.device, precision=self.precision,
                                                  target_mask=self.mask)
@@ -129,14 +128,14 @@ class Validator:
                    "val_tokens": int(count)}
         if self.rule is not None:
             if self.rule.met(metrics):
-                metrics["stopped"], metrics["stop_reached"] = STOP_REACHED, 1
+                metrics["stopped"] = StopReason.REACHED
             elif done == self.steps:
-                metrics["stopped"], metrics["stop_reached"] = STOP_CAP, 0
+                metrics["stopped"] = StopReason.CAP
         return metrics
 
     def finished(self, resumed: dict) -> bool:
         """Whether a resumed run is already over: its latest checkpoint met the rule (the run died after it)."""
-        return self.rule is not None and resumed.get("stopped") == STOP_REACHED
+        return self.rule is not None and StopReason.of(resumed) is StopReason.REACHED
 
 
 class Checkpointer:
@@ -155,23 +154,25 @@ class Checkpointer:
             return resume(directory, parts.model, parts.optimizer), checkpoint_metrics(directory)
 
     def report(self, metrics: dict, parts: ModelAndOptimizer | None) -> None:
-        """Report ``metrics`` (strings left out); with ``parts`` (rank 0, a checkpoint due) save one alongside."""
+        """Report ``metrics`` (numbers, and how the run stopped as its string: what Tune hears of a step); with
+        ``parts`` (rank 0, a checkpoint due) save a checkpoint alongside that records them."""
         checkpoint_dir = None
+        reported = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if isinstance(metrics.get("stopped"), StopReason):
+            reported["stopped"] = metrics["stopped"].value
         with tempfile.TemporaryDirectory(prefix="attnlab-ckpt-") as tmp:
             if parts is not None:
-                saved = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-                if "stopped" in metrics:
-                    saved["stopped"] = metrics["stopped"]
                 save_checkpoint(tmp, model=parts.model, optimizer=parts.optimizer, step=metrics["step"],
-                                cfg=self.config_record, gpt_config=self.gpt_record, metrics=saved)
+                                cfg=self.config_record, gpt_config=self.gpt_record, metrics=reported)
                 checkpoint_dir = tmp
-            self.session.report({k: v for k, v in metrics.items() if not isinstance(v, str)}, checkpoint_dir)
+            self.session.report(reported, checkpoint_dir)
 
 
 def checkpoint_metrics(directory: str) -> dict:
-    """The metrics a checkpoint recorded (``meta.json``); empty when it has none."""
+    """The metrics a checkpoint recorded (``meta.json``, read as :func:`attnlab.runfolder.decode_metrics` reads
+    them); empty when it has none."""
     try:
-        return dict(json.loads((Path(directory) / META_FILE).read_text()).get("metrics") or {})
+        return decode_metrics(json.loads((Path(directory) / META_FILE).read_text()).get("metrics") or {})
     except (OSError, ValueError):
         return {}
 
@@ -271,5 +272,5 @@ def build_parts(cfg: TrainConfig, session, run: Location, source: DataSource | N
     return TrainParts(cfg, session, data, model, validator, checkpointer, writer, start, validator.finished(resumed))
 
 
-__all__ = ["Checkpointer", "MetricsWriter", "ModelAndOptimizer", "STOP_CAP", "STOP_REACHED", "TrainData",
+__all__ = ["Checkpointer", "MetricsWriter", "ModelAndOptimizer", "TrainData",
            "TrainParts", "Validator", "build_parts", "checkpoint_metrics", "weights_digest"]

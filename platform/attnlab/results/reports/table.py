@@ -11,6 +11,7 @@ import math
 import pandas as pd
 
 from attnlab.names import is_missing
+from attnlab.states import StopReason
 import attnlab.results.stats as _stats_mod
 from attnlab.results.schema import metric_bounds
 from attnlab.results.reports.rows import (
@@ -89,7 +90,7 @@ def _capped_cells(rows: pd.DataFrame, configs: pd.DataFrame, label_columns: list
     before its stopping rule, and one line saying so (None when no cell has one)."""
     if "stopped" not in rows.columns:
         return {}, None
-    capped = rows[rows["stopped"].astype(object).eq("cap").fillna(False).astype(bool)]
+    capped = rows[rows["stopped"].astype(object).eq(StopReason.CAP.value).fillna(False).astype(bool)]
     if not len(capped):
         return {}, None
     cells = {}
