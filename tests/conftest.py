@@ -53,7 +53,11 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(tempfile.gettempdir(), 
 
 import pytest  # noqa: E402
 
+import fault_injection  # noqa: E402
+
 pytest_plugins = ["conftest_data"]
+# The crash tests' fault injection (ATTNLAB_FAIL_*) in this process; the Ray workers get it from ray_session.
+fault_injection.install()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -91,7 +95,8 @@ def ray_session():
     """One local Ray cluster for the whole session (4 logical CPUs on 2 cores, small object store).
 
     The dashboard is on: Train V2's placement-group cleaner needs the State API, without which a Train
-    run inside a Tune trial stopped by ASHA leaks its resources and hangs the next trial.
+    run inside a Tune trial stopped by ASHA leaks its resources and hangs the next trial. Every worker installs the
+    crash tests' fault injection as it starts (``fault_injection``, Ray's worker setup hook).
     """
     import ray
 
@@ -108,6 +113,7 @@ def ray_session():
             object_store_memory=256 * 1024**2,
             log_to_driver=False,
             configure_logging=False,
+            runtime_env={"worker_process_setup_hook": fault_injection.ray_setup_hook()},
         )
     yield ray
     ray.shutdown()

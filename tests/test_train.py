@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import fault_injection
 from attnlab.errors import UserError
 from attnlab.train import load_train_config
 from attnlab.train.recipe import lr_at
@@ -98,13 +99,15 @@ def test_local_loop_resumes_exactly_after_a_crash(tmp_path, demo_data_dir):
                warmup_steps=2, log_every=1, val_every=8, val_tokens=2048, checkpoint_every=4, threads_per_worker=1)
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(json.dumps(cfg))
-    script = ("import json,sys; from attnlab.train import load_train_config; "
+    # the script installs the test's fault injection in its process (tests/fault_injection.py)
+    script = ("import json,sys; sys.path.insert(0, sys.argv[3]); import fault_injection; fault_injection.install(); "
+              "from attnlab.train import load_train_config; "
               "from attnlab.train.loop import LocalSession, train_worker; "
               "cfg = load_train_config(json.load(open(sys.argv[1]))); train_worker(cfg, LocalSession(sys.argv[2]), sys.argv[2])")
 
     def run(out, env=None):
-        return subprocess.run([sys.executable, "-c", script, str(cfg_file), str(out)], capture_output=True, text=True,
-                              env={**os.environ, **(env or {})}, timeout=300)
+        return subprocess.run([sys.executable, "-c", script, str(cfg_file), str(out), fault_injection.HERE],
+                              capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
 
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     assert run(ref).returncode == 0

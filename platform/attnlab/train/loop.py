@@ -14,19 +14,22 @@ first went non-finite, and stops cleanly, before any checkpoint of its non-finit
 (``cfg.stop_when``) the first validation point that meets it ends the run there with a checkpoint whose metrics
 say ``stopped: reached``; a resumed run whose latest checkpoint says so trains no further; a run that reaches
 ``steps`` without meeting it ends with ``stopped: cap``.
+
+Before every step the loop calls the fault-injection seam :func:`attnlab.faults.before_train_step` (a no-op unless a
+test replaced it): the crash tests fail a worker there, at the step and rank they choose.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 import torch
 
+import attnlab.faults as faults
 from attnlab.data.source import DataSource
 from attnlab.errors import UserError
 from attnlab.location import Location
@@ -35,9 +38,6 @@ from attnlab.states import StopReason
 from attnlab.train.config import TrainConfig
 from attnlab.train.parts import TrainParts, build_parts
 from attnlab.train.recipe import lr_at, peak_flops
-
-# Test-only fault injection: rank FAIL_RANK raises at step FAIL_AT_STEP once (the marker file records it).
-FAIL_AT_STEP_ENV, FAIL_RANK_ENV, FAIL_ONCE_FILE_ENV = "ATTNLAB_FAIL_AT_STEP", "ATTNLAB_FAIL_RANK", "ATTNLAB_FAIL_ONCE_FILE"
 
 
 class Session(Protocol):
@@ -91,19 +91,6 @@ class LocalSession:
         return list(values)
 
 
-def _maybe_inject_failure(step: int, rank: int) -> None:
-    if os.environ.get(FAIL_AT_STEP_ENV) is None or int(os.environ[FAIL_AT_STEP_ENV]) != step:
-        return
-    if rank != int(os.environ.get(FAIL_RANK_ENV, "0")):
-        return
-    marker = os.environ.get(FAIL_ONCE_FILE_ENV)
-    if marker:
-        if os.path.exists(marker):
-            return
-        Path(marker).write_text(f"failed at step {step} on rank {rank}\n")
-    raise RuntimeError(f"injected worker failure at step {step} on rank {rank} ({FAIL_AT_STEP_ENV})")
-
-
 def train_worker(cfg: TrainConfig, session: Session, run: str | Path | Location,
                  source: DataSource | None = None) -> dict:
     """Train ``cfg`` on this worker, the run's files going to ``run``; ``source``: the data when this process has
@@ -145,7 +132,7 @@ def train_loop(parts: TrainParts) -> dict:
     bad_at = torch.zeros((), dtype=torch.int64, device=session.device)
     bad_loss = torch.zeros((), device=session.device)  # that step's loss
     for step in range(parts.start, parts.start if parts.finished else cfg.steps):
-        _maybe_inject_failure(step, rank)
+        faults.before_train_step(step, rank)
         lr = lr_at(step, cfg)
         loss_sum, grad_norm = model.step(data.micro_batches(step), data.accum, lr, cfg.grad_clip)
         done = step + 1
@@ -190,4 +177,4 @@ def train_loop(parts: TrainParts) -> dict:
     return last
 
 
-__all__ = ["FAIL_AT_STEP_ENV", "LocalSession", "Session", "train_here", "train_loop", "train_worker"]
+__all__ = ["LocalSession", "Session", "train_here", "train_loop", "train_worker"]

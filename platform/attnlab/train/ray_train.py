@@ -21,7 +21,7 @@ from attnlab.train.config import TrainConfig
 from attnlab.train.loop import LocalSession, train_worker
 from attnlab.runfolder import TrainOutcome, outcome
 
-# Environment variables every worker gets (attnlab's own settings, e.g. the test-only fault injection, and
+# Environment variables every worker gets (attnlab's own settings, e.g. the storage prefix and the cache, and
 # the object-storage endpoint and credentials pyarrow reads).
 FORWARDED_ENV_PREFIXES = ("ATTNLAB_", "AWS_", "GOOGLE_")
 

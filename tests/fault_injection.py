@@ -1,0 +1,54 @@
+"""Test-only fault injection: rank ``ATTNLAB_FAIL_RANK`` (default 0) raises at optimizer step
+``ATTNLAB_FAIL_AT_STEP``, once when ``ATTNLAB_FAIL_ONCE_FILE`` names a marker file (written as it fails; a restart
+finds it and trains on).
+
+The production code only exposes the seam (:func:`attnlab.faults.before_train_step`, a no-op); :func:`install`
+puts :func:`fail_at_step` there. These variables are read here, by test code, on every step of a process where it
+is installed:
+
+- the pytest process (``conftest.py`` installs it at import): training in the test's own process;
+- every worker of the test session's Ray cluster (``conftest.ray_session`` passes :func:`install` as Ray's
+  ``worker_process_setup_hook``, shipped by value): Ray Train workers and Tune trials. The variables reach them as
+  attnlab forwards every ``ATTNLAB_*`` variable to its workers (Ray Train's ``worker_runtime_env``, a study's
+  trial context);
+- a subprocess whose script calls :func:`install` (it puts this folder on ``sys.path`` first).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FAIL_AT_STEP_ENV, FAIL_RANK_ENV, FAIL_ONCE_FILE_ENV = "ATTNLAB_FAIL_AT_STEP", "ATTNLAB_FAIL_RANK", "ATTNLAB_FAIL_ONCE_FILE"
+HERE = str(Path(__file__).resolve().parent)
+
+
+def fail_at_step(step: int, rank: int) -> None:
+    if os.environ.get(FAIL_AT_STEP_ENV) is None or int(os.environ[FAIL_AT_STEP_ENV]) != step:
+        return
+    if rank != int(os.environ.get(FAIL_RANK_ENV, "0")):
+        return
+    marker = os.environ.get(FAIL_ONCE_FILE_ENV)
+    if marker:
+        if os.path.exists(marker):
+            return
+        Path(marker).write_text(f"failed at step {step} on rank {rank}\n")
+    raise RuntimeError(f"injected worker failure at step {step} on rank {rank} ({FAIL_AT_STEP_ENV})")
+
+
+def install() -> None:
+    """Put :func:`fail_at_step` in the training loop's seam of this process (imports nothing heavy)."""
+    import attnlab.faults
+
+    attnlab.faults.before_train_step = fail_at_step
+
+
+def ray_setup_hook():
+    """``install`` as Ray's ``worker_process_setup_hook`` (a callable Ray pickles): by value, so a worker needs no
+    path to this folder."""
+    import sys
+
+    from ray import cloudpickle  # the pickler Ray ships functions with
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return install
