@@ -66,6 +66,16 @@ def test_the_rule_stops_the_run_where_it_is_met(reached):
     assert meta["metrics"]["stopped"] == "reached" and "stop_reached" not in meta["metrics"]
 
 
+def test_tune_hears_no_report_of_the_step_that_met_the_rule():
+    """The report that met the rule (its one ``stopped`` field, as the string Ray carries) is the trial's last: Tune
+    hears the objective after the evaluation instead (and so does a report of the step cap)."""
+    from attnlab.study.trial import progress_report
+
+    assert progress_report({"step": 10, "stopped": "reached"}, 300, "k") is None
+    assert progress_report({"step": 300, "stopped": "cap"}, 300, "k") is None
+    assert progress_report({"step": 10}, 300, "k") == {"step": 10, "train_key": "k", "timesteps_total": 10}
+
+
 @pytest.mark.parametrize("old_fields", [{"stopped": "reached", "stop_reached": 1}, {"stop_reached": 1}])
 def test_a_run_folder_written_before_stopped_was_one_field_reads_the_same(reached, tmp_path, monkeypatch, old_fields):
     """Runs written before ``stopped`` was the one field also said ``stop_reached`` (and ``mfu: "unknown"`` without

@@ -152,7 +152,7 @@ class StudySummary:
     restored: bool = False
 
     def count(self, status: TrialState) -> int:
-        return sum(1 for t in self.trials if TrialState.read(t.get("status")) is status)
+        return sum(1 for t in self.trials if TrialState.read(t.get("status")) == status)  # a member or its string
 
 
 def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> bool:
