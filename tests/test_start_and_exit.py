@@ -61,8 +61,8 @@ def test_other_start_errors_are_not_retried():
     assert ray.calls == ["init"]
 
 
-@pytest.mark.parametrize("statuses, code", [(["complete", "failed"], 1), (["failed", "failed"], 1), (["complete", "diverged"], 0),
-                                            (["complete", "cached"], 0), ([], 0)])
+@pytest.mark.parametrize("statuses, code", [(["complete", "failed"], 1), (["failed", "failed"], 1),
+                                            (["complete", "diverged"], 0), (["complete", "cached"], 0), ([], 0)])
 def test_study_run_exits_1_when_any_trial_failed(monkeypatch, statuses, code):
     from attnlab.study import cli, runner, spec
 
