@@ -1,12 +1,15 @@
 """Docs that run: every script under docs/ and bench/ imports (docs/probe-seeds/analyse.py also redraws its
-figures), and every ``<file>.md#anchor`` that code, studies or docs point to is a heading (or an explicit anchor) of
-that file."""
+figures), every ``<file>.md#anchor`` that code, studies or docs point to is a heading (or an explicit anchor) of
+that file, and the README stays a front door whose Python block runs and whose commands parse as written."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -118,3 +121,79 @@ def test_every_markdown_anchor_that_is_pointed_to_exists():
         if anchor not in cache[target]:
             missing.append(f"{where}: {link}#{anchor} is not a heading of {target.relative_to(ROOT)}")
     assert not missing, "\n".join(missing)
+
+
+# The README is the front door (issue 38): at most 12,000 characters, every page of docs/ one row of its table, and
+# what it shows runs: its Python block is executed, its commands are parsed by the real parser (a study run takes
+# minutes; `make demo` and the tests run the studies themselves), its study excerpt is the file's own lines.
+README = ROOT / "README.md"
+README_LIMIT = 12_000
+
+
+def _blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(encoding="utf-8"), flags=re.S | re.M)
+
+
+def test_the_readme_is_a_front_door():
+    text = README.read_text(encoding="utf-8")
+    assert len(text) <= README_LIMIT, f"README.md is {len(text):,} characters, over {README_LIMIT:,}: move a section to docs/"
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
+    missing = [t for t in targets if t and not (ROOT / t).exists()]
+    assert not missing, f"README links to what does not exist: {missing}"
+    unlisted = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"(docs/{p.name})" not in text]
+    assert not unlisted, f"docs pages the README's table does not link: {unlisted}"
+
+
+def test_the_readme_python_runs(tmp_path):
+    blocks = _blocks("python")
+    assert blocks, "the README has no python block"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "platform"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    for code in blocks:
+        out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300, check=False)
+        assert out.returncode == 0, f"README python block failed:\n{code}\n{out.stderr[-3000:]}"
+
+
+def _commands() -> list[str]:
+    commands = []
+    for block in _blocks("bash"):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    return commands
+
+
+def test_every_readme_command_parses_as_written():
+    from attnlab.cli import build_parser
+
+    commands = _commands()
+    assert any(c.startswith("attnlab study run ") for c in commands)
+    assert any(c.startswith("attnlab study submit ") for c in commands)
+    assert any(c.startswith("attnlab serve ") for c in commands)
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    for command in commands:
+        words = shlex.split(os.path.expandvars(command.replace("$PWD", str(ROOT))))
+        if words[0] == "make":
+            for target in words[1:]:
+                assert "=" in target or re.search(rf"^{re.escape(target)}:", makefile, re.M), command
+        elif words[0] == "attnlab":
+            try:
+                build_parser().parse_args(words[1:])
+            except SystemExit as exc:
+                pytest.fail(f"README command does not parse ({exc}): {command}")
+            for word in words[1:]:
+                if word.endswith((".yaml", ".py")) and not word.startswith("-"):
+                    assert (ROOT / word).is_file(), f"{command}: {word} does not exist"
+        else:
+            assert words[0] == "ray" and words[1] == "start", f"a README command this test does not check: {command}"
+
+
+def test_the_readme_study_excerpt_is_the_study_file():
+    (block,) = _blocks("yaml")
+    name = re.search(r"^name: (\S+)$", block, re.M).group(1)
+    source = (ROOT / "studies" / f"{name}.yaml").read_text(encoding="utf-8").splitlines()
+    at = 0
+    for line in block.splitlines():
+        assert line in source[at:], f"studies/{name}.yaml has no line {line!r} (after line {at})"
+        at = source.index(line, at) + 1

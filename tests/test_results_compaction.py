@@ -21,7 +21,7 @@ from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.results import ResultsStore, key_stem, reports
 from attnlab.results.schema import SCHEMA_VERSION_METADATA_KEY, rows_to_table
-from attnlab.results.store import CRASH_ENV, CRASH_EXIT_CODE
+from attnlab.results import compaction
 
 STUDY = "st"
 LENGTHS = (64, 128, 256)
@@ -110,9 +110,18 @@ def build_mixed_store(root: str) -> dict[tuple, list[dict]]:
     return writes
 
 
+CRASH_EXIT_CODE = 71
+
+
 def _compact_child(root: str, crash_at: str | None) -> None:
+    """Compact in this (child) process; ``crash_at``: ``<step>`` ends the process (os._exit: no clean-up runs) just
+    before step <step> of the compaction, ``<step>:<n>`` after n items of it (through its crash_point seam)."""
     if crash_at is not None:
-        os.environ[CRASH_ENV] = crash_at
+        def crash(step: int, items: int | None = None) -> None:
+            if crash_at == (str(step) if items is None else f"{step}:{items}"):
+                os._exit(CRASH_EXIT_CODE)
+
+        compaction.crash_point = crash
     ResultsStore(root).compact(STUDY)
 
 

@@ -426,8 +426,10 @@ def test_serve_is_registered_and_documented():
 
     help_text = build_parser().format_help()
     assert "serve" in help_text
+    page = (ROOT / "docs" / "watching.md").read_text()
+    assert "## Watching a study in the browser" in page and "](serve.png)" in page
     readme = (ROOT / "README.md").read_text()
-    assert "## Watching a study in the browser" in readme and "docs/serve.png" in readme
+    assert "attnlab serve" in readme and "(docs/watching.md)" in readme
     assert (ROOT / "docs" / "serve.png").stat().st_size > 10_000
     cluster = (ROOT / "cluster" / "README.md").read_text()
     assert "attnlab serve" in cluster and "-L 8000:127.0.0.1:8000" in cluster

@@ -242,7 +242,7 @@ def test_micro_batch_auto_resolves_on_the_worker_and_keeps_the_step(tmp_path, de
 
 @pytest.mark.ray
 def test_relative_data_and_out_mean_the_users_folders_on_every_worker(tmp_path, demo_data_dir):
-    """`attnlab train --data data/demo --out runs/lssar` as the README writes it: Ray Train workers run in their own
+    """`attnlab train --data data/demo --out runs/lssar` as docs/cli.md writes it: Ray Train workers run in their own
     folder, so the CLI resolves both against the user's directory before any worker sees them."""
     (tmp_path / "data").mkdir()
     os.symlink(demo_data_dir, tmp_path / "data" / "demo")

@@ -16,8 +16,10 @@ import time
 
 import torch
 
-from gpucheck.harness import FAIL, PASS, Clock, Context, Outcome, one_line, autocast, fmt, free_memory, is_oom, reset_dynamo, say, sync
-from gpucheck.sizes import Sizes, VARIANTS, eval_batch, eval_estimate, gib, model_config, peak_vs_estimate, precision_label
+from gpucheck.harness import (FAIL, PASS, Clock, Context, Outcome, autocast, fmt, free_memory, is_oom, one_line,
+                              reset_dynamo, say, sync)
+from gpucheck.sizes import (VARIANTS, Sizes, eval_batch, eval_estimate, gib, model_config, peak_vs_estimate,
+                            precision_label)
 
 
 def bench_eval(sizes: Sizes, device: torch.device, clock: Clock, compile_backend: str | None) -> list[dict]:

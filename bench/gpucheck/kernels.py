@@ -4,8 +4,9 @@
   FlexAttention, forward + backward).
 - :func:`kernels`: the quick check's part c: softmax through SDPA (FlashAttention), LSSA and LSSAR through
   FlexAttention, forward + backward, each as a multiple of SDPA's time and memory at the same length (a forward
-  alone would be one more compile per method and length, a cold minute); the targets P1 (LSSAR's forward + backward within 2.5x SDPA's time at every length) and P2 (LSSAR's
-  peak memory within 1.2x SDPA's at the longest) are judged from the figures (docs/gpu.md#the-quick-check).
+  alone would be one more compile per method and length, a cold minute); the targets P1 (LSSAR's forward +
+  backward within 2.5x SDPA's time at every length) and P2 (LSSAR's peak memory within 1.2x SDPA's at the
+  longest) are judged from the figures (docs/gpu.md#the-quick-check).
 
 CUDA events, the median of the repeats after the warm-up calls (the compile is not timed); memory:
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` minus what was allocated before the call.

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from gpucheck.harness import fmt, say
-from gpucheck.sizes import Sizes, VARIANTS, device_memory, eval_batch, eval_estimate, gib, model_config, precision_name, train_estimate
+from gpucheck.sizes import (VARIANTS, Sizes, device_memory, eval_batch, eval_estimate, gib, model_config,
+                            precision_name, train_estimate)
 
 
 def bench_plan(sizes: Sizes, device: torch.device, compile_backend: str | None) -> list[dict]:

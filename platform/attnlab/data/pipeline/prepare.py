@@ -59,7 +59,7 @@ from attnlab.data.shards import (
 from attnlab.data.pipeline.corpora import Partition, Source, make_source
 from attnlab.data.tokenizer import DEFAULT_TOKENIZER, Tokenizer, get_tokenizer
 from attnlab.errors import UserError
-from attnlab.location import Location
+from attnlab.location import Location, atomic_output
 
 WORK_DIR = "_work"
 PLAN = "plan.json"
@@ -99,10 +99,9 @@ def tokenize_partition(job: TokenizeJob) -> tuple[int, int]:
         job = TokenizeJob(job.source, job.partition, job.fallback, tokenizer=job.tokenizer)
     schema = pa.schema([pa.field("tokens", pa.large_list(pa.uint16()))])
     final = job.work.join(_part_name(job.partition.index))
-    tmp = job.work.join(f".{_part_name(job.partition.index)}.tmp-{os.getpid()}")
     n_docs = n_tokens = 0
     encode = get_tokenizer(job.tokenizer).encode
-    with job.work.fs.open_output_stream(tmp) as sink, ipc.new_file(sink, schema) as writer:
+    with atomic_output(job.work.fs, final) as sink, ipc.new_file(sink, schema) as writer:
         pieces: list[np.ndarray] = []
         size = 0
 
@@ -124,7 +123,6 @@ def tokenize_partition(job: TokenizeJob) -> tuple[int, int]:
             if size >= _PART_BATCH_TOKENS:
                 flush()
         flush()
-    job.work.fs.move(tmp, final)
     _throttle()
     return n_docs, n_tokens
 

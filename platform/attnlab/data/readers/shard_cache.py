@@ -35,9 +35,10 @@ import time
 import uuid
 
 import numpy as np
+import pyarrow.fs as pafs
 
 from attnlab.errors import UserError
-from attnlab.location import Location
+from attnlab.location import Location, atomic_output
 
 CACHE_ENV = "ATTNLAB_DATA_CACHE"
 PREFETCH_ENV = "ATTNLAB_DATA_PREFETCH"  # "0": never fetch in the background (ranged reads only)
@@ -142,28 +143,23 @@ def fetch(loc: Location, name: str, sha256: str, *, root: str | None = None, blo
         for stale in os.listdir(root):  # left by a process killed while fetching this shard
             if stale.startswith(f".{sha256}.tmp-"):
                 os.unlink(os.path.join(root, stale))
-        tmp = os.path.join(root, f".{sha256}.tmp-{uuid.uuid4().hex[:12]}")
         h = hashlib.sha256()
-        try:
-            # One ranged GET per chunk, read into one buffer reused for every chunk: a new 8 MB object per chunk
-            # left the fetching thread's malloc arena holding ~100 MB of freed chunks (anonymous memory).
-            buffer = bytearray(_CHUNK)
-            with loc.fs.open_input_file(loc.join(name)) as src, open(tmp, "wb") as out:
-                size = src.size()
-                while src.tell() < size:
-                    n = src.readinto(memoryview(buffer)[: min(_CHUNK, size - src.tell())])
-                    if n <= 0:
-                        raise OSError(f"{loc.join(name)} ended at byte {src.tell()} of {size}")
-                    chunk = memoryview(buffer)[:n]
-                    h.update(chunk)
-                    out.write(chunk)
-            if h.hexdigest() != sha256:
+        # One ranged GET per chunk, read into one buffer reused for every chunk: a new 8 MB object per chunk left
+        # the fetching thread's malloc arena holding ~100 MB of freed chunks (anonymous memory).
+        buffer = bytearray(_CHUNK)
+        with loc.fs.open_input_file(loc.join(name)) as src, atomic_output(
+                pafs.LocalFileSystem(), final, temporary=f".{sha256}.tmp-{uuid.uuid4().hex[:12]}") as out:
+            size = src.size()
+            while src.tell() < size:
+                n = src.readinto(memoryview(buffer)[: min(_CHUNK, size - src.tell())])
+                if n <= 0:
+                    raise OSError(f"{loc.join(name)} ended at byte {src.tell()} of {size}")
+                chunk = memoryview(buffer)[:n]
+                h.update(chunk)
+                out.write(chunk)
+            if h.hexdigest() != sha256:  # before the rename: nothing is cached
                 raise UserError(f"shard {name} in {loc.uri} does not match its manifest sha256 (changed or corrupt); "
                                 f"run: attnlab data verify {loc.uri}")
-            os.replace(tmp, final)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         return final
     finally:
         os.close(fd)
