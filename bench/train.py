@@ -53,7 +53,7 @@ def config(args, attention: str, data: str, steps: int):
 def steady(metrics: list[dict], skip: int) -> tuple[float, object]:
     rows = metrics[skip:-1] or metrics[-1:]  # drop warm-up steps and the final step (it checkpoints)
     tps = sum(m["tokens_per_s"] for m in rows) / len(rows)
-    return tps, rows[-1].get("mfu", "unknown")  # "unknown" (no peak-FLOPs figure) is not reported to Ray
+    return tps, rows[-1].get("mfu")  # None: no peak-FLOPs figure for this device (printed as "unknown")
 
 
 def local_run(cfg) -> list[dict]:
@@ -96,7 +96,7 @@ def main() -> None:
     for attention in args.variants.split(","):
         cfg = config(args, attention, data, args.steps)
         tps, mfu = steady(local_run(cfg), args.skip)
-        mfu_s = f"{mfu:.1%}" if isinstance(mfu, float) else str(mfu)
+        mfu_s = f"{mfu:.1%}" if isinstance(mfu, float) else "unknown"
         print(f"| {args.preset} | {attention} | {cfg.seq_length} | {cfg.tokens_per_step} | {tps:,.0f} | {mfu_s} |",
               flush=True)
     if args.ray_overhead:
