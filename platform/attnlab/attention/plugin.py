@@ -46,7 +46,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from attnlab.attention.dense import compute_dtype, sharpen
+from attnlab.attention.chunked import DEFAULT_CHUNK_BYTES, attend_chunked, autocast_off, compute_dtype
+from attnlab.attention.dense import sharpen
 from attnlab.attention.flex import ScoreMod, Sizes, _uncached_if_compiling, attend_log_scores
 from attnlab.attention.masks import alibi_bias, causal_block_mask, causal_rows, visible_keys
 from attnlab.attention.spec import PluginSpec
@@ -56,9 +57,8 @@ from attnlab.errors import UserError
 
 # The fields of a Variant, in the order docs/plugins.md describes them.
 FIELDS = ("name", "source", "reference", "log_score", "fused", "params", "prepare", "normalised", "saved_bytes")
-# The dense reference processes query rows in chunks once one chunk's weights and a plugin's temporaries (counted as
-# this many (rows x keys) tensors) would exceed DEFAULT_CHUNK_BYTES.
-DEFAULT_CHUNK_BYTES = 256 * 1024**2
+# The reference processes query rows in chunks (chunked.attend_chunked) once one chunk's weights and a plugin's
+# temporaries, counted as this many (rows x keys) tensors, would exceed DEFAULT_CHUNK_BYTES.
 PLUGIN_TEMPORARIES = 8
 # A module plugin is a small package: more files than this is almost surely the wrong name (e.g. "torch").
 MAX_FILES = 200
@@ -251,11 +251,6 @@ def _state_for(spec: PluginSpec, q: torch.Tensor, state: PluginState | None) -> 
     return state
 
 
-def _autocast_off(device: torch.device):
-    """Autocast switched off (forms compute in float32 or float64); meta tensors (the memory plan) as CPU ones."""
-    return torch.autocast(device_type="cpu" if device.type == "meta" else device.type, enabled=False)
-
-
 def _context(spec: PluginSpec, state: PluginState, seq_len: int, dtype: torch.dtype) -> Context:
     prepared = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.prepared.items()}
     return Context(state.shape, seq_len, prepared, state.params, spec.position_bias, dtype)
@@ -269,7 +264,7 @@ def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_st
     when ``spec.p`` is set (with the power ``p``, a number or a 0-d tensor, when given), in the compute dtype
     (autocast off inside). ``seq_len``: T (default K)."""
     state = _state_for(spec, q, state)
-    with _autocast_off(q.device):
+    with autocast_off(q.device):
         dtype = compute_dtype(q.dtype)
         q, k = q.to(dtype), k.to(dtype)
         R, K = q.shape[-2], k.shape[-2]
@@ -290,46 +285,14 @@ def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_st
         return a
 
 
-def _row_bytes(q: torch.Tensor) -> int:
-    """Bytes of one query row's weights and a plugin's temporaries (all heads and batch entries)."""
-    return max(1, math.prod(q.shape[:-2]) * q.shape[-2] * torch.finfo(compute_dtype(q.dtype)).bits // 8
-               * PLUGIN_TEMPORARIES)
-
-
-def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
-    return max(1, min(q.shape[-2], chunk_bytes // _row_bytes(q)))
-
-
 def attend_reference(q, k, v, spec: PluginSpec, state: PluginState | None = None,
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, p=None) -> torch.Tensor:
-    """``A @ v`` from the reference weights, query rows in memory-bounded chunks; in v's dtype.
-
-    Under ``torch.compile`` as the built-in dense path (``dense.attend_dense``): with gradients one chunk (autograd
-    keeps every chunk's weights anyway), without gradients a sequence needing several chunks runs eagerly."""
+    """``A @ v`` from the reference weights, query rows in memory-bounded chunks; in v's dtype. The chunks, and how
+    they run under ``torch.compile``, are the built-in dense path's (:func:`attnlab.attention.chunked.attend_chunked`),
+    one row counted as :data:`PLUGIN_TEMPORARIES` tensors."""
     state = _state_for(spec, q, state)
-    if torch.compiler.is_compiling():
-        if torch.is_grad_enabled():
-            chunk_bytes = max(chunk_bytes, _row_bytes(q) * q.shape[-2])
-        elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
-            return _attend_reference_eager(q, k, v, spec, state, chunk_bytes, p)
-    return _attend_reference(q, k, v, spec, state, chunk_bytes, p)
-
-
-def _attend_reference(q, k, v, spec: PluginSpec, state: PluginState, chunk_bytes: int, p=None) -> torch.Tensor:
-    T = q.shape[-2]
-    chunk = _chunk_rows(q, chunk_bytes)
-    with _autocast_off(q.device):
-        vv = v.to(compute_dtype(q.dtype))
-        outs = []
-        for r0 in range(0, T, chunk):
-            r1 = min(T, r0 + chunk)
-            a = reference_weights(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, state=state, p=p)
-            outs.append(a @ vv[..., :r1, :])
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    return out.to(v.dtype)
-
-
-_attend_reference_eager = torch.compiler.disable(_attend_reference)
+    return attend_chunked(q, k, v, spec, reference_weights, temporaries=PLUGIN_TEMPORARIES, chunk_bytes=chunk_bytes,
+                          state=state, p=p)
 
 
 # --- the fused forms ---------------------------------------------------------------------------------------------
@@ -348,7 +311,7 @@ def attend_plugin(q, k, v, spec: PluginSpec, backend: str, state: PluginState | 
     if variant.log_score is not None:
         return _attend_log_score(q, k, v, spec, state, p)
     T = q.shape[-2]
-    with _autocast_off(q.device):
+    with autocast_off(q.device):
         ctx = _context(spec, state, T, compute_dtype(q.dtype))
         out = variant.fused(q, k, v, ctx)
     expected = (*q.shape[:-1], v.shape[-1])
