@@ -34,7 +34,6 @@ import importlib.machinery
 import importlib.util
 import keyword
 import linecache
-import math
 import re
 import sys
 import traceback
