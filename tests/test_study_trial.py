@@ -188,7 +188,8 @@ def test_a_submitted_job_runs_the_study_with_the_submitters_compaction_choice():
     from attnlab.cli import build_parser
     from attnlab.study.submit import entrypoint
 
-    assert entrypoint("studies/s.yaml", store="s3://b/r").endswith(" && attnlab study run studies/s.yaml --store s3://b/r")
+    command = entrypoint("studies/s.yaml", store="s3://b/r")
+    assert command.endswith(" && attnlab study run studies/s.yaml --store s3://b/r")
     assert entrypoint("studies/s.yaml", compact=False).split()[-1] == "--no-compact"
     assert build_parser("study").parse_args(["study", "submit", "s.yaml", "--no-compact"]).compact is False
     assert build_parser("study").parse_args(["study", "submit", "s.yaml"]).compact is True
@@ -242,7 +243,13 @@ def test_submit_refuses_a_relative_location_for_a_remote_cluster_before_uploadin
 
 
 def test_submit_to_a_cluster_on_this_machine_makes_a_relative_location_absolute(jobs, tmp_path, monkeypatch):
-    from attnlab.study.submit import submit_study
+    import socket
+
+    from attnlab.study.submit import is_this_machine, submit_study
+
+    here = ["auto", "localhost:8265", "http://[::1]:8265", f"http://{socket.gethostname()}:8265"]
+    assert all(map(is_this_machine, here))
+    assert not is_this_machine("http://10.255.255.1:8265")
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "s.yaml").write_text("name: s\n")

@@ -54,8 +54,9 @@ def add_submit_parser(sub) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
                    help="the head's dashboard, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)")
     p.add_argument("--cluster", metavar="CLUSTER.yaml", help="check the study's resources fit this cluster config")
-    p.add_argument("--store", help="results store for the job: a URI (s3://, gs://) or an absolute path the job's nodes "
-                   "share; a relative path only for a cluster on this machine (default: $ATTNLAB_STORAGE/results)")
+    p.add_argument("--store", help="results store for the job: a URI (s3://, gs://) or an absolute path the job's "
+                   "nodes share; a relative path only for a cluster on this machine (default: "
+                   "$ATTNLAB_STORAGE/results)")
     p.add_argument("--runs", "--storage", dest="runs",
                    help="the runs folder for the job: Tune state, training runs and trial status; a URI or a shared "
                    "absolute path, a relative one only for a cluster on this machine (default: $ATTNLAB_STORAGE/runs; "
@@ -73,10 +74,12 @@ def add_submit_parser(sub) -> None:
 
 
 def is_this_machine(address: str) -> bool:
-    """True when the dashboard ``address`` (``http://HOST:8265`` or ``HOST:PORT``) names this machine: a loopback
-    address, this host's name, or one of its addresses. A job submitted there runs here: it sees this machine's files
+    """True when the dashboard ``address`` (``http://HOST:8265``, ``HOST:PORT`` or ``auto``) names this machine: a
+    loopback address, this host's name, or one of its addresses. A job submitted there runs here: it sees this machine's files
     and interpreter."""
     text = address.strip()
+    if text == "auto":  # the Jobs SDK finds the cluster started on this machine
+        return True
     host = text.split("://", 1)[1] if "://" in text else text
     host = host.split("/", 1)[0].rsplit("@", 1)[-1]
     host = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 \
