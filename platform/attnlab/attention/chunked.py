@@ -33,13 +33,21 @@ def autocast_off(device: torch.device):
 def row_bytes(q: torch.Tensor, temporaries: int) -> int:
     """Bytes of one query row's weights and temporaries (``temporaries`` tensors of ``(rows x keys)``), all heads and
     batch entries, in the compute dtype."""
-    batch = math.prod(q.shape[:-2])
-    return max(1, batch * q.shape[-2] * torch.finfo(compute_dtype(q.dtype)).bits // 8 * temporaries)
+    return _row_bytes(math.prod(q.shape[:-2]), q.shape[-2], q.dtype, temporaries)
 
 
 def chunk_rows(q: torch.Tensor, chunk_bytes: int, temporaries: int) -> int:
     """How many query rows one chunk holds within ``chunk_bytes`` (at least 1, at most T)."""
-    return max(1, min(q.shape[-2], chunk_bytes // row_bytes(q, temporaries)))
+    return rows_per_chunk(math.prod(q.shape[:-2]), q.shape[-2], q.dtype, chunk_bytes, temporaries)
+
+
+def rows_per_chunk(batch: int, seq_len: int, dtype: torch.dtype, chunk_bytes: int, temporaries: int) -> int:
+    """:func:`chunk_rows` from sizes alone (``batch``: every leading axis, heads included): for a memory plan."""
+    return max(1, min(seq_len, chunk_bytes // _row_bytes(batch, seq_len, dtype, temporaries)))
+
+
+def _row_bytes(batch: int, seq_len: int, dtype: torch.dtype, temporaries: int) -> int:
+    return max(1, batch * seq_len * torch.finfo(compute_dtype(dtype)).bits // 8 * temporaries)
 
 
 def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec, weights: Callable, *, temporaries: int,
