@@ -237,8 +237,8 @@ def _alibi(spec: PluginSpec):
     change = float((plain - biased).abs().max())
     if change <= ALIBI_MIN_CHANGE:
         return "ALiBi", False, (f"the reference ignores ctx.alibi (output changes by up to {change:.1e}, at least "
-                                f"{ALIBI_MIN_CHANGE:.1e} expected): a model with position alibi would train without it; "
-                                "add ctx.alibi(rows.h, rows.i, rows.j) to the score (docs/plugins.md#alibi)")
+                                f"{ALIBI_MIN_CHANGE:.1e} expected): a model with position alibi would train without "
+                                "it; add ctx.alibi(rows.h, rows.i, rows.j) to the score (docs/plugins.md#alibi)")
     return "ALiBi", True, (f"ctx.alibi reaches the reference (output changes by up to {change:.2g}, at least "
                            f"{ALIBI_MIN_CHANGE:.1e} expected)")
 
@@ -269,11 +269,11 @@ def _sharpening(spec: PluginSpec):
     what = label if label == "out" else f"d{label}" if " " not in label else f"d({label})"
     where = f"{what}{' ' if label in ('out', 'q', 'k', 'v', 'x') else ''}{_where(label, index)}"
     if err > TOLERANCE * scale:
-        return "sharpening", False, (f"the fused two-pass form disagrees with the sharpened reference (p=3): max |diff| "
-                                     f"{_diff(err, TOLERANCE * scale)} at {where}")
+        return "sharpening", False, (f"the fused two-pass form disagrees with the sharpened reference (p=3): max "
+                                     f"|diff| {_diff(err, TOLERANCE * scale)} at {where}")
     return "sharpening", True, (f"p=3: finite outputs and gradients; the fused two-pass form equals the sharpened "
-                                f"reference in float64 (forward and backward max |diff| {_diff(err, TOLERANCE * scale)} "
-                                f"at {where})")
+                                f"reference in float64 (forward and backward max |diff| "
+                                f"{_diff(err, TOLERANCE * scale)} at {where})")
 
 
 def _worst(pairs):
@@ -420,7 +420,8 @@ def _lowering_failure(spec: PluginSpec, exc: BaseException) -> str:
     which = (f"log_score reads {' and '.join(f'ctx.state[{n!r}]' for n in names)} at more than one index"
              if names else "log_score reads a state tensor that takes gradients at more than one index")
     return (f"inductor could not lower FlexAttention's backward: {which}; torch says: {text} Fix: give each read its "
-            f"own tensor from prepare (a copy, or a detached one where its gradient there is zero), see {READ_TWICE_DOC}")
+            "own tensor from prepare (a copy, or a detached one where its gradient there is zero), see "
+            f"{READ_TWICE_DOC}")
 
 
 def _read_twice(spec: PluginSpec) -> list[str]:
