@@ -412,11 +412,14 @@ def _lowering_failure(spec: PluginSpec, exc: BaseException) -> str:
         cause = cause.__cause__ or cause.__context__
     paragraph = " ".join(str(cause).strip().split("\n\n")[0].split())
     if paragraph.endswith(":"):  # it introduces the example torch gives after it: the sentence ends here
-        paragraph = paragraph[:-1].removesuffix(", like").removesuffix(" like") + "."
+        paragraph = paragraph[:-1].removesuffix(" like").rstrip(" .,") + "."
     text = f"{type(cause).__name__}: {paragraph}"
     if "multiple indexing operations on the same tensor" not in paragraph:
         return f"inductor could not lower the compiled training graph: {text} ({LOWERING_DOC})"
-    names = _read_twice(spec)
+    try:
+        names = _read_twice(spec)
+    except Exception:  # noqa: BLE001 - naming the tensor is a courtesy: the cause above is the verdict
+        names = []
     which = (f"log_score reads {' and '.join(f'ctx.state[{n!r}]' for n in names)} at more than one index"
              if names else "log_score reads a state tensor that takes gradients at more than one index")
     return (f"inductor could not lower FlexAttention's backward: {which}; torch says: {text} Fix: give each read its "
