@@ -14,6 +14,7 @@ Layers, bottom to top (a package may import its own layer's modules only inside 
     5  train, evaluate, cluster
     6  study
     7  the commands: attnlab/cli.py, attnlab/demo.py, every */cli.py, serve
+    8  attnlab/__main__.py (``python -m attnlab``: the command line, as a Ray job's entrypoint runs it)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ LAYERS = {
     "states": 1, "faults": 1,
     "attention": 2, "model": 3, "data": 4, "results": 4, "runfolder": 4,
     "train": 5, "evaluate": 5, "cluster": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
+    "__main__": 8,
 }
 # Modules that may import Ray (the thin layer); everything else must import and test without it.
 RAY_MODULES = {"attnlab.ray_runtime", "attnlab.train.ray_train", "attnlab.data.pipeline.parallel",

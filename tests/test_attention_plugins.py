@@ -4,8 +4,11 @@ plugins (FoX, stick-breaking, Scalable-Softmax) and on broken ones, and the ship
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -289,8 +292,11 @@ def test_each_shipped_plugin_passes_attention_check(name, capsys):
     lines = capsys.readouterr().out.splitlines()
     verdicts = [line for line in lines if line.startswith(("PASS", "FAIL"))]
     checks = [line.split(": ")[1] for line in verdicts]
-    assert checks == ["reference", "fused vs reference (float64)", "ALiBi", "sharpening", "causality",
+    assert checks == ["reference", "causality", "fused vs reference (float64)", "ALiBi", "sharpening",
                       "bf16 autocast", "memory", "lowering"], lines
+    for line in verdicts:  # every difference with the tolerance it is judged against
+        assert len(re.findall(r"\|diff\| \S+ \(tolerance \S+\) at ", line)) == line.count("|diff|"), line
+    assert "rows summing to 1 within " in verdicts[0] and " (tolerance 1.0e-09)" in verdicts[0]
     assert all(line.startswith(f"PASS {name}: ") for line in verdicts), lines
     memory = next(line for line in verdicts if ": memory: " in line)
     if name == "stickbreaking":  # reference only: its memory class is stated
@@ -325,6 +331,9 @@ def leaky_reference(q, k, rows, ctx):
 def leaky_log_score(score, b, h, q_idx, kv_idx, ctx):
     return (score / math.sqrt(ctx.head_dim) + ctx.alibi(h, q_idx, kv_idx)) * (1 + ctx.state["m"][b, h, q_idx])
 
+def causal_log_score(score, b, h, q_idx, kv_idx, ctx):  # causal rows (m_i shifts a whole row: the softmax cancels it)
+    return score / math.sqrt(ctx.head_dim) + ctx.alibi(h, q_idx, kv_idx) + ctx.state["m"][b, h, q_idx]
+
 def unmasked_reference(q, k, rows, ctx):
     return torch.softmax(scores(q, k, rows, ctx), dim=-1)  # the mask forgotten
 
@@ -353,6 +362,7 @@ def twice_log_score(score, b, h, q_idx, kv_idx, ctx):  # one tensor with gradien
 VARIANTS = [
     Variant(name="wrong", reference=wrong_reference, log_score=wrong_log_score, normalised=True),
     Variant(name="leaky", reference=leaky_reference, log_score=leaky_log_score, prepare=future_mean, normalised=True),
+    Variant(name="ahead", reference=leaky_reference, log_score=causal_log_score, prepare=future_mean),
     Variant(name="unmasked", reference=unmasked_reference),
     Variant(name="no_alibi", reference=no_alibi_reference),
     Variant(name="quadratic", reference=wrong_reference, fused=quadratic, normalised=True),
@@ -361,16 +371,27 @@ VARIANTS = [
 '''
 
 
+@pytest.fixture(scope="module")
+def broken_check(tmp_path_factory):
+    """``attnlab attention check`` of BROKEN, run once for the tests below: (exit status, printed lines, FAIL lines by
+    (variant, check))."""
+    path = _write(tmp_path_factory.mktemp("broken") / "broken.py", BROKEN)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["attention", "check", str(path)])
+    lines = out.getvalue().splitlines()
+    return status, lines, {tuple(line.split(": ", 2)[:2]): line for line in lines if line.startswith("FAIL")}
+
+
 @pytest.mark.cuda_proxy
-def test_attention_check_names_what_is_broken(tmp_path, capsys):
-    path = _write(tmp_path / "broken.py", BROKEN)
-    assert main(["attention", "check", str(path)]) == 1
-    failed = {tuple(line.split(": ", 2)[:2]): line for line in capsys.readouterr().out.splitlines()
-              if line.startswith("FAIL")}
+def test_attention_check_names_what_is_broken(broken_check):
+    status, _, failed = broken_check
+    assert status == 1
     assert set(failed) == {("FAIL wrong", "fused vs reference (float64)"), ("FAIL wrong", "sharpening"),
-                           ("FAIL leaky", "causality"),
-                           ("FAIL unmasked", "causality"), ("FAIL no_alibi", "ALiBi"), ("FAIL quadratic", "memory"),
-                           ("FAIL twice", "lowering")}, sorted(failed)
+                           ("FAIL leaky", "causality"), ("FAIL ahead", "causality"),
+                           ("FAIL ahead", "fused vs reference (float64)"), ("FAIL unmasked", "causality"),
+                           ("FAIL no_alibi", "ALiBi"), ("FAIL quadratic", "memory"), ("FAIL twice", "lowering")}, \
+        sorted(failed)
     line = failed[("FAIL wrong", "fused vs reference (float64)")]
     assert "the fused form disagrees with its reference: log_score: forward max |diff|" in line and " at out b=" in line
     line = failed[("FAIL leaky", "causality")]
@@ -378,7 +399,39 @@ def test_attention_check_names_what_is_broken(tmp_path, capsys):
     assert "the reference form leaks the future" in failed[("FAIL unmasked", "causality")]
     assert "the reference ignores ctx.alibi" in failed[("FAIL no_alibi", "ALiBi")]
     assert "the fused form's memory is not O(T)" in failed[("FAIL quadratic", "memory")]
-    assert "multiple indexing operations on the same tensor" in failed[("FAIL twice", "lowering")]
+
+
+@pytest.mark.cuda_proxy
+def test_attention_check_prints_the_tolerance_beside_every_difference(broken_check):
+    _, lines, failed = broken_check
+    for line in lines:
+        assert len(re.findall(r"\|diff\| \S+ \(tolerance \S+\) at ", line)) == line.count("|diff|"), line
+    assert " (tolerance 1.0e-12) when the tokens after row " in failed[("FAIL leaky", "causality")]
+    assert "|diff|" in failed[("FAIL wrong", "sharpening")]
+
+
+@pytest.mark.cuda_proxy
+def test_attention_check_reports_a_leak_before_the_disagreement_it_causes(broken_check):
+    """A reference that leaks the future disagrees with a causal fused form: causality comes first, and the
+    disagreement says it follows from it (a disagreement of two causal forms does not)."""
+    _, lines, failed = broken_check
+    ahead = [line for line in lines if line.startswith(("PASS ahead", "FAIL ahead"))]
+    assert [line.split(": ")[1] for line in ahead][:3] == ["reference", "causality", "fused vs reference (float64)"]
+    assert "the reference form leaks the future" in failed[("FAIL ahead", "causality")]
+    assert failed[("FAIL ahead", "fused vs reference (float64)")].startswith(
+        "FAIL ahead: fused vs reference (float64): follows from the causality failure above (fix that first): the "
+        "fused form disagrees with its reference"), ahead
+    assert "follows from" not in failed[("FAIL wrong", "fused vs reference (float64)")]
+
+
+@pytest.mark.cuda_proxy
+def test_a_lowering_failure_prints_torchs_cause_the_tensor_and_the_fix(broken_check):
+    line = broken_check[2][("FAIL twice", "lowering")]
+    assert ("log_score reads ctx.state['c'] at more than one index; torch says: NotImplementedError: Using multiple "
+            "indexing operations on the same tensor that requires gradients in a score_mod function is not currently "
+            "supported. This typically happens when indexing the same tensor multiple times. Fix: ") in line, line
+    assert line.endswith("see docs/plugins.md#a-state-tensor-read-twice") and "..." not in line
+    assert "\n#### A state tensor read twice\n" in (ROOT / "docs" / "plugins.md").read_text()
 
 
 # --- the shipped plugins against their formulas ------------------------------------------------------------------

@@ -188,7 +188,87 @@ def test_a_submitted_job_runs_the_study_with_the_submitters_compaction_choice():
     from attnlab.cli import build_parser
     from attnlab.study.submit import entrypoint
 
-    assert entrypoint("studies/s.yaml", store="s3://b/r") == "attnlab study run studies/s.yaml --store s3://b/r"
-    assert entrypoint("studies/s.yaml", compact=False).split()[4:] == ["--no-compact"]
+    command = entrypoint("studies/s.yaml", store="s3://b/r")
+    assert command.endswith(" && attnlab study run studies/s.yaml --store s3://b/r")
+    assert entrypoint("studies/s.yaml", compact=False).split()[-1] == "--no-compact"
     assert build_parser("study").parse_args(["study", "submit", "s.yaml", "--no-compact"]).compact is False
     assert build_parser("study").parse_args(["study", "submit", "s.yaml"]).compact is True
+
+
+class _Submitted(Exception):
+    pass
+
+
+@pytest.fixture
+def jobs(monkeypatch):
+    """``submit_study`` up to the Jobs SDK: the study is a stand-in, and what would be submitted is recorded (or
+    ``uploads`` stays empty where it was refused first)."""
+    import ray.job_submission
+
+    import attnlab.study.spec
+
+    uploads = []
+
+    class Client:
+        def __init__(self, address):
+            pass
+
+        def submit_job(self, **job):
+            uploads.append(job)
+            return "job-1"
+
+    class Spec:
+        name, plugins = "s", ()
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Client)
+    monkeypatch.setattr(attnlab.study.spec, "load_spec", lambda *a, **k: Spec())
+    return uploads
+
+
+@pytest.mark.parametrize("flag", ["store", "runs"])
+def test_submit_refuses_a_relative_location_for_a_remote_cluster_before_uploading(flag, jobs, tmp_path, monkeypatch):
+    from attnlab.errors import UserError
+    from attnlab.study.submit import submit_study
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.yaml").write_text("name: s\n")
+    with pytest.raises(UserError) as refused:
+        submit_study("s.yaml", "http://10.255.255.1:8265", **{flag: "results"})
+    assert jobs == []
+    message = str(refused.value)
+    assert "\n" not in message and f"--{flag} 'results' is relative" in message and "s3://" in message
+    for allowed in ("s3://bucket/attnlab/results", "gs://bucket/r", "/mnt/nfs/attnlab/results"):
+        submit_study("s.yaml", "http://10.255.255.1:8265", **{flag: allowed})
+        assert f"--{flag} {allowed}" in jobs[-1]["entrypoint"]
+
+
+def test_submit_to_a_cluster_on_this_machine_makes_a_relative_location_absolute(jobs, tmp_path, monkeypatch):
+    import socket
+
+    from attnlab.study.submit import is_this_machine, submit_study
+
+    here = ["auto", "localhost:8265", "http://[::1]:8265", f"http://{socket.gethostname()}:8265"]
+    assert all(map(is_this_machine, here))
+    assert not is_this_machine("http://10.255.255.1:8265")
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.yaml").write_text("name: s\n")
+    submit_study("s.yaml", "http://127.0.0.1:8265", store="results", runs="runs")
+    command = jobs[-1]["entrypoint"]
+    assert f"--store {tmp_path / 'results'} --runs {tmp_path / 'runs'}" in command
+    assert command.startswith(f"{sys.executable} -m attnlab study run s.yaml")  # this interpreter, not the PATH's
+
+
+def test_a_job_entrypoint_does_not_depend_on_the_heads_path(tmp_path):
+    """On this machine the job runs ``python -m attnlab`` with this interpreter; on another, a head whose PATH has no
+    attnlab stops the job with one line that names the fix."""
+    from attnlab.study.submit import PATH_ERROR, entrypoint
+
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),  # a head started from a venv that was not activated
+            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
+    here = subprocess.run(entrypoint("s.yaml", python=sys.executable).replace("study run s.yaml", "--help"),
+                          shell=True, env=bare, capture_output=True, text=True, timeout=120)
+    assert here.returncode == 0 and "usage: attnlab" in here.stdout, here.stderr
+    remote = subprocess.run(entrypoint("s.yaml"), shell=True, env=bare, capture_output=True, text=True, timeout=60)
+    assert remote.returncode == 127 and remote.stderr.strip() == PATH_ERROR, remote.stderr
+    assert "not found" not in remote.stderr

@@ -13,18 +13,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attnlab.attention.chunked import DEFAULT_CHUNK_BYTES, attend_chunked, compute_dtype
 from attnlab.attention.masks import alibi_bias, causal_rows, visible_keys
 from attnlab.attention.spec import SHARPEN_EXEMPT_ROWS, AttentionSpec
 
 # A peaked unnormalised exp (Table 2, scenario II) would overflow fp32 past e^88; it is clamped here.
 EXP_CLAMP = 80.0
-# The dense path processes query rows in chunks once the weights of one chunk would exceed this many bytes.
-DEFAULT_CHUNK_BYTES = 256 * 1024**2
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Weights are computed in float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+# One query row of the dense path is counted as this many (rows x keys) tensors: the weights and their temporaries.
+DENSE_TEMPORARIES = 4
 
 
 def length_scale(spec: AttentionSpec, n: torch.Tensor, d: int) -> torch.Tensor | float:
@@ -215,54 +211,14 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attent
     """``A @ v`` (plus the variant's output LayerNorm) with query rows processed in memory-bounded chunks.
 
     Computed in float32 (float64 for float64 inputs) whatever autocast is active: autocast is switched off
-    inside and the inputs are upcast, so the products ``q k^T`` and ``A v`` are not rounded to bf16.
-
-    Under ``torch.compile`` the row-chunk loop is not traced chunk by chunk (one graph body per chunk: dozens
-    per layer at B=64, T=1024): with gradients the whole sequence is one chunk, since autograd saves every
-    chunk's weights for the backward anyway and chunking bounds nothing there; without gradients (long
-    evaluation windows, where chunking is what bounds memory) a sequence that needs several chunks runs as one
-    ``torch.compiler.disable``d region, eagerly and chunked, between two graphs.
+    inside and the inputs are upcast, so the products ``q k^T`` and ``A v`` are not rounded to bf16. The chunks, and
+    how they run under ``torch.compile``, are :func:`attnlab.attention.chunked.attend_chunked`'s (shared with
+    plugin references).
 
     ``qk_gain``: the model's ``(gain_q, gain_k)`` for ``qk_norm_gain='learned'`` (see :func:`check_qk_gain`).
     ``p``: the sharpening power of a sharpened spec instead of ``spec.p`` (see :func:`check_power`).
     """
     check_qk_gain(spec, qk_gain, q)
     check_power(spec, p)
-    if torch.compiler.is_compiling():
-        if torch.is_grad_enabled():
-            chunk_bytes = max(chunk_bytes, _weights_bytes(q) * q.shape[-2])
-        elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
-            return _attend_dense_eager(q, k, v, spec, chunk_bytes, qk_gain, p)
-    return _attend_dense(q, k, v, spec, chunk_bytes, qk_gain, p)
-
-
-def _weights_bytes(q: torch.Tensor) -> int:
-    """Bytes of the weights and temporaries of one query row (all heads and batch entries)."""
-    batch = math.prod(q.shape[:-2])
-    return max(1, batch * q.shape[-2] * torch.finfo(compute_dtype(q.dtype)).bits // 8 * 4)
-
-
-def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
-    return max(1, min(q.shape[-2], chunk_bytes // _weights_bytes(q)))
-
-
-def _attend_dense(q, k, v, spec: AttentionSpec, chunk_bytes: int, qk_gain=None, p=None) -> torch.Tensor:
-    T = q.shape[-2]
-    dtype = compute_dtype(q.dtype)
-    chunk = _chunk_rows(q, chunk_bytes)
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        q, k, vv = q.to(dtype), k.to(dtype), v.to(dtype)
-        outs = []
-        for r0 in range(0, T, chunk):
-            r1 = min(T, r0 + chunk)
-            a = weights_for_rows(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, qk_gain=qk_gain,
-                                 p=p)
-            outs.append(a @ vv[..., :r1, :])
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-        if spec.out_norm == "layernorm":
-            out = F.layer_norm(out, out.shape[-1:])
-    return out.to(v.dtype)
-
-
-# Under torch.compile without gradients, a multi-chunk sequence: eager, chunked, outside the graph.
-_attend_dense_eager = torch.compiler.disable(_attend_dense)
+    return attend_chunked(q, k, v, spec, weights_for_rows, temporaries=DENSE_TEMPORARIES, chunk_bytes=chunk_bytes,
+                          qk_gain=qk_gain, p=p)

@@ -10,9 +10,10 @@ input (**prepare**). Loaded, a variant is a :class:`attnlab.attention.spec.Plugi
 What it is for, in three parts:
 
 - the contract a plugin is written against: :class:`Variant`, :class:`Shape`, :class:`Rows`, :class:`Context`;
-- where a plugin comes from: :func:`read_source` reads its bytes into a :class:`PluginSource` (origin, {relative
-  path: bytes}, sha256), :func:`load_source` runs those bytes (never the files: the same call works in a process
-  that cannot read them), :func:`load_plugin` does both; bad plugins get one line (:class:`PluginError`);
+- where a plugin comes from: :func:`read_source` (:mod:`attnlab.attention.plugin_source`, re-exported here) reads
+  its bytes into a :class:`PluginSource` (origin, {relative path: bytes}, sha256), :func:`load_source` runs those
+  bytes (never the files: the same call works in a process that cannot read them), :func:`load_plugin` does both;
+  bad plugins get one line (:class:`PluginError`);
 - how a loaded variant runs: :func:`attend_plugin` (its reference chunked over rows, sharpening on top; or its
   fused form) and :func:`reference_weights` (the weights, for diagnostics), both called by
   :mod:`attnlab.attention`; :func:`build_params` and :func:`prepare_state` for the model layer.
@@ -27,14 +28,10 @@ import contextlib
 import copyreg
 import dataclasses
 import functools
-import hashlib
 import importlib
 import importlib.abc
-import importlib.machinery
 import importlib.util
-import keyword
 import linecache
-import math
 import re
 import sys
 import traceback
@@ -46,28 +43,23 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from attnlab.attention.dense import compute_dtype, sharpen
+from attnlab.attention.chunked import DEFAULT_CHUNK_BYTES, attend_chunked, autocast_off, compute_dtype
+from attnlab.attention.dense import sharpen
 from attnlab.attention.flex import ScoreMod, Sizes, _uncached_if_compiling, attend_log_scores
 from attnlab.attention.masks import alibi_bias, causal_block_mask, causal_rows, visible_keys
+# Where a plugin comes from (its bytes, read without running them), re-exported: this module is the public API.
+from attnlab.attention.plugin_source import (MAX_BYTES, MAX_FILES, LoadedPlugin, PluginError,  # noqa: F401
+                                             PluginSource, parse_ref, read_source)
 from attnlab.attention.spec import PluginSpec
 from attnlab.attention.variants import (builtin_names, get_variant, plugin_spec, register_plugin_spec,
                                         unregister_plugin_spec)
-from attnlab.errors import UserError
 
 # The fields of a Variant, in the order docs/plugins.md describes them.
 FIELDS = ("name", "source", "reference", "log_score", "fused", "params", "prepare", "normalised", "saved_bytes")
-# The dense reference processes query rows in chunks once one chunk's weights and a plugin's temporaries (counted as
-# this many (rows x keys) tensors) would exceed DEFAULT_CHUNK_BYTES.
-DEFAULT_CHUNK_BYTES = 256 * 1024**2
+# The reference processes query rows in chunks (chunked.attend_chunked) once one chunk's weights and a plugin's
+# temporaries, counted as this many (rows x keys) tensors, would exceed DEFAULT_CHUNK_BYTES.
 PLUGIN_TEMPORARIES = 8
-# A module plugin is a small package: more files than this is almost surely the wrong name (e.g. "torch").
-MAX_FILES = 200
-MAX_BYTES = 8 * 1024**2
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
-
-
-class PluginError(UserError):
-    """A plugin that cannot be used, in one line: what is wrong, where (file:line when known), how to fix it."""
 
 
 # --- the contract ------------------------------------------------------------------------------------------------
@@ -251,11 +243,6 @@ def _state_for(spec: PluginSpec, q: torch.Tensor, state: PluginState | None) -> 
     return state
 
 
-def _autocast_off(device: torch.device):
-    """Autocast switched off (forms compute in float32 or float64); meta tensors (the memory plan) as CPU ones."""
-    return torch.autocast(device_type="cpu" if device.type == "meta" else device.type, enabled=False)
-
-
 def _context(spec: PluginSpec, state: PluginState, seq_len: int, dtype: torch.dtype) -> Context:
     prepared = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.prepared.items()}
     return Context(state.shape, seq_len, prepared, state.params, spec.position_bias, dtype)
@@ -269,7 +256,7 @@ def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_st
     when ``spec.p`` is set (with the power ``p``, a number or a 0-d tensor, when given), in the compute dtype
     (autocast off inside). ``seq_len``: T (default K)."""
     state = _state_for(spec, q, state)
-    with _autocast_off(q.device):
+    with autocast_off(q.device):
         dtype = compute_dtype(q.dtype)
         q, k = q.to(dtype), k.to(dtype)
         R, K = q.shape[-2], k.shape[-2]
@@ -290,46 +277,14 @@ def reference_weights(q: torch.Tensor, k: torch.Tensor, spec: PluginSpec, row_st
         return a
 
 
-def _row_bytes(q: torch.Tensor) -> int:
-    """Bytes of one query row's weights and a plugin's temporaries (all heads and batch entries)."""
-    return max(1, math.prod(q.shape[:-2]) * q.shape[-2] * torch.finfo(compute_dtype(q.dtype)).bits // 8
-               * PLUGIN_TEMPORARIES)
-
-
-def _chunk_rows(q: torch.Tensor, chunk_bytes: int) -> int:
-    return max(1, min(q.shape[-2], chunk_bytes // _row_bytes(q)))
-
-
 def attend_reference(q, k, v, spec: PluginSpec, state: PluginState | None = None,
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, p=None) -> torch.Tensor:
-    """``A @ v`` from the reference weights, query rows in memory-bounded chunks; in v's dtype.
-
-    Under ``torch.compile`` as the built-in dense path (``dense.attend_dense``): with gradients one chunk (autograd
-    keeps every chunk's weights anyway), without gradients a sequence needing several chunks runs eagerly."""
+    """``A @ v`` from the reference weights, query rows in memory-bounded chunks; in v's dtype. The chunks, and how
+    they run under ``torch.compile``, are the built-in dense path's (:func:`attnlab.attention.chunked.attend_chunked`),
+    one row counted as :data:`PLUGIN_TEMPORARIES` tensors."""
     state = _state_for(spec, q, state)
-    if torch.compiler.is_compiling():
-        if torch.is_grad_enabled():
-            chunk_bytes = max(chunk_bytes, _row_bytes(q) * q.shape[-2])
-        elif _chunk_rows(q, chunk_bytes) < q.shape[-2]:
-            return _attend_reference_eager(q, k, v, spec, state, chunk_bytes, p)
-    return _attend_reference(q, k, v, spec, state, chunk_bytes, p)
-
-
-def _attend_reference(q, k, v, spec: PluginSpec, state: PluginState, chunk_bytes: int, p=None) -> torch.Tensor:
-    T = q.shape[-2]
-    chunk = _chunk_rows(q, chunk_bytes)
-    with _autocast_off(q.device):
-        vv = v.to(compute_dtype(q.dtype))
-        outs = []
-        for r0 in range(0, T, chunk):
-            r1 = min(T, r0 + chunk)
-            a = reference_weights(q[..., r0:r1, :], k[..., :r1, :], spec, row_start=r0, seq_len=T, state=state, p=p)
-            outs.append(a @ vv[..., :r1, :])
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    return out.to(v.dtype)
-
-
-_attend_reference_eager = torch.compiler.disable(_attend_reference)
+    return attend_chunked(q, k, v, spec, reference_weights, temporaries=PLUGIN_TEMPORARIES, chunk_bytes=chunk_bytes,
+                          state=state, p=p)
 
 
 # --- the fused forms ---------------------------------------------------------------------------------------------
@@ -348,7 +303,7 @@ def attend_plugin(q, k, v, spec: PluginSpec, backend: str, state: PluginState | 
     if variant.log_score is not None:
         return _attend_log_score(q, k, v, spec, state, p)
     T = q.shape[-2]
-    with _autocast_off(q.device):
+    with autocast_off(q.device):
         ctx = _context(spec, state, T, compute_dtype(q.dtype))
         out = variant.fused(q, k, v, ctx)
     expected = (*q.shape[:-1], v.shape[-1])
@@ -420,133 +375,6 @@ class _FlexKernelStandIn(torch.autograd.Function):
         q, k, v, out, lse, *buffers = ctx.saved_tensors
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 *(torch.zeros_like(b) if b.requires_grad else None for b in buffers))
-
-
-# --- where a plugin comes from -----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PluginSource:
-    """The exact source of a plugin: ``origin`` (the path or module name as given), ``kind`` (``file`` or
-    ``module``), ``entry`` (the file's name, or the dotted module name), ``files`` ({relative path: bytes}) and
-    ``sha256`` (over every relative path and its bytes: editing, adding or renaming a file changes it).
-
-    :func:`load_source` runs it from ``files`` alone, so it can be shipped to a process that cannot read the
-    user's files (pickle it, or :meth:`to_dict` for JSON)."""
-
-    origin: str
-    kind: str
-    entry: str
-    files: dict
-    sha256: str
-
-    @staticmethod
-    def of(origin: str, kind: str, entry: str, files: dict) -> "PluginSource":
-        files = {str(k): bytes(v) for k, v in sorted(files.items())}
-        return PluginSource(origin, kind, entry, files, _hash_files(files))
-
-    def to_dict(self) -> dict:
-        """JSON-friendly: every file as UTF-8 text."""
-        return {"origin": self.origin, "kind": self.kind, "entry": self.entry, "sha256": self.sha256,
-                "files": {k: v.decode("utf-8") for k, v in self.files.items()}}
-
-    @staticmethod
-    def from_dict(data: dict) -> "PluginSource":
-        files = {k: v.encode("utf-8") if isinstance(v, str) else bytes(v) for k, v in data["files"].items()}
-        source = PluginSource.of(data["origin"], data["kind"], data["entry"], files)
-        if data.get("sha256") not in (None, source.sha256):
-            raise PluginError(f"plugin {data['origin']}: its files do not match sha256 {data['sha256'][:12]}")
-        return source
-
-    @property
-    def short_hash(self) -> str:
-        return self.sha256[:12]
-
-
-def _hash_files(files: dict) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(files):
-        data = files[path]
-        digest.update(path.encode("utf-8") + b"\0" + len(data).to_bytes(8, "big") + data)
-    return digest.hexdigest()
-
-
-@dataclass(frozen=True)
-class LoadedPlugin:
-    """A plugin that ran: its :class:`PluginSource` and its variants as registered specs."""
-
-    source: PluginSource
-    specs: tuple
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(spec.name for spec in self.specs)
-
-
-def parse_ref(ref: str) -> tuple[str, str | None]:
-    """``FILE_OR_MODULE[:NAME]`` -> ``(target, name or None)``."""
-    if not isinstance(ref, str) or not ref.strip():
-        raise PluginError(f"plugin {ref!r} is not allowed: give a path to a .py file or an importable module name, "
-                          "optionally with :NAME")
-    target, sep, name = ref.strip().rpartition(":")
-    if sep and name and target and re.match(r"^[A-Za-z_][A-Za-z0-9_.-]*$", name) and len(target) > 1:
-        return target, name
-    return ref.strip(), None
-
-
-def _is_file_ref(target: str) -> bool:
-    """A path (ends in .py or names a folder) rather than a dotted module name (looked up on sys.path)."""
-    return target.endswith(".py") or "/" in target or "\\" in target
-
-
-def read_source(ref: str) -> PluginSource:
-    """Read a plugin's bytes: a path to a ``.py`` file, or an importable module name (a single module, or the
-    top-level package it belongs to, every ``.py`` file of it). ``ref`` may end in ``:NAME`` (ignored here).
-    Nothing is executed (a dotted name's parent packages are not imported)."""
-    target, _ = parse_ref(ref)
-    if _is_file_ref(target):
-        path = Path(target)
-        if not path.is_file():
-            what = "is a folder" if path.is_dir() else "does not exist"
-            raise PluginError(f"plugin file {target} {what}: give a path to a .py file or an importable module name")
-        return PluginSource.of(target, "file", path.name, {path.name: path.read_bytes()})
-    parts = target.split(".")
-    if not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
-        raise PluginError(f"plugin {target!r} is neither a file nor a module name: give a path to a .py file or "
-                          "an importable module name (e.g. mypackage.attention)")
-    try:  # sys.path only: not a package this process already serves from a plugin's bytes
-        top = importlib.machinery.PathFinder.find_spec(parts[0])
-    except (ImportError, ValueError) as exc:
-        top, cause = None, exc
-    else:
-        cause = None
-    if top is None or (top.origin in (None, "built-in", "frozen") and not top.submodule_search_locations):
-        why = f": {cause}" if cause else f" (no module named {parts[0]!r} on sys.path)"
-        raise PluginError(f"plugin module {target!r} cannot be imported{why}: give a path to a .py file or an "
-                          "importable module name")
-    files: dict[str, bytes] = {}
-    if top.submodule_search_locations:
-        for location in top.submodule_search_locations:
-            root = Path(location)
-            for path in sorted(root.rglob("*.py")):
-                rel = path.relative_to(root)
-                if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
-                    continue
-                files[str(Path(parts[0], rel).as_posix())] = path.read_bytes()
-                _check_size(target, files)
-    else:
-        files[f"{parts[0]}.py"] = Path(top.origin).read_bytes()
-    module_file = "/".join(parts) + ".py"
-    package_file = "/".join(parts) + "/__init__.py"
-    if len(parts) > 1 and module_file not in files and package_file not in files:
-        raise PluginError(f"plugin module {target!r} cannot be imported (no module named {target!r} in "
-                          f"{parts[0]!r}): give a path to a .py file or an importable module name")
-    return PluginSource.of(target, "module", target, files)
-
-
-def _check_size(target: str, files: dict) -> None:
-    if len(files) > MAX_FILES or sum(map(len, files.values())) > MAX_BYTES:
-        raise PluginError(f"plugin module {target!r} belongs to a package of more than {MAX_FILES} files or "
-                          f"{MAX_BYTES // 1024**2} MiB: a plugin is one file or a small package")
 
 
 _LOADED: dict[str, LoadedPlugin] = {}  # by sha256

@@ -4,19 +4,24 @@ For each variant of a loaded plugin (:func:`check_variant`), on CPU, on small ra
 
 1. ``reference``: its weights have the right shape and are finite; if it declares ``normalised``, every row is
    non-negative and sums to 1.
-2. ``fused vs reference``: forward and backward (q, k, v, the layer input x, the variant's parameters) in float64,
+2. ``causality``: changing every token after row t (x, q, k, v) changes no output of rows <= t, for each form.
+   Before any agreement: a form that leaks the future disagrees with the other too, and such a disagreement is said
+   to follow from it.
+3. ``fused vs reference``: forward and backward (q, k, v, the layer input x, the variant's parameters) in float64,
    without and with ALiBi; the largest difference and where it is (batch b, head h, query row or key).
-3. ``ALiBi``: the bias the context offers reaches the reference (a model with ``position: alibi`` relies on it).
-3b. ``sharpening``: for a ``normalised`` variant, ``p = 3`` on its reference gives finite outputs and gradients
+4. ``ALiBi``: the bias the context offers reaches the reference (a model with ``position: alibi`` relies on it).
+4b. ``sharpening``: for a ``normalised`` variant, ``p = 3`` on its reference gives finite outputs and gradients
    (and how its fused form is sharpened); otherwise a power is refused.
-4. ``causality``: changing every token after row t (x, q, k, v) changes no output of rows <= t, for each form.
 5. ``bf16 autocast``: finite outputs and gradients of each form under CPU bf16 autocast.
 6. ``memory``: the fused form's peak memory (forward and backward) at two lengths must grow as O(T); FlexAttention
    calls count as their CUDA kernel (:func:`attnlab.attention.plugin.flex_calls_as_kernels`). Without a fused form
    the reference's class is stated.
 7. ``lowering``: the compiled training graph (prepare + attention, forward and backward) lowered through inductor as
    far as CPU allows: FlexAttention's lowering up to where it needs the GPU (the ``cuda_proxy`` way of
-   ``tests/test_cuda_proxy_attention.py``, with ``flex.cuda_code_path``); any other graph up to code generation.
+   ``tests/test_cuda_proxy_attention.py``, with ``flex.cuda_code_path``); any other graph up to code generation. A
+   failure prints inductor's own cause in full and the docs/plugins.md section with its fix.
+
+Every difference is printed with the tolerance it is judged against.
 
 No Ray and no model code here; it runs the plugin's own code, so a plugin that hangs hangs it.
 """
@@ -42,6 +47,10 @@ from attnlab.attention.variants import get_variant
 # The inputs of the float64 comparisons: odd length past the first three rows, two heads, two sequences.
 B, H, T, D = 2, 2, 37, 16
 TOLERANCE = 1e-8  # float64, relative to max(1, the largest reference value)
+NORMALISED_TOLERANCE = 1e-9  # float64: |row sum - 1| of a normalised reference
+NEGATIVE_TOLERANCE = 1e-12  # float64: the most negative weight of a normalised reference
+CAUSALITY_TOLERANCE = 1e-12  # float64: the change of an earlier output when the future changes
+ALIBI_MIN_CHANGE = 1e-9  # float64: the least change of the output that shows ctx.alibi reaches the reference
 MEMORY_LENGTHS = (256, 1024)
 MAX_MEMORY_EXPONENT = 1.3  # T^1 is linear, T^2 quadratic; between: constant overheads
 LOWERING_LENGTH = 128
@@ -75,18 +84,27 @@ def check_plugin(loaded: LoadedPlugin, names: list[str] | None = None,
 def check_variant(spec: PluginSpec, say: Callable[[Verdict], None] = lambda v: None) -> list[Verdict]:
     """Every check of one variant, in order; ``say`` gets each verdict as it is reached."""
     verdicts = []
-    checks = (_reference, _fused_vs_reference, _alibi, _sharpening, _causality, _bf16, _memory, _lowering)
-    for check in checks:
+    leaks = False  # a form that leaks the future cannot agree with another: causality comes first, as the cause
+    for check in CHECKS:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the one-time fallback warnings are stated in the verdicts
                 name, ok, detail = check(spec)
         except Exception as exc:  # noqa: BLE001 - a plugin's error is a failed check, in one line
             name, ok, detail = check.__name__.strip("_").replace("_", " "), False, _one_line(exc)
+        if check is _causality:
+            leaks = not ok
+        elif leaks and not ok and check in (_fused_vs_reference, _sharpening):
+            detail = f"follows from the causality failure above (fix that first): {detail}"
         verdict = Verdict(spec.name, name, ok, detail)
         say(verdict)
         verdicts.append(verdict)
     return verdicts
+
+
+def _diff(err: float, tolerance: float) -> str:
+    """A difference and the tolerance it is judged against, as every verdict prints them."""
+    return f"{err:.1e} (tolerance {tolerance:.1e})"
 
 
 def _one_line(exc: BaseException, limit: int = 240) -> str:
@@ -175,10 +193,11 @@ def _reference(spec: PluginSpec):
     if spec.variant.normalised:
         negative = float((-w).clamp_min(0).max())
         off = float((w.sum(-1) - 1).abs().max())
-        if negative > 1e-12 or off > 1e-9:
-            return "reference", False, (f"declares normalised=True but a row has a weight of {-negative:.2g} or sums "
-                                        f"to 1 {'+-'} {off:.2g}: fix the reference or drop normalised")
-        detail += f", non-negative, rows summing to 1 within {off:.1g} (normalised)"
+        if negative > NEGATIVE_TOLERANCE or off > NORMALISED_TOLERANCE:
+            return "reference", False, (f"declares normalised=True but a row has a weight of {-negative:.2g} "
+                                        f"(tolerance {-NEGATIVE_TOLERANCE:.1e}) or sums to 1 {'+-'} "
+                                        f"{_diff(off, NORMALISED_TOLERANCE)}: fix the reference or drop normalised")
+        detail += f", non-negative, rows summing to 1 within {_diff(off, NORMALISED_TOLERANCE)} (normalised)"
     return "reference", True, detail
 
 
@@ -202,11 +221,11 @@ def _fused_vs_reference(spec: PluginSpec):
                 where = f"{what}{' ' if label in ('out', 'q', 'k', 'v', 'x') else ''}{_where(label, index)}"
                 worst[phase] = (err, f"{where} (position {position})", scale)
     ok = all(err <= TOLERANCE * scale for err, _, scale in worst.values())
-    (f_err, f_where, _), (b_err, b_where, _) = worst["forward"], worst["backward"]
-    detail = (f"{_fused_name(spec)}: forward max |diff| {f_err:.1e} at {f_where}; backward max |diff| {b_err:.1e} at "
-              f"{b_where}")
+    (f_err, f_where, f_scale), (b_err, b_where, b_scale) = worst["forward"], worst["backward"]
+    detail = (f"{_fused_name(spec)}: forward max |diff| {_diff(f_err, TOLERANCE * f_scale)} at {f_where}; backward "
+              f"max |diff| {_diff(b_err, TOLERANCE * b_scale)} at {b_where}")
     if not ok:
-        detail = f"the fused form disagrees with its reference: {detail} (tolerance {TOLERANCE:g})"
+        detail = f"the fused form disagrees with its reference: {detail}"
     return name, ok, detail
 
 
@@ -216,10 +235,12 @@ def _alibi(spec: PluginSpec):
         plain = _out(spec.replace(position_bias="none"), "dense", inp)
         biased = _out(spec.replace(position_bias="alibi"), "dense", inp)
     change = float((plain - biased).abs().max())
-    if change <= 1e-9:
-        return "ALiBi", False, ("the reference ignores ctx.alibi: a model with position alibi would train without "
+    if change <= ALIBI_MIN_CHANGE:
+        return "ALiBi", False, (f"the reference ignores ctx.alibi (output changes by up to {change:.1e}, at least "
+                                f"{ALIBI_MIN_CHANGE:.1e} expected): a model with position alibi would train without "
                                 "it; add ctx.alibi(rows.h, rows.i, rows.j) to the score (docs/plugins.md#alibi)")
-    return "ALiBi", True, f"ctx.alibi reaches the reference (output changes by up to {change:.2g})"
+    return "ALiBi", True, (f"ctx.alibi reaches the reference (output changes by up to {change:.2g}, at least "
+                           f"{ALIBI_MIN_CHANGE:.1e} expected)")
 
 
 def _sharpening(spec: PluginSpec):
@@ -248,10 +269,11 @@ def _sharpening(spec: PluginSpec):
     what = label if label == "out" else f"d{label}" if " " not in label else f"d({label})"
     where = f"{what}{' ' if label in ('out', 'q', 'k', 'v', 'x') else ''}{_where(label, index)}"
     if err > TOLERANCE * scale:
-        return "sharpening", False, (f"the fused two-pass form disagrees with the sharpened reference (p=3): max |diff| "
-                                     f"{err:.1e} at {where} (tolerance {TOLERANCE:g})")
+        return "sharpening", False, (f"the fused two-pass form disagrees with the sharpened reference (p=3): max "
+                                     f"|diff| {_diff(err, TOLERANCE * scale)} at {where}")
     return "sharpening", True, (f"p=3: finite outputs and gradients; the fused two-pass form equals the sharpened "
-                                f"reference in float64 (forward and backward max |diff| {err:.1e} at {where})")
+                                f"reference in float64 (forward and backward max |diff| "
+                                f"{_diff(err, TOLERANCE * scale)} at {where})")
 
 
 def _worst(pairs):
@@ -277,14 +299,16 @@ def _causality(spec: PluginSpec):
                 before = _out(s, impl, inp)
                 after = _out(s, impl, _future_changed(inp, t))
             leak, index = _largest(after[..., : t + 1, :], before[..., : t + 1, :])
-            if leak > 1e-12:
-                leaks.append(f"the {form} form leaks the future: output {_where('out', index)} changes by {leak:.2g} "
-                             f"when the tokens after row {t} change (position {position})")
+            if leak > CAUSALITY_TOLERANCE:
+                leaks.append(f"the {form} form leaks the future: output {_where('out', index)} changes by "
+                             f"{_diff(leak, CAUSALITY_TOLERANCE)} when the tokens after row {t} change (position "
+                             f"{position})")
                 break
     if leaks:
         return "causality", False, "; ".join(leaks)
     return "causality", True, (f"changing the tokens after row {t} (x, q, k, v) changes no earlier output of "
-                               f"{' or '.join(f for f, _ in forms)} (with and without ALiBi)")
+                               f"{' or '.join(f for f, _ in forms)} by more than {CAUSALITY_TOLERANCE:.1e} (with and "
+                               "without ALiBi)")
 
 
 def _future_changed(inp: _Inputs, t: int) -> _Inputs:
@@ -358,7 +382,10 @@ def _lowering(spec: PluginSpec):
     def step(q, k, v, x):
         return attend(q, k, v, spec, impl=impl, state=prepare_state(spec, x, params, shape))
 
-    graphs, stops = lowered_training_graph(step, (inp.q, inp.k, inp.v, inp.x))
+    try:
+        graphs, stops = lowered_training_graph(step, (inp.q, inp.k, inp.v, inp.x))
+    except Exception as exc:  # noqa: BLE001 - inductor's failures come in many types
+        return "lowering", False, _lowering_failure(spec, exc)
     calls = stops.count("fw")
     if spec.variant.log_score is not None:
         if calls < 1 or stops.count("bw") != calls:
@@ -368,6 +395,61 @@ def _lowering(spec: PluginSpec):
     what = "the fused function's" if impl == "flex" else "reference only: the dense reference's"
     return "lowering", True, (f"{what} compiled training graph ({', '.join(graphs)}) lowered through inductor "
                               "(CPU, up to code generation; no FlexAttention call)")
+
+
+# In this order: causality before any agreement (a form that leaks the future cannot agree with another).
+CHECKS = (_reference, _causality, _fused_vs_reference, _alibi, _sharpening, _bf16, _memory, _lowering)
+# Where docs/plugins.md gives the fix of a lowering failure: a state tensor read twice in log_score, anything else.
+READ_TWICE_DOC = "docs/plugins.md#a-state-tensor-read-twice"
+LOWERING_DOC = "docs/plugins.md#check"
+
+
+def _lowering_failure(spec: PluginSpec, exc: BaseException) -> str:
+    """One line: inductor's own cause in full (its first paragraph, not the wrapper's text or the lowered arguments),
+    the state tensors ``log_score`` reads more than once when that is the cause, and the doc section with the fix."""
+    cause = exc
+    while (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__
+    paragraph = " ".join(str(cause).strip().split("\n\n")[0].split())
+    if paragraph.endswith(":"):  # it introduces the example torch gives after it: the sentence ends here
+        paragraph = paragraph[:-1].removesuffix(" like").rstrip(" .,") + "."
+    text = f"{type(cause).__name__}: {paragraph}"
+    if "multiple indexing operations on the same tensor" not in paragraph:
+        return f"inductor could not lower the compiled training graph: {text} ({LOWERING_DOC})"
+    try:
+        names = _read_twice(spec)
+    except Exception:  # noqa: BLE001 - naming the tensor is a courtesy: the cause above is the verdict
+        names = []
+    which = (f"log_score reads {' and '.join(f'ctx.state[{n!r}]' for n in names)} at more than one index"
+             if names else "log_score reads a state tensor that takes gradients at more than one index")
+    return (f"inductor could not lower FlexAttention's backward: {which}; torch says: {text} Fix: give each read its "
+            "own tensor from prepare (a copy, or a detached one where its gradient there is zero), see "
+            f"{READ_TWICE_DOC}")
+
+
+def _read_twice(spec: PluginSpec) -> list[str]:
+    """The names of ``ctx.state`` tensors taking gradients that ``log_score`` indexes more than once (one call, on
+    index tensors, counted by a torch function mode)."""
+    from torch.overrides import TorchFunctionMode
+
+    from attnlab.attention.plugin import Context
+
+    inp = _inputs(spec)
+    state = prepare_state(spec, inp.x, inp.params, inp.shape)
+    tensors = {id(t): name for name, t in state.prepared.items() if t.requires_grad}
+    reads = dict.fromkeys(tensors.values(), 0)
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.__getitem__ and args and id(args[0]) in tensors:
+                reads[tensors[id(args[0])]] += 1
+            return func(*args, **(kwargs or {}))
+
+    ctx = Context(inp.shape, T, dict(state.prepared), None, spec.position_bias, torch.float64)
+    index = [torch.tensor(i) for i in (0, 0, 5, 2)]
+    with Reads(), torch.no_grad():
+        spec.variant.log_score(torch.tensor(0.5, dtype=torch.float64), *index, ctx)
+    return [name for name, count in reads.items() if count > 1]
 
 
 def checked_names(loaded: LoadedPlugin, name: str | None) -> list[str]:

@@ -236,8 +236,12 @@ def dense_saved_factor(cfg: GPTConfig) -> float:
 
 def _dense_rows_keys(B: int, H: int, T: int) -> int:
     """Elements of the dense weights over all chunks (attend_dense's chunking: causal keys ``:r1`` per chunk)."""
-    bytes_per_row = max(1, B * H * T * 4 * 4)
-    chunk = max(1, min(T, 256 * 1024**2 // bytes_per_row))
+    import torch
+
+    from attnlab.attention.chunked import DEFAULT_CHUNK_BYTES, rows_per_chunk
+    from attnlab.attention.dense import DENSE_TEMPORARIES
+
+    chunk = rows_per_chunk(B * H, T, torch.float32, DEFAULT_CHUNK_BYTES, DENSE_TEMPORARIES)
     total = 0
     for r0 in range(0, T, chunk):
         r1 = min(T, r0 + chunk)

@@ -11,8 +11,14 @@ the job's driver loads them from it (``study run --plugin-bundle``), so a plugin
 or one edited or deleted after submitting, runs as it was when submitted, and nothing reads a plugin file on the
 cluster. Each trial's training config then carries its plugin's bytes to the workers.
 
-The job's driver resolves ``attnlab`` from the PATH the head was started with (activate the venv before
-``ray start``). Only the Jobs SDK is used here: no Tune, no training.
+Where the job writes (``--store``, ``--runs``) is checked here, before anything is uploaded (:func:`job_location`):
+the job runs in a temporary copy of the working directory, so a relative path is refused in one line, except on a
+cluster on this machine (``--address`` naming this host), where it is made absolute here. A URI is always allowed.
+
+The job's entrypoint does not depend on the head's PATH where it can avoid it (:func:`entrypoint`): on a cluster
+on this machine it runs this interpreter (``python -m attnlab``); on another machine it runs ``attnlab`` from the
+head's PATH after a check that says, in one line, how to fix a head started without it. Only the Jobs SDK is used
+here: no Tune, no training.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -47,10 +54,13 @@ def add_submit_parser(sub) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
                    help="the head's dashboard, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)")
     p.add_argument("--cluster", metavar="CLUSTER.yaml", help="check the study's resources fit this cluster config")
-    p.add_argument("--store", help="results store URI for the job (a shared one on a multi-node cluster: s3://...)")
+    p.add_argument("--store", help="results store for the job: a URI (s3://, gs://) or an absolute path the job's "
+                   "nodes share; a relative path only for a cluster on this machine (default: "
+                   "$ATTNLAB_STORAGE/results)")
     p.add_argument("--runs", "--storage", dest="runs",
-                   help="the runs folder for the job: Tune state, training runs and trial status (shared storage on a "
-                   "multi-node cluster; --storage is its earlier name)")
+                   help="the runs folder for the job: Tune state, training runs and trial status; a URI or a shared "
+                   "absolute path, a relative one only for a cluster on this machine (default: $ATTNLAB_STORAGE/runs; "
+                   "--storage is its earlier name)")
     p.add_argument("--working-dir", default=".", help="the folder to upload (default: the current folder)")
     p.add_argument("--submission-id", help="a job id to use (must be unique on the cluster)")
     p.add_argument("--no-wait", action="store_true", help="return after submitting instead of following the log")
@@ -63,10 +73,57 @@ def add_submit_parser(sub) -> None:
     p.set_defaults(func=_submit)
 
 
+def is_this_machine(address: str) -> bool:
+    """True when the dashboard ``address`` (``http://HOST:8265``, ``HOST:PORT`` or ``auto``) names this machine: a
+    loopback address, this host's name, or one of its addresses. A job submitted there runs here: it sees this machine's files
+    and interpreter."""
+    text = address.strip()
+    if text == "auto":  # the Jobs SDK finds the cluster started on this machine
+        return True
+    host = text.split("://", 1)[1] if "://" in text else text
+    host = host.split("/", 1)[0].rsplit("@", 1)[-1]
+    host = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0] if host.count(":") == 1 \
+        else host
+    host = host.lower()
+    if host in ("localhost", "::1", "") or host.startswith("127."):
+        return True
+    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    if host in names:
+        return True
+    try:
+        mine = set(socket.gethostbyname_ex(socket.gethostname())[2])
+        return bool(mine & set(socket.gethostbyname_ex(host)[2]))
+    except OSError:
+        return False
+
+
+def job_location(text: str | None, flag: str, local: bool) -> str | None:
+    """``--store``/``--runs`` as the job must get it, checked before anything is uploaded: a URI (s3://, gs://) as
+    given; an absolute path as given (it must be shared storage, e.g. NFS, on a multi-node cluster); a relative path
+    made absolute on a cluster on this machine (``local``), else refused in one line naming the flag."""
+    if text is None:
+        return None  # the job's default: $ATTNLAB_STORAGE/<what> where the cluster (or this shell) sets it
+    from attnlab.location import _scheme
+
+    scheme = _scheme(text)
+    if scheme is not None and scheme != "file":
+        return text
+    path = text[len("file://"):] if scheme == "file" else text
+    if os.path.isabs(os.path.expanduser(path)):
+        return text
+    if local:
+        return os.path.abspath(path)
+    raise UserError(f"{flag} {text!r} is relative, and the job runs on another machine in a temporary copy of the "
+                    f"working directory: give {flag} a shared location, a URI (s3://..., gs://...) or an absolute "
+                    "path every node sees (NFS)")
+
+
 def entrypoint(study: str, store: str | None = None, runs: str | None = None, plugins: list[str] | tuple = (),
-               bundle: str | None = None, compact: bool = True) -> str:
-    """The job's command line."""
-    parts = ["attnlab", "study", "run", study]
+               bundle: str | None = None, compact: bool = True, python: str | None = None) -> str:
+    """The job's command line. ``python``: the interpreter to run ``python -m attnlab`` with (a cluster on this
+    machine: this one); None runs ``attnlab`` from the head's PATH, after a check that names the fix when it is not
+    there."""
+    parts = [python, "-m", "attnlab", "study", "run", study] if python else ["attnlab", "study", "run", study]
     if not compact:
         parts.append("--no-compact")
     if store:
@@ -77,7 +134,16 @@ def entrypoint(study: str, store: str | None = None, runs: str | None = None, pl
         parts += ["--plugin", ref]
     if bundle:
         parts += ["--plugin-bundle", bundle]
-    return " ".join(shlex.quote(p) for p in parts)
+    command = " ".join(shlex.quote(p) for p in parts)
+    if python:
+        return command
+    return f"{{ command -v attnlab >/dev/null || {{ echo {shlex.quote(PATH_ERROR)} >&2; exit 127; }}; }} && {command}"
+
+
+# What a job says when the head's PATH has no attnlab (a head started from a venv that was not activated).
+PATH_ERROR = ("attnlab: error: the job's driver found no attnlab on the head's PATH: start Ray on the head from the "
+              "environment attnlab is installed in (source VENV/bin/activate, then ray start --head), or put VENV/bin "
+              "on the PATH of ray start (docs/plugins.md#on-a-cluster-ray-job-submit)")
 
 
 def write_bundle(sources: list, folder: str | Path) -> Path:
@@ -114,6 +180,8 @@ def submit_study(study: str, address: str, *, working_dir: str = ".", store: str
 
     if not address:
         raise UserError("--address is required (the head's dashboard, e.g. http://127.0.0.1:8265), or set RAY_ADDRESS")
+    here = is_this_machine(address)
+    store, runs = job_location(store, "--store", here), job_location(runs, "--runs", here)
     spec = load_spec(study, plugins=plugins)
     if cluster:
         from attnlab.study.fit import check_study_fits
@@ -149,7 +217,8 @@ def submit_study(study: str, address: str, *, working_dir: str = ".", store: str
             bundle = write_bundle(spec.plugins, folder)
             runtime_env["py_modules"] = [str(bundle)]
         return client.submit_job(
-            entrypoint=entrypoint(rel.as_posix(), store, runs, plugins, bundle.name if bundle else None, compact),
+            entrypoint=entrypoint(rel.as_posix(), store, runs, plugins, bundle.name if bundle else None, compact,
+                                  python=sys.executable if here else None),
             runtime_env=runtime_env, submission_id=submission_id, metadata={"study": spec.name},
             entrypoint_num_cpus=0)
     finally:
