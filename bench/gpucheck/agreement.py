@@ -178,11 +178,14 @@ def check_case(sizes, device: torch.device, T: int, dtype_name: str, name: str, 
     return row
 
 
-def run_cases(sizes, device: torch.device, assigned: list, report) -> None:
-    """Check ``assigned`` cases one after the other, handing each row to ``report`` as it ends."""
+def run_cases(sizes, device: torch.device, assigned: list, report, expired=lambda: False) -> None:
+    """Check ``assigned`` cases one after the other, handing each row to ``report`` as it ends; none starts once
+    ``expired()``."""
     cases()  # loads the shipped plugins in this process: their variants are among the cases
     current = None
     for T, dtype_name, name, p in assigned:
+        if expired():
+            break
         if current != (name, p):
             reset_dynamo()  # a fresh recompile count for this variant's FlexAttention specialisations
             current = (name, p)
@@ -238,17 +241,11 @@ def agreement(ctx: Context) -> Outcome:
         if not finished and not got:
             say(background.log_tail(workers[0]))
     else:  # in this process, one case after another (--no-workers)
-        current = None
-        for T, dtype_name, name, p in plan:
-            if ctx.clock.expired():
-                break
-            if current != (name, p):
-                reset_dynamo()
-                current = (name, p)
-            row = check_case(sizes, device, T, dtype_name, name, p)
-            got[(T, dtype_name, name, p)] = row
+        def report(row):
+            got[(row["T"], row["dtype"], row["name"], row["p"])] = row
             say(_line(row))
-        reset_dynamo()
+
+        run_cases(sizes, device, plan, report, expired=ctx.clock.expired)
     rows = []
     for T, dtype_name, name, p in plan:
         row = got.get((T, dtype_name, name, p))

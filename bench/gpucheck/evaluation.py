@@ -17,7 +17,7 @@ import time
 import torch
 
 from gpucheck.harness import (FAIL, PASS, Clock, Context, Outcome, autocast, fmt, free_memory, is_oom, one_line,
-                              reset_dynamo, say, sync)
+                              reset_dynamo, say, sync, wait_for_warmers)
 from gpucheck.sizes import (VARIANTS, Sizes, eval_batch, eval_estimate, gib, model_config, peak_vs_estimate,
                             precision_label)
 
@@ -183,9 +183,7 @@ def evaluation(ctx: Context) -> Outcome:
     sizes = ctx.sizes
     precision = "bf16" if sizes.dtype == "bfloat16" else "fp32"
     backend = ctx.compile_backend or "eager"  # graphs are counted either way: the smoke run captures them
-    if ctx.background is not None and ctx.background.keys("warm-eval"):
-        done = ctx.background.wait(["warm-eval"], ctx.clock.part_start + ctx.clock.part_budget * 0.5)
-        say(f"compiled ahead in the background: {'done' if done else 'not finished; compiling here too'}")
+    wait_for_warmers(ctx, "warm-eval", 0.5)
     lengths = [m * sizes.train_len for m in sizes.eval_multiples]
     p_labels = ["none" if p is None else f"{p:g}" for p in sizes.eval_p]
     say(f"{sizes.preset} lssar (p_train 15, untrained) trained at T = {sizes.train_len}; score_windows at T = "

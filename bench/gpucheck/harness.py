@@ -216,6 +216,17 @@ class Recorder:
         return row
 
 
+def wait_for_warmers(ctx: Context, prefix: str, fraction: float) -> bool | None:
+    """Wait for the background warmers whose names start with ``prefix`` (:mod:`gpucheck.background`), at most
+    ``fraction`` of the part's budget; True when they all ended, False when not, None when there are none."""
+    keys = ctx.background.keys(prefix) if ctx.background is not None else []
+    if not keys:
+        return None
+    done = ctx.background.wait(keys, ctx.clock.part_start + ctx.clock.part_budget * fraction)
+    say(f"compiled ahead in the background: {'done' if done else 'not finished; compiling here too'}")
+    return done
+
+
 def run_part(ctx: Context, recorder: Recorder, key: str, title: str, budget_s: float, part) -> Outcome:
     """Run ``part(ctx)`` within ``budget_s`` (its items check ``ctx.clock.expired()``; the overall deadline skips
     a part that would start after it), print its one line, and record it."""

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from gpucheck.harness import FAIL, PASS, Clock, Context, Outcome, fmt, free_memory, is_oom, one_line, say, sync
+from gpucheck.harness import (FAIL, PASS, Clock, Context, Outcome, fmt, free_memory, is_oom, one_line, say, sync,
+                              wait_for_warmers)
 from gpucheck.sizes import TARGETS, Sizes
 
 def measure_fwd_bwd(fn, q, k, v, repeats: int, device: torch.device, warmup: int = 2,
@@ -142,10 +143,7 @@ def kernels(ctx: Context) -> Outcome:
 
     sizes, device = ctx.sizes, ctx.device
     H, D = sizes.speed_heads, sizes.head_dim
-    warmers = ctx.background.keys("warm-kernels") if ctx.background is not None else []
-    if warmers:
-        warmed = ctx.background.wait(warmers, ctx.clock.part_start + ctx.clock.part_budget * 0.6)
-        say(f"compiled ahead in the background: {'done' if warmed else 'not finished; compiling here too'}")
+    wait_for_warmers(ctx, "warm-kernels", 0.6)
     say(f"B=1, H={H}, d={D}, {sizes.dtype}; median of {sizes.speed_repeats} after 2 warm-up calls; peak = "
         "max_memory_allocated above the inputs")
     say("| T | variant | backend | fwd+bwd ms | x SDPA | fwd+bwd peak MiB | x SDPA |")

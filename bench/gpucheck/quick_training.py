@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from gpucheck.harness import FAIL, PASS, Context, Outcome, fmt, free_memory, one_line, reset_dynamo, say, sync
+from gpucheck.harness import (FAIL, PASS, Context, Outcome, fmt, free_memory, one_line, reset_dynamo, say, sync,
+                              wait_for_warmers)
 from gpucheck.sizes import gib, peak_vs_estimate
 from gpucheck.training import LR, precision_of, production_step, random_steps, run_steps
 
@@ -24,14 +25,6 @@ def warm(ctx: Context, name: str, p) -> None:
     parts = production_step(sizes, ctx.device, name, p, ctx.compile_backend)
     steps = random_steps(parts.model.cfg.vocab_size, sizes.train_len, sizes.micro_batch, sizes.accum, 1, ctx.device)
     run_steps(parts, steps, sizes.accum)
-
-
-def _wait_for_warmer(ctx: Context, name: str) -> str:
-    key = f"warm-train-{name}"
-    if ctx.background is None or not ctx.background.keys(key):
-        return ""
-    done = ctx.background.wait([key], ctx.clock.part_start + ctx.clock.part_budget * 0.6)
-    return "compiled ahead" if done else "compiled here (the background compile had not finished)"
 
 
 def _profile_step(parts, batches, accum: int, rows: int = 12) -> list[dict]:
@@ -72,7 +65,9 @@ def _quick_one(ctx: Context, name: str, p) -> dict:
     from attnlab.train.recipe import build_optimizer, peak_flops
 
     sizes, device = ctx.sizes, ctx.device
-    compiled_where = _wait_for_warmer(ctx, name)
+    warmed = wait_for_warmers(ctx, f"warm-train-{name}", 0.6)
+    compiled_where = {True: "compiled ahead", False: "compiled here (the background compile had not finished)",
+                      None: ""}[warmed]
     parts = production_step(sizes, device, name, p, ctx.compile_backend)
     model, T, B, accum = parts.model, sizes.train_len, sizes.micro_batch, sizes.accum
     # The starting weights, kept on the CPU: a copy on the GPU would count in the peak measured below.
