@@ -53,7 +53,7 @@ def _measured_train_peak(cfg, seq_len: int, micro_batch: int, precision: str = "
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-WIDE = dict(preset="tiny", n_layer=4, n_head=8, n_embd=512, vocab_size=256)  # activations over the loss path
+WIDE = dict(preset="tiny", n_layer=2, n_head=4, n_embd=256, vocab_size=256)  # activations over the loss path
 
 
 @pytest.mark.cuda_proxy
