@@ -357,6 +357,10 @@ def test_an_existing_destination_needs_overwrite(exported, tmp_path):
     export_run(str(run), str(target), overwrite=True)
     assert not (target / "mine.txt").exists() and (target / "config.json").is_file()
     assert _left_behind(tmp_path) == ["hf"]  # the staging folder and the old folder are gone
+    for holder in (run, run.parent):  # --overwrite never replaces the run being exported
+        with pytest.raises(UserError, match="holds the run being exported"):
+            export_run(str(run), str(holder), overwrite=True)
+    assert (run / "checkpoints" / "step_3" / "state.pt").is_file()
 
 
 def test_a_plugin_whose_code_does_not_match_its_sha256_is_refused(exported, tmp_path):

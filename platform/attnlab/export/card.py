@@ -15,6 +15,8 @@ from attnlab.location import Location
 from attnlab.model.config import GPTConfig
 
 CARD_METRIC = "val_loss"
+PAPER = ("Gao & Spratling, *Softplus Attention with Re-weighting Boosts Length Extrapolation in Large Language "
+         "Models*, arXiv 2501.13428")
 
 
 def extrapolation_table(store: Location, train_key: str | None) -> str:
@@ -45,7 +47,7 @@ def _variant_lines(spec: AttentionSpec | PluginSpec, plugin: dict | None) -> lis
                                                  ("qk_norm", spec.qk_norm), ("bias", spec.bias), ("post", spec.post),
                                                  ("out_norm", spec.out_norm)) if v not in ("none", False))
     return [f"- **{spec.name}**: {spec.source or 'an attnlab variant'}",
-            f"- its form: {fields} (attnlab's docs/attention.md)"]
+            f"- its form: {fields} (attnlab's docs/attention.md); tables and equations are those of {PAPER}"]
 
 
 def model_card(cfg: GPTConfig, *, record: dict, train: dict, tokenizer: str, p_eval: float | None,
@@ -84,7 +86,7 @@ def model_card(cfg: GPTConfig, *, record: dict, train: dict, tokenizer: str, p_e
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)",
-        "tokenizer = AutoTokenizer.from_pretrained(FOLDER)",
+        "tokenizer = AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True)",
         "```", "",
         "`model.generate` recomputes the whole sequence at every step (no KV cache: the RoPE scalings and some "
         "variants depend on the current length). Pad on the right only.", "",

@@ -49,6 +49,9 @@ def export_run(source, to, *, store=None, overwrite: bool = False, p_eval=RUN_P,
     require_safetensors()
     checkpoint = find_latest_checkpoint(source)
     target = Location.parse(to, field="--to")
+    run = run_of_checkpoint(checkpoint)
+    if any(held.uri == target.uri or held.uri.startswith(target.uri.rstrip("/") + "/") for held in (checkpoint, run)):
+        raise UserError(f"--to {target.uri} holds the run being exported ({run.uri}): give a folder outside it")
     check_target(target, overwrite)
     if rope_scaling not in ROPE_SCALINGS:
         raise UserError(f"--rope-scaling={rope_scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
@@ -65,7 +68,6 @@ def export_run(source, to, *, store=None, overwrite: bool = False, p_eval=RUN_P,
     cfg = config_from_dict(fields)
     kind = tokenizer_kind(cfg.vocab_size)
     p = resolve_p_eval(cfg, p_eval)
-    run = run_of_checkpoint(checkpoint)
     step = int(state.get("step", 0))
     record = {"checkpoint": checkpoint.uri, "step": step, "train_key": recorded_train_key(run),
               "tokens": step * int(train["tokens_per_step"]) if "tokens_per_step" in train else None,
