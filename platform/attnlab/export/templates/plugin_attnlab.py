@@ -200,7 +200,7 @@ def _namespace(name: str, filename: str) -> dict:
 def _run(record: dict, files: dict, digest: str) -> types.ModuleType:
     """Execute the plugin's bytes: a file plugin as one module; a module plugin's package through a finder."""
     if record["kind"] == "file":
-        name = f"attnlab_export_plugin_{digest[:12]}"
+        name = f"exported_plugin_{digest[:12]}"  # not attnlab_*: nothing here is attnlab's
         module = types.ModuleType(name)
         module.__dict__.update(_namespace(name, record["origin"]))
         sys.modules[name] = module  # functions defined in it pickle by reference
