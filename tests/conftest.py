@@ -55,7 +55,7 @@ import pytest  # noqa: E402
 
 import fault_injection  # noqa: E402
 
-pytest_plugins = ["conftest_data"]
+pytest_plugins = ["conftest_data", "conftest_downstream"]
 # The crash tests' fault injection (ATTNLAB_FAIL_*) in this process; the Ray workers get it from ray_session.
 fault_injection.install()
 

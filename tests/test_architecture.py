@@ -11,7 +11,7 @@ Layers, bottom to top (a package may import its own layer's modules only inside 
     2  attention
     3  model
     4  data, results, runfolder (a training run's folder: its files' format, read by train, study and serve)
-    5  train, evaluate, cluster
+    5  train, evaluate, cluster, export (a run to a Hugging Face model folder)
     6  study
     7  the commands: attnlab/cli.py, attnlab/demo.py, every */cli.py, serve
     8  attnlab/__main__.py (``python -m attnlab``: the command line, as a Ray job's entrypoint runs it)
@@ -28,7 +28,7 @@ LAYERS = {
     "errors": 0, "names": 1, "validation": 1, "location": 1, "provenance": 1, "ray_runtime": 1, "cache": 1,
     "states": 1, "faults": 1,
     "attention": 2, "model": 3, "data": 4, "results": 4, "runfolder": 4,
-    "train": 5, "evaluate": 5, "cluster": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
+    "train": 5, "evaluate": 5, "cluster": 5, "export": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
     "__main__": 8,
 }
 # Modules that may import Ray (the thin layer); everything else must import and test without it.

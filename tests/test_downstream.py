@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +24,8 @@ from attnlab.validation import parse
 
 pytest.importorskip("lm_eval")
 
-TASKS = Path(__file__).parent / "downstream_tasks"
-MC_GOLD_ENGLISH = 9  # of 12 documents; the other 3 name the random tokens as the answer
-N_MC = 12
+from conftest_downstream import MC_GOLD_ENGLISH, N_MC  # noqa: E402
+from conftest_downstream import passages as _passages  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,49 +40,6 @@ def trained(demo_data_dir, tmp_path_factory):
                                  checkpoint_every=20, warmup_steps=4, lr=3e-3))
     train_worker(cfg, LocalSession(run_dir, device="cpu"), run_dir)
     return run_dir
-
-
-def _passages(n: int, words: int, offset: int = 0) -> list[str]:
-    from attnlab.data.pipeline.demo_corpus import ensure_demo_corpus
-
-    texts = sorted(ensure_demo_corpus().glob("*.txt"))
-    out = []
-    for i in range(n):
-        body = " ".join(texts[i % len(texts)].read_text(encoding="utf-8").split())
-        start = (2000 + 977 * (i + offset)) % (len(body) - 4000)
-        passage = body[start:].split(" ")[1:words + 1]
-        assert len(passage) == words
-        out.append(" ".join(passage))
-    return out
-
-
-def _gibberish(rng, n_tokens: int) -> str:
-    from attnlab.data.tokenizer import get_encoding
-
-    enc = get_encoding()
-    return enc.decode([int(t) for t in rng.integers(1000, 50000, size=n_tokens)]).strip()
-
-
-@pytest.fixture(scope="module")
-def tasks_dir(tmp_path_factory):
-    """The three test tasks with their data: (folder, mc docs, last-word texts, rolling texts)."""
-    folder = tmp_path_factory.mktemp("tasks") / "tasks"
-    shutil.copytree(TASKS, folder)
-    (folder / "data").mkdir()
-    rng = np.random.default_rng(0)
-    mc = []
-    for i, passage in enumerate(_passages(N_MC, 26)):
-        words = passage.split(" ")
-        english, noise = " ".join(words[20:]), _gibberish(rng, 8)
-        choices = [english, noise] if i % 2 == 0 else [noise, english]
-        gold = choices.index(english) if i < MC_GOLD_ENGLISH else choices.index(noise)
-        mc.append({"context": " ".join(words[:20]), "choices": choices, "label": gold,
-                   "english": choices.index(english)})
-    lastword = [{"text": t} for t in _passages(6, 30, offset=50)]
-    rolling = [{"text": t} for t in _passages(4, 25, offset=90)]
-    for name, docs in (("mc", mc), ("lastword", lastword), ("rolling", rolling)):
-        (folder / "data" / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    return folder, mc, [d["text"] for d in lastword], [d["text"] for d in rolling]
 
 
 # ------------------------------------------------------------------------------------------ by hand
@@ -153,7 +108,7 @@ def _value(rows, task, metric, length=64):
 
 
 # ------------------------------------------------------------------------------------------ tests
-def test_known_scores_land_in_the_store_and_the_table(trained, tasks_dir, tmp_path, capsys, monkeypatch):
+def test_known_scores_land_in_the_store_and_the_table(trained, downstream_tasks, tmp_path, capsys, monkeypatch):
     import multiprocessing
 
     from attnlab.cli import main
@@ -164,7 +119,7 @@ def test_known_scores_land_in_the_store_and_the_table(trained, tasks_dir, tmp_pa
 
     monkeypatch.setattr(multiprocessing, "Pool", no_fork)  # a fork of a process with Ray's threads can hang
 
-    folder, mc, lastword, rolling = tasks_dir
+    folder, mc, lastword, rolling = downstream_tasks
     model = _model(trained)
     acc, acc_norm, prefers = _expected_mc(model, mc)
     assert all(prefers), "the trained model prefers the English continuation in every document"
@@ -199,13 +154,13 @@ def test_known_scores_land_in_the_store_and_the_table(trained, tasks_dir, tmp_pa
     assert len(ResultsStore(str(store)).read(study="down")) == len(rows)
 
 
-def test_cli_scores_beyond_the_training_length(trained, tasks_dir, tmp_path, capsys):
+def test_cli_scores_beyond_the_training_length(trained, downstream_tasks, tmp_path, capsys):
     """--lengths 64,256 --rope both: at 256 the last-word contexts are no longer cut to 64 tokens; with rope none
     the scores are those of the whole sequence, recomputed here."""
     from attnlab.cli import main
 
     folder = tmp_path / "tasks"
-    shutil.copytree(tasks_dir[0], folder)
+    shutil.copytree(downstream_tasks[0], folder)
     long_texts = [_passages(1, 160, offset=200 + i)[0] for i in range(3)]
     (folder / "data" / "lastword.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in long_texts))
     code = main(["eval", str(trained), "--downstream", "attnlab_lastword", "--tasks-dir", str(folder),
@@ -229,10 +184,10 @@ def test_cli_scores_beyond_the_training_length(trained, tasks_dir, tmp_path, cap
     assert float(none_row["mean@64"].iloc[0]) != pytest.approx(full, rel=1e-4)  # cut to 64 tokens of context
 
 
-def test_a_missing_folder_or_an_unknown_task_is_one_line(trained, tasks_dir, tmp_path):
+def test_a_missing_folder_or_an_unknown_task_is_one_line(trained, downstream_tasks, tmp_path):
     from attnlab.evaluate.downstream import check_tasks
 
-    folder = tasks_dir[0]
+    folder = downstream_tasks[0]
     with pytest.raises(UserError, match=r"eval.downstream.data: .*nowhere is not a folder") as missing:
         check_tasks(["attnlab_mc"], str(tmp_path / "nowhere"))
     with pytest.raises(UserError, match=r"task 'attnlab_nope' is not in .*attnlab_lastword, attnlab_mc") as unknown:
@@ -247,11 +202,11 @@ def test_a_missing_folder_or_an_unknown_task_is_one_line(trained, tasks_dir, tmp
         parse(EvalConfig, {"downstream": []}, prefix="eval")
 
 
-def test_tasks_in_a_bucket_are_copied_and_scored(trained, tasks_dir, s3_bucket):
+def test_tasks_in_a_bucket_are_copied_and_scored(trained, downstream_tasks, s3_bucket):
     """A task folder in a bucket (an S3 server): copied to a local temporary folder, scored as from disk."""
     from attnlab.location import Location
 
-    Location.parse(s3_bucket).upload(str(tasks_dir[0]), "lm-tasks")
+    Location.parse(s3_bucket).upload(str(downstream_tasks[0]), "lm-tasks")
     config = parse(EvalConfig, {"downstream": {"tasks": ["attnlab_mc"], "data": f"{s3_bucket}/lm-tasks"},
                                 "windows": False}, prefix="eval")
     rows = evaluate_checkpoint(trained, config, device="cpu")
@@ -318,14 +273,14 @@ def test_a_compiled_model_scores_requests_with_one_graph_per_width_bucket():
 
 
 @pytest.mark.ray
-def test_study_downstream_cells_run_once_and_a_new_task_trains_nothing(ray_session, demo_data_dir, tasks_dir,
+def test_study_downstream_cells_run_once_and_a_new_task_trains_nothing(ray_session, demo_data_dir, downstream_tasks,
                                                                        tmp_path, capsys):
     from attnlab.cli import main
     from attnlab.results import ResultsStore
     from attnlab.study.runner import run_study, study_state
     from attnlab.study.spec import load_spec
 
-    folder, mc, lastword, _ = tasks_dir
+    folder, mc, lastword, _ = downstream_tasks
     train = {"preset": "tiny", "data": str(demo_data_dir), "steps": 4, "tokens_per_step": 512, "micro_batch": 8,
              "lr": 3.0e-3, "warmup_steps": 1, "log_every": 4, "val_every": 4, "val_tokens": 1024,
              "checkpoint_every": 4, "keep_checkpoints": 1, "max_failures": 0, "cpus_per_worker": 0.5}

@@ -124,7 +124,9 @@ def test_p_eval_sharpens_a_normalised_plugin_without_touching_its_weights():
         warnings.simplefilter("ignore")
         plain = model(idx[:, :-1], idx[:, 1:])[1]
         sharpened = model(idx[:, :-1], idx[:, 1:], attention=spec)[1]
+        sharper = model(idx[:, :-1], idx[:, 1:], attention=attention_spec_for(model, 15))[1]
     assert torch.isfinite(sharpened) and sharpened != plain
+    assert sharper != sharpened  # the power reaches the plugin's attention (the model passes it as a tensor)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 

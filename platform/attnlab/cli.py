@@ -22,6 +22,7 @@ _COMMANDS = {
     "study": "attnlab.study.cli",
     "results": "attnlab.results.cli",
     "cluster": "attnlab.cluster.cli",
+    "export": "attnlab.export.cli",
     "serve": "attnlab.serve.cli",
     "demo": "attnlab.demo",
 }

@@ -104,7 +104,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     check_power(spec, p)
     backend = resolve_backend(spec, q.device, impl)
     if isinstance(spec, PluginSpec):
-        return attend_plugin(q, k, v, spec, backend.value, state)
+        return attend_plugin(q, k, v, spec, backend.value, state, p=p)
     if backend is Backend.SDPA:
         return attend_sdpa(q, k, v, spec, qk_gain=qk_gain)
     if backend is Backend.FLEX:

@@ -1,0 +1,255 @@
+"""attnlab's attention variants, RoPE (with its scalings) and ALiBi in plain PyTorch, for a model folder written by
+``attnlab export``.
+
+This file is copied into the folder beside ``modeling_attnlab.py`` and imports torch only: the folder runs where
+attnlab is not installed. Each function is a transcription of attnlab's dense reference, operation for operation in
+the same order and dtypes, so an exported model's logits equal attnlab's (attnlab/attention/dense.py, chunked.py,
+masks.py; attnlab/model/rope.py; the formulas: attnlab's docs/attention.md and docs/protocol.md#rope-scalings):
+
+    A = post(norm(phi(S) * M)),  S = scale(N_i) * q . k (+ bias),  then sharpened when a power p is set:
+    A <- l1norm(relu(N_i A_ij - O_i) ** p)  (O_i = 0 for the first three rows, 1 after)
+
+Weights are computed in float32 (float64 for float64 inputs) whatever the model's dtype, in blocks of query rows
+(rows are independent, so a block is exact) that keep one block's weights under ``CHUNK_BYTES``. A variant from an
+attnlab plugin runs its own ``reference`` function (``plugin_attnlab.py`` loads it) on the same rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+SHARPEN_EXEMPT_ROWS = 3  # rows 0..2 are sharpened without the offset O_i
+EXP_CLAMP = 80.0  # an unnormalised exp (scenario_ii) is clamped below fp32's overflow
+CHUNK_BYTES = 256 * 1024**2  # query rows per block: at most this many bytes of weights and temporaries
+BUILTIN_TEMPORARIES, PLUGIN_TEMPORARIES = 4, 8  # (rows x keys) tensors one row of weights is counted as
+ROPE_SCALINGS = ("ntk", "none", "pi", "yarn")
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds (Peng et al. 2023, section 3.2)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One variant, as attnlab's ``AttentionSpec`` describes it (``plugin``: a plugin variant, whose forms are its
+    own: only ``p`` and ``position_bias`` apply to it)."""
+
+    name: str
+    phi: str = "exp"
+    norm: str = "l1"
+    scale: str = "inv_sqrt_d"
+    coef: float | None = None
+    qk_norm: bool = False
+    qk_norm_gain: str = "none"
+    bias: str = "none"
+    post: str = "none"
+    p: float | None = None
+    out_norm: str = "none"
+    position_bias: str = "none"
+    plugin: object = field(default=None, compare=False)
+
+    @property
+    def learned_qk_gain(self) -> bool:
+        return self.qk_norm_gain == "learned"
+
+
+# --- masks, positions, ALiBi (attnlab/attention/masks.py) -----------------------------------------------------------
+
+def causal_rows(row_start: int, n_rows: int, n_keys: int, device):
+    """Row indices ``(R, 1)`` of query rows ``row_start ..`` and which of the keys ``0 .. K - 1`` each sees ``(R, K)``."""
+    rows = torch.arange(row_start, row_start + n_rows, device=device).unsqueeze(-1)
+    cols = torch.arange(n_keys, device=device).unsqueeze(0)
+    return rows, cols <= rows
+
+
+def visible_keys(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """N_i = i + 1, the keys row i sees."""
+    return (rows + 1).to(dtype)
+
+
+def alibi_slope(head: torch.Tensor, n_head: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ALiBi's slope m_h of the 0-based head index (Press et al. 2022; heads beyond a power of two as their code)."""
+    c = 2 ** int(math.floor(math.log2(n_head)))
+    h = head.to(dtype)
+    exponent = torch.where(h < c, -8.0 * (h + 1.0) / c, -4.0 * (2.0 * (h - c) + 1.0) / c)
+    return torch.exp2(exponent)
+
+
+def alibi_bias(head, q_idx, kv_idx, n_head: int, dtype: torch.dtype) -> torch.Tensor:
+    """``-m_h * (i - j)``."""
+    return -alibi_slope(head, n_head, dtype) * (q_idx - kv_idx).to(dtype)
+
+
+# --- RoPE and its scalings (attnlab/model/rope.py) ------------------------------------------------------------------
+
+def inverse_frequencies(base: float, head_dim: int, device=None) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+
+
+def rope_frequencies(scaling: str, head_dim: int, seq_len: int, train_len: int, base: float, device=None):
+    """``(inv_freq, logit multiplier)`` of a forward of ``seq_len`` tokens: ``none``; ``ntk`` (base times
+    ``s ** (d / (d - 2))``); ``pi`` (frequencies / s); ``yarn`` (NTK-by-parts, logits times ``(0.1 ln s + 1)^2``);
+    every scaling is ``none`` at ``seq_len <= train_len``."""
+    if scaling not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling={scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+    if scaling == "ntk":
+        if seq_len > train_len:
+            base = base * (seq_len / train_len) ** (head_dim / (head_dim - 2))
+        return inverse_frequencies(base, head_dim, device), 1.0
+    inv_freq = inverse_frequencies(base, head_dim, device)
+    if scaling == "none" or seq_len <= train_len:
+        return inv_freq, 1.0
+    s = seq_len / train_len
+    if scaling == "pi":
+        return inv_freq / s, 1.0
+    ratio = train_len * inv_freq / (2 * math.pi)
+    gamma = ((ratio - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)
+    return (1 - gamma) * inv_freq / s + gamma * inv_freq, (0.1 * math.log(s) + 1.0) ** 2
+
+
+def rope_tables(scaling: str, seq_len: int, head_dim: int, train_len: int, base: float, device=None):
+    """float32 cos and sin ``(seq_len, head_dim)`` (half-rotation layout), times ``sqrt(multiplier)``."""
+    inv_freq, multiplier = rope_frequencies(scaling, head_dim, seq_len, train_len, base, device)
+    pos = torch.arange(seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(pos, inv_freq.to(device=device, dtype=torch.float64))
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    if multiplier != 1.0:
+        cos, sin = cos * math.sqrt(multiplier), sin * math.sqrt(multiplier)
+    return cos.to(torch.float32), sin.to(torch.float32)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+# --- the built-in variants (attnlab/attention/dense.py) -------------------------------------------------------------
+
+def length_scale(spec: Spec, n: torch.Tensor, d: int):
+    if spec.scale == "inv_sqrt_d":
+        return 1.0 / math.sqrt(d)
+    if spec.scale == "log_n":
+        return torch.log(n) / math.sqrt(d)
+    if spec.scale == "logd_logn":
+        return math.log(d) * torch.log(n)
+    return spec.coef * torch.log(n)  # coef*log_n
+
+
+def normalise_qk(spec: Spec, q, k, qk_gain):
+    """QK-norm: ``q / |q|``, or with a learned gain ``sqrt(d) * gain * q / |q|``; k alike."""
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    if spec.learned_qk_gain:
+        d = q.shape[-1]
+        gq, gk = (g.to(q.dtype) * math.sqrt(d) for g in qk_gain)
+        gq, gk = (g.unsqueeze(-2) if g.dim() == 2 else g for g in (gq, gk))
+        q, k = q * gq, k * gk
+    return q, k
+
+
+def phi(name: str, s: torch.Tensor) -> torch.Tensor:
+    if name == "exp":
+        return torch.exp(s.clamp(max=EXP_CLAMP))
+    if name == "identity":
+        return s
+    if name == "relu":
+        return F.relu(s)
+    if name == "relu2":
+        return F.relu(s) ** 2
+    if name == "relu6":
+        return F.relu6(s)
+    if name == "gelu":
+        return F.gelu(s)
+    if name == "sigmoid":
+        return torch.sigmoid(s)
+    if name == "softplus":
+        return F.softplus(s)
+    if name == "mish":
+        return F.mish(s)
+    raise ValueError(f"attention phi={name!r} is unknown to this exported model")
+
+
+def l1norm(x: torch.Tensor) -> torch.Tensor:
+    total = x.abs().sum(dim=-1, keepdim=True)
+    return x / total.clamp_min(torch.finfo(x.dtype).tiny)
+
+
+def sharpen(a, n, rows, p):
+    """``l1norm(relu(N_i A_ij - O_i) ** p)``; a row with no mass above rounding (256 ulps) keeps ``A``."""
+    offset = (rows >= SHARPEN_EXEMPT_ROWS).to(a.dtype)
+    x = F.relu(n * a - offset)
+    row_max = x.amax(dim=-1, keepdim=True)
+    has_mass = row_max > 256 * torch.finfo(a.dtype).eps
+    if isinstance(p, torch.Tensor):
+        p = p.to(a.dtype)
+    x = (x / torch.where(has_mass, row_max, torch.ones_like(row_max))) ** p
+    sharpened = x / x.sum(dim=-1, keepdim=True).clamp_min(1.0)
+    return torch.where(has_mass, sharpened, a)
+
+
+def builtin_weights(q, k, spec: Spec, row_start: int, seq_len: int, qk_gain=None, p=None) -> torch.Tensor:
+    """Causal weights of query rows ``row_start ..`` over keys ``0 .. K - 1`` (compute dtype)."""
+    dtype = q.dtype
+    d = q.shape[-1]
+    rows, visible = causal_rows(row_start, q.shape[-2], k.shape[-2], q.device)
+    n = visible_keys(rows, dtype)
+    if spec.qk_norm:
+        q, k = normalise_qk(spec, q, k, qk_gain)
+    s = length_scale(spec, n, d) * (q @ k.transpose(-1, -2))
+    if spec.bias == "neg_log_t":
+        s = s - math.log(seq_len)
+    elif spec.bias == "neg_log_n":
+        s = s - torch.log(n)
+    if spec.position_bias == "alibi":
+        n_head = q.shape[-3]
+        heads = torch.arange(n_head, device=q.device).view(n_head, 1, 1)
+        cols = torch.arange(k.shape[-2], device=q.device).unsqueeze(0)
+        s = s + alibi_bias(heads, rows, cols, n_head, dtype)
+    if spec.phi == "exp" and spec.norm == "l1":  # softmax
+        a = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    else:
+        a = torch.where(visible, phi(spec.phi, s), torch.zeros((), dtype=dtype, device=s.device))
+        if spec.norm == "l1":
+            a = l1norm(a)
+        elif spec.norm == "count":
+            a = a / n
+    if spec.post == "negate":
+        a = -a
+    elif spec.post in ("recentre", "recentre_l1"):
+        a = a - ((rows >= SHARPEN_EXEMPT_ROWS) & visible).to(dtype) / n
+        if spec.post == "recentre_l1":
+            a = l1norm(a)
+    if spec.p is not None:
+        a = sharpen(a, n, rows, spec.p if p is None else p)
+    return a
+
+
+# --- the row blocks (attnlab/attention/chunked.py) ------------------------------------------------------------------
+
+def attend(q, k, v, spec: Spec, qk_gain=None, state=None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """Causal attention ``(B, H, T, D)`` in v's dtype: ``A @ v`` of blocks of query rows, computed in float32 (float64
+    for float64 inputs), then the variant's output LayerNorm. ``state``: a plugin variant's layer state
+    (``plugin_attnlab.PluginState``); its weights come from the plugin's reference."""
+    T = q.shape[-2]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    temporaries = BUILTIN_TEMPORARIES if spec.plugin is None else PLUGIN_TEMPORARIES
+    row_bytes = max(1, math.prod(q.shape[:-2]) * T * torch.finfo(dtype).bits // 8 * temporaries)
+    chunk = max(1, min(T, chunk_bytes // row_bytes))
+    p = None if spec.p is None else torch.tensor(spec.p, dtype=torch.float64, device=q.device)
+    device_type = "cpu" if q.device.type == "meta" else q.device.type
+    with torch.autocast(device_type=device_type, enabled=False):
+        q, k, vv = q.to(dtype), k.to(dtype), v.to(dtype)
+        outs = []
+        for r0 in range(0, T, chunk):
+            r1 = min(T, r0 + chunk)
+            if spec.plugin is None:
+                a = builtin_weights(q[..., r0:r1, :], k[..., :r1, :], spec, r0, T, qk_gain, p)
+            else:
+                a = spec.plugin.weights(q[..., r0:r1, :], k[..., :r1, :], spec, r0, T, state, p)
+            outs.append(a @ vv[..., :r1, :])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+        if spec.out_norm == "layernorm":
+            out = F.layer_norm(out, out.shape[-1:])
+    return out.to(v.dtype)

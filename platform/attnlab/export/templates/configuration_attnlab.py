@@ -1,0 +1,66 @@
+"""The configuration of a GPT trained with attnlab and exported by ``attnlab export`` (transformers' remote code:
+load with ``AutoConfig.from_pretrained(folder, trust_remote_code=True)``; attnlab itself is not needed).
+
+The fields are attnlab's ``GPTConfig`` as the run trained it (sizes, ``block`` gpt2 or llama, ``position`` rope, nope
+or alibi, the RoPE base and training length) and the attention variant's resolved form (``attention``: the fields
+of attnlab's ``AttentionSpec``; ``plugin``: a plugin variant's recorded source). Two fields choose how the model
+runs, with the run's values as defaults, and may be changed after loading (``model.config.p_eval = 4``):
+
+- ``p_eval``: the sharpening power (None: no sharpening; an LSSAR run's default is its trained p);
+- ``rope_scaling``: ``none``, ``ntk``, ``pi`` or ``yarn`` beyond ``train_len`` (ignored by NoPE and ALiBi models).
+  It is attnlab's name of a scaling, not transformers' RoPE dictionary, so config.json stores it under
+  ``attnlab_rope_scaling`` (``attribute_map`` makes ``config.rope_scaling`` read and write it): a reader of
+  config.json that does not run this code (``AutoTokenizer`` without ``trust_remote_code``) would take a
+  ``rope_scaling`` key for that dictionary and fail.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+ROPE_SCALINGS = ("ntk", "none", "pi", "yarn")
+
+
+class AttnlabConfig(PreTrainedConfig):
+    model_type = "attnlab"
+    attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
+                     "max_position_embeddings": "train_len", "rope_scaling": "attnlab_rope_scaling"}
+
+    vocab_size: int = 50257
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    train_len: int = 1024  # the training length (the model runs at any length; RoPE scalings apply beyond it)
+    rope_base: float = 10000.0
+    block: str = "gpt2"  # gpt2: LayerNorm + GELU MLP; llama: RMSNorm + SwiGLU, no biases
+    position: str = "rope"  # rope | nope | alibi
+    bias: bool = True
+    mlp_hidden: int = 3072
+    norm_eps: float = 1e-5
+    attention: dict | None = None  # the variant: attnlab AttentionSpec fields, or {"name": ...} of a plugin variant
+    plugin: dict | None = None  # a plugin variant's source: origin, kind, entry, sha256, files {path: text}
+    p_eval: float | None = None
+    attnlab_rope_scaling: str = "none"  # config.rope_scaling (attribute_map)
+    attnlab: dict | None = None  # where the export came from (train key, checkpoint, step), for the record
+    tie_word_embeddings: bool = True
+    use_cache: bool = False  # no KV cache: each forward recomputes the whole sequence (modeling_attnlab.py)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.validate_attnlab()
+
+    def validate_attnlab(self) -> None:
+        """One line naming the field and what is allowed, for a value the model cannot run with."""
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+        p = self.p_eval
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not p >= 1):
+            raise ValueError(f"p_eval={p!r} is not allowed: use None (no sharpening) or a number >= 1")
+        for name, allowed in (("block", ("gpt2", "llama")), ("position", ("rope", "nope", "alibi"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: use one of {', '.join(allowed)}")
+
+
+__all__ = ["AttnlabConfig"]
