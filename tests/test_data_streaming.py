@@ -3,138 +3,31 @@
 A counting HTTP proxy on 127.0.0.1 sits in front of the session's moto S3 server and records every request's
 method, key and response bytes, so the tests count what really went over the wire. The 1 GB dataset is written
 with the real shard writer (random uint16 tokens with document starts; no tokenising) and uploaded once per module.
+The proxy, the writer and the memory pollers are ``bench/streamkit``'s, shared with the benchmarks.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import os
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlsplit
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from attnlab.data.pipeline.prepare import _entry
-from attnlab.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, encode_shard, manifest_bytes, sha256_hex, shard_name
-from attnlab.data.tokenizer import EOT_ID, GPT2_VOCAB, TOKENIZER_NAME
+from attnlab.data.shards import MANIFEST, encode_shard, sha256_hex
 from attnlab.location import Location
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from streamkit import CountingProxy, WorkerRss, rss_anon_mb, write_dataset  # noqa: E402
 
 BIG_TOKENS = 512 * 2**20  # 1 GiB of uint16 tokens, train split
 SMALL_TOKENS = 25 * 2**20  # 50 MiB
 SHARD_TOKENS = 64 * 2**20  # 128 MiB shards: the big dataset has 8 train shards
 VAL_TOKENS = 2**21  # 4 MiB: a second download of it would show above the ranged reads' 1 MiB allowance
-
-
-# ---------------------------------------------------------------------------------------------- counting proxy
-class _Proxy(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    upstream: tuple[str, int]
-    log: object  # a text file, one line per request
-    lock: threading.Lock
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def _body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            out = bytearray()
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    return bytes(out)
-                out += self.rfile.read(size)
-                self.rfile.readline()
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
-    def _forward(self):
-        body = self._body()
-        conn = getattr(self.server.local, "conn", None)
-        if conn is None:
-            conn = self.server.local.conn = http.client.HTTPConnection(*self.upstream, timeout=120)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length")}
-        if body or self.command in ("PUT", "POST"):
-            headers["Content-Length"] = str(len(body))
-        try:
-            conn.request(self.command, self.path, body=body or None, headers=headers)
-            resp = conn.getresponse()
-        except (http.client.HTTPException, OSError):
-            conn.close()
-            conn = self.server.local.conn = http.client.HTTPConnection(*self.upstream, timeout=120)
-            conn.request(self.command, self.path, body=body or None, headers=headers)
-            resp = conn.getresponse()
-        data = resp.read()
-        with self.lock:
-            path = unquote(urlsplit(self.path).path).lstrip("/").replace(" ", "%20")
-            self.log.write(f"{self.command} {path or '/'} {resp.status} {len(data)}\n")
-        self.send_response(resp.status)
-        for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "content-length", "connection"):
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)) if self.command != "HEAD" else
-                         resp.getheader("Content-Length", "0"))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
-
-
-def serve(upstream: str, port: int, log_path: str) -> None:
-    """Run the proxy (in a process of its own, so its buffers never count in the test process's memory)."""
-    up = urlsplit(upstream)
-
-    class Handler(_Proxy):
-        pass
-
-    Handler.upstream, Handler.log, Handler.lock = (up.hostname, up.port), open(log_path, "a", buffering=1), \
-        threading.Lock()
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    server.local = threading.local()
-    server.serve_forever()
-
-
-class CountingProxy:
-    """The proxy process and its request log (``METHOD path status bytes`` per line)."""
-
-    def __init__(self, endpoint: str, log_path: str):
-        from conftest import _free_port, wait_for_port
-
-        self.log_path = log_path
-        open(log_path, "w").close()
-        port = _free_port()
-        code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-                f"from test_data_streaming import serve; serve({endpoint!r}, {port}, {log_path!r})")
-        self.proc = subprocess.Popen([sys.executable, "-c", code])
-        self.url = f"http://127.0.0.1:{port}"
-        wait_for_port(port, self.proc, 30, "the counting proxy did not start")
-
-    def _lines(self) -> list[list[str]]:
-        with open(self.log_path) as f:
-            return [line.split(" ") for line in f.read().splitlines()]
-
-    def mark(self) -> int:
-        return len(self._lines())
-
-    def get_bytes(self, since: int = 0, suffix: str = "") -> dict[str, int]:
-        """Response bytes of GET requests per object path (``bucket/key``) since ``mark``."""
-        out: dict[str, int] = {}
-        for method, path, _status, size in self._lines()[since:]:
-            if method == "GET" and path.endswith(suffix):
-                out[path] = out.get(path, 0) + int(size)
-        return out
-
-    def close(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -147,38 +40,6 @@ def proxy(s3_server, tmp_path_factory):
     p.close()
 
 
-# ---------------------------------------------------------------------------------------------- datasets
-def write_dataset(uri: str, train_tokens: int, seed: int = 0) -> dict:
-    """A prepared folder of random tokens (a document every ~1000 tokens), written with the real shard writer."""
-    loc = Location.parse(uri)
-    rng = np.random.default_rng(seed)
-    entries = []
-    for split, total in (("train", train_tokens), ("val", VAL_TOKENS)):
-        for k, lo in enumerate(range(0, total, SHARD_TOKENS)):
-            n = min(SHARD_TOKENS, total - lo)
-            tokens = rng.integers(0, EOT_ID, n, dtype=np.uint16)
-            starts = np.cumsum(rng.integers(1, 2000, n // 1000 + 1))
-            starts = starts[starts < n]
-            continues = k > 0 and (len(starts) == 0 or starts[0] != 0)
-            if not continues:
-                starts = np.union1d([0], starts)
-            tokens[starts] = EOT_ID
-            data = encode_shard(tokens, starts, continues)
-            del tokens
-            name = shard_name(split, k)
-            loc.write_bytes(name, data)
-            entries.append(_entry(name, sha256_hex(data), n, len(starts), continues))
-            del data
-    splits = {s: {"num_tokens": sum(e["num_tokens"] for e in entries if e["split"] == s),
-                  "num_docs": sum(e["num_docs"] for e in entries if e["split"] == s),
-                  "num_shards": sum(1 for e in entries if e["split"] == s)} for s in ("train", "val")}
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": TOKENIZER_NAME, "vocab_size": GPT2_VOCAB,
-                "eot_id": EOT_ID, "source": f"random tokens, seed {seed}", "seed": seed, "shard_tokens": SHARD_TOKENS,
-                "val_tokens_requested": VAL_TOKENS, "dtype": "uint16", "splits": splits, "shards": entries}
-    loc.write_bytes(MANIFEST, manifest_bytes(manifest))
-    return manifest
-
-
 @pytest.fixture(scope="module")
 def datasets(s3_server):
     """(big uri, small uri, big manifest, big size in bytes): 1 GiB and 50 MiB datasets in one bucket."""
@@ -187,62 +48,10 @@ def datasets(s3_server):
     bucket = f"attnlab-stream-{os.getpid()}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=bucket)
     big, small = f"s3://{bucket}/big", f"s3://{bucket}/small"
-    manifest = write_dataset(big, BIG_TOKENS, seed=1)
-    write_dataset(small, SMALL_TOKENS, seed=2)
+    manifest = write_dataset(big, BIG_TOKENS, shard_tokens=SHARD_TOKENS, val_tokens=VAL_TOKENS, seed=1)
+    write_dataset(small, SMALL_TOKENS, shard_tokens=SHARD_TOKENS, val_tokens=VAL_TOKENS, seed=2)
     size = sum(Location.parse(big).fs.get_file_info(f"{bucket}/big/{e['name']}").size for e in manifest["shards"])
     return big, small, manifest, size
-
-
-def rss_anon_mb(pid: int | str = "self") -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class WorkerRss:
-    """Polls /proc for Ray Train worker processes and keeps each one's peak RssAnon (MB), and its RssAnon when the
-    run's ``metrics.jsonl`` first holds a step (``at_first_step``); and the time (from start) of that first step."""
-
-    def __init__(self, metrics_file: str):
-        self.metrics_file = metrics_file
-        self.t0 = time.perf_counter()
-        self.first_step: float | None = None
-        self.peak: dict[int, float] = {}
-        self.at_first_step: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            if self.first_step is None and os.path.exists(self.metrics_file) and os.path.getsize(self.metrics_file):
-                self.first_step = time.perf_counter() - self.t0
-            for pid in os.listdir("/proc"):
-                if not pid.isdigit():
-                    continue
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if b"TrainWorker" not in f.read():
-                            continue
-                    mb = rss_anon_mb(pid)
-                except OSError:
-                    continue
-                self.peak[int(pid)] = max(self.peak.get(int(pid), 0.0), mb)
-                if self.first_step is not None:
-                    self.at_first_step.setdefault(int(pid), mb)
-            self._stop.wait(0.05)
-
-    def stop(self) -> dict[int, float]:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-    def growth_after_first_step(self) -> dict[int, float]:
-        """Each worker's peak RssAnon minus its RssAnon at the run's first step (MB): what the training steps,
-        the data they read and the shards fetched meanwhile added."""
-        return {pid: self.peak[pid] - base for pid, base in self.at_first_step.items()}
 
 
 # ---------------------------------------------------------------------------------------------- tests
