@@ -124,7 +124,12 @@ def serve(upstream: str, port: int, log_path: str) -> None:
 
     Handler.upstream, Handler.log, Handler.lock = (up.hostname, up.port), open(log_path, "a", buffering=1), \
         threading.Lock()
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that exited mid-transfer is no error
+                super().handle_error(request, client_address)
+
+    server = Server(("127.0.0.1", port), Handler)
     server.daemon_threads = True
     server.local = threading.local()
     server.serve_forever()
@@ -252,9 +257,13 @@ class WorkerRss:
                 if not pid.isdigit() or int(pid) in self._skipped:
                     continue
                 try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if b"TrainWorker" not in f.read():
-                            continue
+                    if not self._is_worker(pid):
+                        continue
+                    if int(pid) not in self.peak and self._is_worker(self._parent(pid)):
+                        # a worker's fork between fork and exec (a subprocess it runs) carries its name and its
+                        # (shared) pages: not a worker of its own
+                        self._skipped.add(int(pid))
+                        continue
                     if self.environ_has is not None and int(pid) not in self.peak:
                         with open(f"/proc/{pid}/environ", "rb") as f:
                             if self.environ_has not in b"\0" + f.read() + b"\0":
@@ -267,6 +276,16 @@ class WorkerRss:
                 if self.first_step is not None:
                     self.at_first_step.setdefault(int(pid), mb)
             self._stop.wait(0.05)
+
+    @staticmethod
+    def _is_worker(pid: str) -> bool:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"TrainWorker" in f.read()
+
+    @staticmethod
+    def _parent(pid: str) -> str:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[1].decode()  # the field after the state
 
     def stop(self) -> dict[int, float]:
         self._stop.set()
