@@ -29,9 +29,9 @@ bucket of its own. With ``--bucket s3://name[/prefix]`` (or ``gs://``) the datas
 counted only where the endpoint is plain HTTP (``AWS_ENDPOINT_URL=http://...``, e.g. a MinIO): the proxy cannot
 front TLS.
 
-Run: ``python bench/streaming.py [--bucket s3://...] [--repeat 1] [--big-mib 1024] [--small-mib 50]`` (about 4
-minutes on 2 cores with the loopback server, most of it writing the 1 GiB). Hardware, versions, load and date are
-printed too.
+Run: ``python bench/streaming.py [--bucket s3://...] [--repeat 1] [--big-mib 1024] [--small-mib 50]`` (about 3
+minutes on 2 cores with the loopback server: ~35 s writing the 1 GiB, then three Train runs of 30-50 s; 4 with
+``--repeat 2``). Hardware, versions, load and date are printed too.
 """
 
 from __future__ import annotations
