@@ -65,6 +65,7 @@ class TrialState(_FileValue):
     DIVERGED = "diverged"
     PRUNED = "pruned"  # stopped by the scheduler (ASHA)
     FAILED = "failed"
+    SKIPPED = "skipped"  # a stage's run whose parent run failed, diverged or was pruned: never trained from scratch
     UNKNOWN = "unknown"  # a status file without a (known) status: never written
 
     @classmethod
@@ -84,7 +85,7 @@ class TrialState(_FileValue):
     @property
     def has_reason(self) -> bool:
         """The trial ended without objectives, and its status file says why (``reason``)."""
-        return self in (TrialState.FAILED, TrialState.DIVERGED, TrialState.PRUNED)
+        return self in (TrialState.FAILED, TrialState.DIVERGED, TrialState.PRUNED, TrialState.SKIPPED)
 
 
 __all__ = ["RunStatus", "StopReason", "TrialState"]

@@ -110,16 +110,30 @@ def base_row(loaded: LoadedCheckpoint, source, train_key: str, context: dict | N
         "p_train": attention.p,  # the power actually trained with (lssar: 15 by default)
         "step": step,
         "tokens": step * cfg.tokens_per_step,
-        "train_len": int(gpt.train_len),
+        "train_len": int(getattr(gpt, "base_len", gpt.train_len)),  # a stage's: its lineage's first length
         "seed": cfg.seed,
         "train_key": train_key,
         "git_sha": git_info().get("sha") or "unknown",
         "preset": cfg.preset,
         "data": data_label(getattr(source, "spec", None) or source.describe()),
         "plugin_sha256": cfg.plugin_sha256,  # the plugin's code, for a plugin's variant (null for a built-in)
+        **lineage_columns(cfg.record, step),
     }
     row.update(context)
     return row
+
+
+def lineage_columns(record: dict, step: int) -> dict:
+    """The lineage columns of a run's rows at ``step`` (docs/stages.md), from its recorded training config: empty
+    for a run trained from scratch; for one started from a parent's weights (``init_from``), the parent's key, the
+    RoPE scaling applied in training, its own length and tokens, and the lineage's tokens."""
+    parent = record.get("init_from")
+    if not parent:
+        return {}
+    own = int(step) * int(record["tokens_per_step"])
+    return {"parent_key": parent["train_key"], "extension": record.get("rope_scaling") or "none",
+            "ext_len": int(record.get("seq_len") or 0) or None, "ext_tokens": own,
+            "lineage_tokens": int(parent.get("lineage_tokens") or 0) + own}
 
 
 def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: str | dict | None = None,
@@ -152,7 +166,8 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: s
             raise UserError("data: the checkpoint's config names no data; pass --data DIR")
         source = open_data(data)
     check_tokenizer(source, gpt.vocab_size)
-    lengths = config.eval_lengths(int(gpt.train_len))
+    base_len = int(getattr(gpt, "base_len", gpt.train_len))  # a stage's multiples count from its lineage's first length
+    lengths = config.eval_lengths(base_len)
     if config.windows and config.max_tokens < max(lengths):
         raise UserError(f"max_tokens={config.max_tokens} is not allowed: use at least the largest length "
                         f"({max(lengths)} tokens), so every length scores whole windows")
@@ -163,7 +178,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: s
     compile_model(model, config.compile)  # in place; the weights are unchanged (checkpoints load eagerly)
     step = base["step"]
     skip = set(skip or ())
-    todo = [(cell, key) for cell in config.cells(int(gpt.train_len))
+    todo = [(cell, key) for cell in config.cells(base_len)
             if (key := cell.key(train_key, step, source.fingerprint)) not in skip]
     keys = {cell: key for cell, key in todo}
     scored_text = text_tokenizer(source) is not None  # bits per byte too

@@ -202,7 +202,7 @@ def _rope_key(gpt, cell: EvalCell) -> tuple:
     """What the cell's forward depends on through positions (:func:`attnlab.model.rope.forward_key`): every
     scaling equals none up to the training length, and a model without RoPE ignores the scaling."""
     return forward_key(cell.rope, gpt.rope_base, gpt.head_dim, cell.length, int(gpt.train_len),
-                       getattr(gpt, "position", "rope"))
+                       getattr(gpt, "position", "rope"), getattr(gpt, "trained_scaling", None))
 
 
 class _DownstreamRuns:

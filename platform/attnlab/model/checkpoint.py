@@ -110,13 +110,34 @@ def find_latest_checkpoint(path: str | Path | Location) -> Location:
         raise UserError(f"checkpoint path {loc.uri} does not exist: give a run folder or a checkpoint folder")
     if loc.is_file(STATE_FILE):
         return loc
-    candidates = [n for n in loc.list_names(hidden=False) if n.startswith("checkpoint_")]
-    candidates += [f"checkpoints/{n}" for n in loc.list_names("checkpoints", hidden=False) if n.startswith("step_")]
-    stepped = [(step, name) for name in candidates
-               if (step := _meta_step(loc, name)) is not None and loc.is_file(f"{name}/{STATE_FILE}")]
+    stepped = checkpoint_steps(loc)
     if not stepped:
         raise UserError(f"{loc.uri} holds no checkpoint (no checkpoint_*/ or checkpoints/step_*/ with {STATE_FILE})")
-    return loc.child(max(stepped)[1])
+    return loc.child(stepped[max(stepped)])
+
+
+def checkpoint_steps(run: Location) -> dict[int, str]:
+    """``{step: folder}`` of the whole checkpoints in a run folder (Ray Train's ``checkpoint_*`` and plain-process
+    ``checkpoints/step_*``); empty when it has none, or does not exist."""
+    if not run.exists():
+        return {}
+    candidates = [n for n in run.list_names(hidden=False) if n.startswith("checkpoint_")]
+    candidates += [f"checkpoints/{n}" for n in run.list_names("checkpoints", hidden=False) if n.startswith("step_")]
+    return {step: name for name in sorted(candidates)
+            if (step := _meta_step(run, name)) is not None and run.is_file(f"{name}/{STATE_FILE}")}
+
+
+def load_weights(run: str | Path | Location, step: int, model: torch.nn.Module, *, field: str = "init_from") -> None:
+    """Load the weights of ``run``'s checkpoint at ``step`` into ``model`` (a stage starting from its parent: the
+    weights only, no optimiser, RNG or step). UserError, one line, when that checkpoint was not kept."""
+    loc = Location.parse(run, field=field)
+    stepped = checkpoint_steps(loc)
+    if step not in stepped:
+        kept = ", ".join(str(s) for s in sorted(stepped)) or "none"
+        raise UserError(f"{field}: run {loc.uri} kept no checkpoint at step {step} (its final step; kept: {kept}); "
+                        "train the parent again with its final checkpoint kept")
+    with local_checkpoint(loc.child(stepped[step])) as directory:
+        model.load_state_dict(load_state(directory)["model"])
 
 
 @contextlib.contextmanager

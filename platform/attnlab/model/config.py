@@ -61,6 +61,10 @@ class GPTConfig:
     attn_impl: str = "auto"  # a Backend value: auto, dense, flex, sdpa (stored as the string)
     position: str = "rope"  # rope | nope | alibi (POSITIONS)
     block: str = "gpt2"  # gpt2 | llama (BLOCKS)
+    # A context-extension stage (docs/stages.md): the length its lineage was first trained at (None: train_len),
+    # and the RoPE scaling it was fine-tuned with from there to train_len (attnlab.model.rope.TrainedScaling).
+    original_len: int | None = None
+    rope_scaling: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "train_len"):
@@ -75,6 +79,7 @@ class GPTConfig:
                             "(AttentionSpec has no alibi field yet): use rope or nope")
         if self.block == "llama":
             object.__setattr__(self, "bias", False)
+        self._check_extension()
         if self.n_embd % self.n_head:
             raise UserError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if self.head_dim % 2 and self.position == "rope":
@@ -98,6 +103,40 @@ class GPTConfig:
         if impl is Backend.SDPA and sdpa_unsupported_reason(spec) is not None:
             raise UserError(f"model.attn_impl='sdpa' cannot compute attention {spec.name!r} exactly: "
                             f"{sdpa_unsupported_reason(spec)}; use auto, flex or dense")
+
+    def _check_extension(self) -> None:
+        from attnlab.names import ROPE_SCALINGS
+
+        if self.original_len is not None and (isinstance(self.original_len, bool) or not isinstance(
+                self.original_len, int) or not 1 <= self.original_len <= self.train_len):
+            raise UserError(f"model.original_len={self.original_len!r} is not allowed: use the length the run's "
+                            f"lineage was first trained at, a positive integer up to train_len={self.train_len}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise UserError(f"rope_scaling={self.rope_scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+        if self.rope_scaling != "none":
+            if self.position != "rope":
+                raise UserError(f"rope_scaling={self.rope_scaling!r} in training needs RoPE: this model's position "
+                                f"is {self.position} (no rotation to scale); use rope_scaling: none")
+            if self.original_len is None or self.original_len >= self.train_len:
+                raise UserError(f"rope_scaling={self.rope_scaling!r} in training scales from a shorter original "
+                                f"length to seq_len={self.train_len}: it needs a parent trained at a shorter length "
+                                "(a stage's from:)")
+
+    @property
+    def base_len(self) -> int:
+        """The length evaluation multiples count from: the lineage's first training length (train_len for a run
+        trained once)."""
+        return self.original_len or self.train_len
+
+    @property
+    def trained_scaling(self):
+        """The RoPE scaling the model was fine-tuned with (:class:`attnlab.model.rope.TrainedScaling`), None when
+        it was not."""
+        if self.rope_scaling == "none" or self.original_len is None:
+            return None
+        from attnlab.model.rope import TrainedScaling
+
+        return TrainedScaling(self.rope_scaling, self.original_len)
 
     @property
     def head_dim(self) -> int:

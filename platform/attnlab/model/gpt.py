@@ -200,7 +200,8 @@ class GPT(nn.Module):
         c = self.cfg
         position = getattr(c, "position", "rope")
         if position == "rope":
-            cos, sin = scaled_rope_tables(rope_scaling, T, c.head_dim, c.train_len, c.rope_base, device=idx.device)
+            cos, sin = scaled_rope_tables(rope_scaling, T, c.head_dim, c.train_len, c.rope_base, device=idx.device,
+                                          trained=c.trained_scaling)
         else:  # no rotation: the scaling is checked, and has nothing to scale
             check_scaling(rope_scaling)
             cos = sin = None

@@ -49,8 +49,9 @@ from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
 from attnlab.states import StopReason
 
 # 2: eval_key; 3: expression; 4: task, stderr; 5: stopped, stop_rule (rows of older versions read them as null);
-# 6: train_key (the column versions 1-5 called config_hash); 7: plugin_sha256 (rows of older versions read it as null)
-SCHEMA_VERSION = 7
+# 6: train_key (the column versions 1-5 called config_hash); 7: plugin_sha256 (rows of older versions read it as null);
+# 8: stage, parent_key, extension, ext_len, ext_tokens, lineage_tokens (a study's stages; null in older rows)
+SCHEMA_VERSION = 8
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
@@ -82,7 +83,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("step", "int", True, "training step of the evaluated weights"),
     Column("tokens", "int", True, "training tokens seen at that step"),
     Column("eval_len", "int", True, "evaluation length (tokens per window)"),
-    Column("train_len", "int", True, "training context length"),
+    Column("train_len", "int", True, "training context length (a stage with a parent: its lineage's first length; "
+                                     "ext_len is its own)"),
     Column("window_mode", "str", True, 'how windows were cut: "nonoverlap", "long_docs", "passkey", ...'),
     Column("metric", "str", True, "metric name (see METRICS)"),
     Column("value", "float", True, "the measured number (NaN/inf allowed: diverged runs)"),
@@ -105,6 +107,17 @@ COLUMNS: tuple[Column, ...] = (
     Column("stop_rule", "str", False, "the training run's stopping rule, e.g. 'val_acc >= 0.99'; null = none"),
     Column("plugin_sha256", "str", False, "sha256 of the source of the attention plugin the run's variant comes from "
                                           "(docs/plugins.md): the code it trained with; null = a built-in variant"),
+    Column("stage", "str", False, "the study stage that trained the run (docs/stages.md): its root stage (pretrain) or "
+                                  "a stage's name; null = a study without stages"),
+    Column("parent_key", "str", False, "train_key of the run whose final weights this run started from; null = trained "
+                                       "from scratch"),
+    Column("extension", "str", False, "the RoPE scaling applied in training by a stage with a parent: none (continued "
+                                      "training at the longer length), pi, ntk or yarn; null = trained from scratch"),
+    Column("ext_len", "int", False, "the training length of a stage with a parent (train_len is then its lineage's "
+                                    "first length, which evaluation multiples count from); null = none"),
+    Column("ext_tokens", "int", False, "training tokens of the stage with a parent, at the evaluated step; null = none"),
+    Column("lineage_tokens", "int", False, "training tokens of the whole lineage at the evaluated step (the parents' "
+                                           "and this run's); null = trained from scratch (tokens says it)"),
     Column("created_at", "timestamp", False, "when the row was written (UTC); filled on write"),
     Column("schema_version", "int", True, "schema version of the writer; filled on write"),
 )
@@ -118,7 +131,7 @@ INPUT_ALIASES = {"config_hash": "train_key"}
 # Columns that identify a configuration (what reports group by); seeds are averaged over.
 CONFIG_COLUMNS = (
     "attention", "scale", "p_train", "p_eval", "rope_scaling", "train_len", "preset", "data", "knobs",
-    "window_mode", "layer", "bucket", "task", "plugin_sha256",
+    "window_mode", "layer", "bucket", "task", "plugin_sha256", "stage", "extension", "ext_len", "ext_tokens",
 )
 
 _ARROW_TYPES = {
@@ -353,11 +366,14 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
                         f"{', '.join(STOPPED_VALUES)} or null (no stopping rule)")
     if not STUDY_NAME.match(out["study"]):
         raise UserError(f"results {where}: column 'study' is {out['study']!r}; use {STUDY_NAME_RULE}")
-    for name in ("step", "tokens", "seed", "n_tokens", "layer"):
+    if out["extension"] is not None and out["extension"] not in ROPE_SCALINGS:
+        raise UserError(f"results {where}: column 'extension' is {out['extension']!r}; allowed: "
+                        f"{', '.join(ROPE_SCALINGS)} or null (trained from scratch)")
+    for name in ("step", "tokens", "seed", "n_tokens", "layer", "ext_tokens", "lineage_tokens"):
         if out[name] is not None and out[name] < 0:
             raise UserError(f"results {where}: column {name!r} must be >= 0, got {out[name]}")
-    for name in ("eval_len", "train_len"):
-        if out[name] <= 0:
+    for name in ("eval_len", "train_len", "ext_len"):
+        if out[name] is not None and out[name] <= 0:
             raise UserError(f"results {where}: column {name!r} must be > 0, got {out[name]}")
     return out
 

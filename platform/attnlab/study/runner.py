@@ -33,6 +33,7 @@ from attnlab.states import TrialState
 from attnlab.study.space import SearchPoint
 from attnlab.study.claims import start_registry
 from attnlab.study.spec import StudySpec
+from attnlab.study.stages import stage_of
 from attnlab.study.state import StudyState
 from attnlab.study.trackers import tracker_callbacks
 from attnlab.study.trial import StudyContext, StudyData, evaluate_missing, study_trial
@@ -55,13 +56,61 @@ def study_context(spec: StudySpec, state: StudyState, store: ResultsStore,
     from attnlab.data.source import data_label, open_data, resolve_data
     from attnlab.train.ray_train import forwarded_env
 
-    resolved = resolve_data(spec.train.data)
-    source = open_data(resolved)
-    data = StudyData(resolved=resolved, fingerprint=str(source.fingerprint), vocab_size=int(source.vocab_size),
-                     label=data_label(resolved), min_tokens=int(source.min_tokens()), described=source.describe())
+    def opened(spec_data) -> StudyData:
+        resolved = resolve_data(spec_data)
+        source = open_data(resolved)
+        return StudyData(resolved=resolved, fingerprint=str(source.fingerprint), vocab_size=int(source.vocab_size),
+                         label=data_label(resolved), min_tokens=int(source.min_tokens()), described=source.describe())
+
+    data = opened(spec.train.data)
+    # a stage that trains on other data (stages[].train.data), and the stages after it, read that data
+    stage_data: dict[str, StudyData] = {}
+    for stage in spec.stages and spec.search_space().stages:
+        if "data" in stage.train:
+            stage_data[stage.name] = opened(stage.train["data"])
+        elif stage.parent in stage_data:
+            stage_data[stage.name] = stage_data[stage.parent]
     for searched in spec.search_space().checked() if checked is None else checked:
-        searched.config.check_fits_data(data.vocab_size, data.min_tokens, data.described)
-    return StudyContext(spec=spec, state=state, store=store, data=data, env=forwarded_env())
+        fits = stage_data.get(stage_of(searched.point), data)
+        searched.config.check_fits_data(fits.vocab_size, fits.min_tokens, fits.described)
+    return StudyContext(spec=spec, state=state, store=store, data=data, env=forwarded_env(), stage_data=stage_data)
+
+
+def stage_plan(ctx: StudyContext) -> str:
+    """A study with stages in one line: per stage, how many runs it has, how many are found trained (reused, in
+    this study's runs folder or another study's) and how many will train. Refuses (UserError, one line, before
+    anything is written) a child whose parent finished without its final checkpoint."""
+    from attnlab.model.checkpoint import checkpoint_steps
+    from attnlab.runfolder import outcome, read_metrics
+    from attnlab.states import RunStatus
+    from attnlab.study.stages import ROOT
+    from attnlab.study.trial import parent_final_step, plan_trial
+
+    counts: dict[str, list[int]] = {}
+    checked: set[str] = set()
+    for point in ctx.spec.search_space().points():
+        plan = plan_trial(ctx, point, "plan")
+        done = outcome(plan.run, steps=plan.cfg.steps).status in (RunStatus.FINISHED, RunStatus.DIVERGED)
+        counts.setdefault(plan.stage, [0, 0])[0 if done else 1] += 1
+        parent = plan.parent
+        if parent is None or parent.train_key in checked:
+            continue
+        checked.add(parent.train_key)
+        step = parent_final_step(parent)
+        for run in [parent.run, *(StudyState(ctx.state.runs, name).run(parent.train_key)
+                                  for name in ctx.state.runs.list_names(hidden=False) if name != ctx.state.name)]:
+            lines = read_metrics(run) if run.exists() else []
+            reached = bool(lines) and int(lines[-1].get("step", 0)) >= step
+            if reached and step not in checkpoint_steps(run):
+                kept = ", ".join(str(s) for s in sorted(checkpoint_steps(run))) or "none"
+                raise UserError(f"stages.{plan.stage}: parent run {parent.train_key} at {run.uri} finished without "
+                                f"its final checkpoint (step {step}; kept: {kept}): its children cannot start from it; "
+                                "restore that checkpoint, or move the run aside to train it again")
+    parts = []
+    for stage, (reused, train) in counts.items():
+        role = "parent" if stage == ROOT else "child"
+        parts.append(f"{stage}: {reused + train} {role} run(s), {train} to train, {reused} reused")
+    return "plan: stages: " + "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------------ search
@@ -237,6 +286,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
         from attnlab.evaluate.downstream import check_tasks
 
         check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
+    stages = stage_plan(ctx) if spec.stages else None  # refuses a parent without its final checkpoint
     state.loc.mkdir()
     log = None
     if quiet:
@@ -250,6 +300,8 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     ensure_ray(log_to_driver=not quiet)
     board = dashboard()  # the cluster this study runs on: embedded, RAY_ADDRESS's or the Ray job's
     say(study_plan(spec, board), log)  # the terminal and the log file both name the dashboard
+    if stages:
+        say(stages, log)
     for warning in dict.fromkeys(w for searched in checked[:50] for w in searched.config.warnings()):
         print(f"attnlab: warning: {warning}", flush=True)
     if log:

@@ -46,8 +46,10 @@ NAMED_AXES = ("attention", "scale", "p_train", "seeds")
 # executed (RUN_SETTINGS: they do not change the weights).
 NOT_SEARCHED = {"preset": "train.preset", "model": "model.<field> axes", "data": "train.data",
                 "seed": "space.seeds", "attention": "space.attention", "plugin": "the study's plugins:",
+                "init_from": "a stage's from: (set by the study)", "original_len": "a stage's from: (set by the study)",
                 **{k: f"train.{k}" for k in RUN_SETTINGS}}
-MODEL_NOT_SEARCHED = ("attention", "p_train", "scale", "train_len", "attn_impl", "vocab_size")
+MODEL_NOT_SEARCHED = ("attention", "p_train", "scale", "train_len", "attn_impl", "vocab_size", "rope_scaling",
+                      "original_len")
 # A grid up to this many points is checked point by point; a larger one axis by axis.
 MAX_CHECKED_GRID = 4096
 

@@ -89,6 +89,7 @@ from attnlab.names import (
     resolve_at,
 )
 from attnlab.study.space import Axis, SearchSpace, Space
+from attnlab.study.stages import Stage, StagedSpace, check_stages
 from attnlab.train.config import TrainConfig
 from attnlab.validation import describe
 
@@ -101,7 +102,8 @@ _MOVED = {
     "resources.workers_per_trial": "write train.workers",
     "resources.gpus_per_worker": "write train.gpus_per_worker (0 = CPU workers)",
     "resources.cpus_per_worker": "write train.cpus_per_worker",
-    "space.rope_scaling": "every trial is evaluated with all RoPE settings: write eval.rope_scaling",
+    "space.rope_scaling": "every trial is evaluated with all RoPE settings: write eval.rope_scaling (a RoPE scaling in "
+                          "training belongs to a stage that fine-tunes a parent: stages[].space.rope_scaling)",
     "storage": "the Optuna RDB URL is now optuna_storage (the runs folder is the --runs flag)",
 }
 
@@ -260,6 +262,8 @@ class StudySpec(_Strict):
     resources: Resources = Field(default_factory=Resources)
     search: Search = Field(default_factory=Search)
     space: Space = Field(default_factory=Space)
+    # Stages that train from other stages' final weights (attnlab.study.stages, docs/stages.md); empty: one stage
+    stages: list[Stage] = Field(default_factory=list)
     objective: list[Objective] = Field(default_factory=lambda: [Objective(metric="val_loss@1x")])
     scheduler: Scheduler = Field(default_factory=Scheduler)
     optuna_storage: str | None = None  # Optuna RDB URL
@@ -375,6 +379,7 @@ class StudySpec(_Strict):
                 raise ValueError(f"{key} is set both in space and in train: keep one")
         space = self.search_space()
         names = space.attentions()
+        check_stages(self.stages, names, self.search.engine, self.scheduler.type)
         for key, axis in self.space.knobs().items():
             for name in axis.when or []:
                 if name not in names:
@@ -416,7 +421,13 @@ class StudySpec(_Strict):
 
     # --------------------------------------------------------------------------------------- queries
     def search_space(self) -> SearchSpace:
-        """The study's points and each one's training config (:mod:`attnlab.study.space`)."""
+        """The study's points and each one's training config (:mod:`attnlab.study.space`; with stages a
+        :class:`attnlab.study.stages.StagedSpace`: the root's points, then every stage's)."""
+        if self.stages:
+            ordered = check_stages(self.stages, SearchSpace(self.train, self.space).attentions(), self.search.engine,
+                                   self.scheduler.type)
+            return StagedSpace(self.train, self.space, ordered, self.search.engine, self.search.num_samples,
+                               self.search.seed)
         return SearchSpace(self.train, self.space, self.search.engine, self.search.num_samples, self.search.seed)
 
     def resource_request(self) -> dict:

@@ -34,6 +34,7 @@ from attnlab.names import is_missing, same_optional_number
 from attnlab.states import RunStatus, StopReason, TrialState
 from attnlab.study.claims import claim_point, release_point
 from attnlab.study.spec import StudySpec
+from attnlab.study.stages import ROOT, StagedSpace, stage_of
 from attnlab.study.state import StudyState
 from attnlab.train.config import TrainConfig
 
@@ -65,6 +66,11 @@ class StudyContext:
     data: StudyData
     env: dict = field(default_factory=dict)  # attnlab's and the object store's settings, for every process
     claims: str | None = None  # the name of this `study run`'s claim registry (attnlab.study.claims); None: none
+    stage_data: dict = field(default_factory=dict)  # {stage: StudyData} of the stages that train on other data
+
+    def data_for(self, stage: str) -> StudyData:
+        """The data a stage's runs train on: the study's, or the stage's own (``stages[].train.data``)."""
+        return self.stage_data.get(stage, self.data)
 
 
 @dataclass
@@ -75,13 +81,25 @@ class TrialPlan:
     run: Location
     cells: list[tuple[EvalCell, str]]  # (cell, eval_key)
     row_context: dict  # the study's columns of every row (study, the Tune trial, seed, the run's train_key, data,
-    # knobs)
+    # knobs, stage)
+    stage: str = ROOT  # the study stage the run belongs to (attnlab.study.stages)
+    parent: TrialPlan | None = None  # the plan of the run whose final weights this run starts from
+    data: StudyData | None = None  # what the run trains on (the study's data, or its stage's own)
+
+    @property
+    def lineage_tokens(self) -> int:
+        """Training tokens of the run's lineage at its last step (its parents' and its own)."""
+        before = self.cfg.init_from.lineage_tokens if self.cfg.init_from is not None else 0
+        return before + self.cfg.steps * self.cfg.tokens_per_step
 
 
 def knob_label(spec: StudySpec, point: dict) -> str | None:
     """The trial's searched settings other than attention, scale, p_train and seed, as one sortable string:
-    reports group by it, so trials differing only in e.g. ``lr`` are never averaged as seeds."""
+    reports group by it, so trials differing only in e.g. ``lr`` are never averaged as seeds. A stage's axes count
+    as ``<stage>.<axis>`` (but its rope_scaling, which the rows' ``extension`` column says)."""
     extra = [k for k in (spec.space.model_extra or {}) if k in point]
+    extra += [stage.axis_key(k) for stage in spec.stages for k in stage.space.knobs()
+              if stage.axis_key(k) in point and k != "rope_scaling"]
     return ",".join(f"{k}={point[k]:g}" if isinstance(point[k], float) else f"{k}={point[k]}"
                     for k in sorted(extra)) or None
 
@@ -93,12 +111,73 @@ def plan_trial(ctx: StudyContext, point: dict, trial: str, cfg: TrainConfig | No
     from attnlab.provenance import git_info
 
     spec = ctx.spec
-    cfg = cfg or spec.search_space().config(point, data=ctx.data.resolved)
-    key = cfg.train_key(ctx.data.fingerprint, ctx.data.vocab_size)
-    cells = [(cell, cell.key(key, cfg.steps, ctx.data.fingerprint)) for cell in spec.eval.cells(cfg.seq_length)]
+    space = spec.search_space()
+    stage = stage_of(point)
+    data = ctx.data_for(stage)
+    parent = None
+    if stage != ROOT:  # a stage's run: its parent's plan first (its key is part of this run's)
+        parent = plan_trial(ctx, space.parent_point(point), trial)
+        if cfg is None:
+            cfg = space.config(point, data=ctx.data.resolved)
+            if data is not ctx.data:
+                cfg = cfg.model_copy(update={"data": data.resolved})
+            cfg = StagedSpace.with_parent(cfg, parent.train_key, parent.run.uri, parent_final_step(parent),
+                                          parent.lineage_tokens)
+    cfg = cfg or space.config(point, data=data.resolved)
+    key = cfg.train_key(data.fingerprint, data.vocab_size)
+    cells = [(cell, cell.key(key, cfg.steps, data.fingerprint)) for cell in spec.eval.cells(cfg.base_length)]
     row_context = {"study": spec.name, "trial": trial, "seed": cfg.seed, "train_key": key,
-                   "git_sha": git_info()["sha"], "data": ctx.data.label, "knobs": knob_label(spec, point)}
-    return TrialPlan(point, cfg, key, ctx.state.run(key), cells, row_context)
+                   "git_sha": git_info()["sha"], "data": data.label, "knobs": knob_label(spec, point),
+                   **({"stage": stage} if spec.stages else {})}
+    return TrialPlan(point, cfg, key, find_run(ctx.state, key, cfg.steps), cells, row_context, stage, parent, data)
+
+
+def find_run(state: StudyState, train_key: str, steps: int) -> Location:
+    """Where the run of ``train_key`` is: this study's own run folder when it has one (finished, or to resume), else
+    a finished run of that key in another study of the same runs folder (reused, never copied: a run's key says
+    what it trained, so ``proxy_text``'s finished runs serve another study's points and stages), else this study's
+    folder, where it will train."""
+    from attnlab.runfolder import outcome
+
+    own = state.run(train_key)
+    if own.exists():
+        return own
+    for name in state.runs.list_names(hidden=False):
+        if name == state.name:
+            continue
+        other = StudyState(state.runs, name).run(train_key)
+        if other.exists() and outcome(other, steps=steps).status is RunStatus.FINISHED:
+            return other
+    return own
+
+
+def parent_final_step(parent: TrialPlan) -> int:
+    """The step whose weights a parent's children start from: its last (with a stopping rule, the step it stopped
+    at, once it has)."""
+    if parent.cfg.stop_when is None:
+        return parent.cfg.steps
+    from attnlab.runfolder import outcome
+
+    done = outcome(parent.run, steps=parent.cfg.steps)
+    return done.steps_trained if done.status is RunStatus.FINISHED and done.steps_trained else parent.cfg.steps
+
+
+def wait_for_parent(ctx: StudyContext, parent: TrialPlan, poll: float = 2.0) -> str | None:
+    """Wait until the parent's run has finished (None) or cannot (the reason: it diverged, or its trial failed or
+    was stopped or skipped). The grid runs every parent before its children, so its trial has started."""
+    from attnlab.runfolder import outcome
+
+    while True:
+        done = outcome(parent.run, steps=parent.cfg.steps)
+        if done.status is RunStatus.FINISHED:
+            return None
+        if done.status is RunStatus.DIVERGED:
+            return f"parent run {parent.train_key} diverged ({done.failure})"
+        record = ctx.state.status(parent.train_key) or {}
+        status = TrialState.read(record.get("status"))
+        if status in (TrialState.FAILED, TrialState.PRUNED, TrialState.SKIPPED):
+            return f"parent run {parent.train_key} {status.value}: {record.get('reason')}"
+        time.sleep(poll)
 
 
 # ------------------------------------------------------------------------------------------ step 2: train
@@ -185,7 +264,7 @@ def evaluate_step(plan: TrialPlan, ctx: StudyContext, outcome, here=None) -> int
     if outcome.status is not RunStatus.FINISHED:
         raise UserError(f"training run {plan.train_key} at {plan.run.uri} has not finished ({outcome.status}); "
                         "nothing to evaluate")
-    args = (plan.run, ctx.spec.eval, ctx.data.resolved, {**plan.row_context, **stop_columns(plan, outcome)}, store,
+    args = (plan.run, ctx.spec.eval, plan.data.resolved, {**plan.row_context, **stop_columns(plan, outcome)}, store,
             sorted(stored), plan.cfg.threads_per_worker, ctx.env)
     if here is not None:
         _evaluate_task(*args, source=here())
@@ -203,7 +282,7 @@ def cell_keys(plan: TrialPlan, ctx: StudyContext, outcome) -> list[tuple[EvalCel
     step = outcome.steps_trained if plan.cfg.stop_when is not None and outcome.status is RunStatus.FINISHED else None
     if not step or step == plan.cfg.steps:
         return plan.cells
-    return [(cell, cell.key(plan.train_key, step, ctx.data.fingerprint)) for cell, _ in plan.cells]
+    return [(cell, cell.key(plan.train_key, step, plan.data.fingerprint)) for cell, _ in plan.cells]
 
 
 def stop_columns(plan: TrialPlan, outcome) -> dict:
@@ -215,11 +294,14 @@ def stop_columns(plan: TrialPlan, outcome) -> dict:
 
 
 def diverged_base_row(plan: TrialPlan, step: int) -> dict:
+    from attnlab.evaluate.extrapolation import lineage_columns
+
     gpt = plan.cfg.gpt_config()
     attention = gpt.attention_spec()
     return {**plan.row_context, "attention": gpt.attention, "scale": attention.scale_label, "p_train": attention.p,
-            "step": int(step), "tokens": int(step) * plan.cfg.tokens_per_step, "train_len": plan.cfg.seq_length,
-            "preset": plan.cfg.preset, "plugin_sha256": plan.cfg.plugin.sha256 if plan.cfg.plugin else None}
+            "step": int(step), "tokens": int(step) * plan.cfg.tokens_per_step, "train_len": plan.cfg.base_length,
+            "preset": plan.cfg.preset, "plugin_sha256": plan.cfg.plugin.sha256 if plan.cfg.plugin else None,
+            **lineage_columns(plan.cfg.model_dump(mode="json"), step)}
 
 
 # ------------------------------------------------------------------------------------------ step 4: report
@@ -344,6 +426,13 @@ def study_trial(config: dict, context: StudyContext) -> None:
     spec.load_plugins()  # from the bytes the spec carries: this process reads no plugin file
     point = point_of(config)
     trial = tune.get_context().get_trial_name()
+    if stage_of(point) != ROOT:  # a stage's run starts from its parent's final weights: wait for them
+        parent = plan_trial(context, spec.search_space().parent_point(point), trial)
+        why = wait_for_parent(context, parent)
+        if why is not None:
+            skip_child(context, point, trial, parent, why)
+            return
+        timing["parent_done"] = time.time()
     plan = plan_trial(context, point, trial)
     status = {"point": point, "trial": trial, "run_dir": plan.run.uri,
               "config": plan.cfg.model_dump(mode="json"), "attention": plan.cfg.gpt_config().attention,
@@ -358,15 +447,15 @@ def study_trial(config: dict, context: StudyContext) -> None:
 
             check_tasks(spec.eval.downstream.tasks, spec.eval.downstream.data)
         # a one-worker CPU trial holds the worker's resources too: it trains and evaluates here, the data opened once
-        here = functools.partial(data_here, context.data) if spec.trains_in_trial() else None
+        here = functools.partial(data_here, plan.data) if spec.trains_in_trial() else None
         outcome, trained = train_step(plan, state, here=here, on_report=tune_reporter(plan.cfg.steps, plan.train_key),
                                       callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
         timing["trained"] = time.time()
         evaluated = evaluate_step(plan, context, outcome, here=here)
         timing["evaluated"] = time.time()
         rows = run_rows(context, plan.train_key)
-        objectives = objective_values(spec, rows, plan.cfg.seq_length)
-        final = cell_value(rows, "val_loss", plan.cfg.seq_length, None, spec.eval.rope_scaling[0])
+        objectives = objective_values(spec, rows, plan.cfg.base_length)
+        final = cell_value(rows, "val_loss", plan.cfg.base_length, None, spec.eval.rope_scaling[0])
         # Tune's time is the cap (the trial is over); steps trained: the cap, or where the stopping rule was met
         reached = outcome.stopped is StopReason.REACHED
         steps = outcome.steps_trained if reached and outcome.steps_trained else plan.cfg.steps
@@ -394,6 +483,25 @@ def study_trial(config: dict, context: StudyContext) -> None:
             state.write_status(plan.train_key, status=TrialState.FAILED, reason=failure_reason(exc))
         release_point(context.claims, plan.train_key, trial, TrialState.FAILED if isinstance(exc, Exception) else None)
         raise
+
+
+def skip_child(ctx: StudyContext, point: dict, trial: str, parent: TrialPlan, why: str) -> None:
+    """A stage's run whose parent cannot give it weights: recorded as skipped, with why, and never trained from
+    scratch. Its status file is keyed by what its key would be with the parent's planned final step."""
+    from ray import tune
+
+    space = ctx.spec.search_space()
+    cfg = StagedSpace.with_parent(space.config(point, data=ctx.data.resolved), parent.train_key, parent.run.uri,
+                                  parent.cfg.steps, parent.lineage_tokens)
+    data = ctx.data_for(stage_of(point))
+    key = cfg.train_key(data.fingerprint, data.vocab_size)
+    reason = f"skipped: {why}"
+    print(f"attnlab: stage {stage_of(point)} run {key} ({point}) {reason}", flush=True)
+    ctx.state.write_status(key, point=point, trial=trial, run_dir=None, config=cfg.model_dump(mode="json"),
+                           attention=cfg.gpt_config().attention, steps=cfg.steps, status=TrialState.SKIPPED,
+                           reason=reason, started=time.time())
+    tune.report({"train_key": key, "step": cfg.steps, "timesteps_total": cfg.steps, "skipped": 1,
+                 **{o.key: float("nan") for o in ctx.spec.objective}})
 
 
 # ------------------------------------------------------------------------------------------ catching up

@@ -53,6 +53,20 @@ RUN_SETTINGS = frozenset({
 })
 
 
+class InitFrom(BaseModel):
+    """The run a stage's training starts from (docs/stages.md): its parent's training key (part of this run's
+    identity), where the parent's run folder is (a path or URI: not identity, the parent may live in another
+    study's folder) and the step of the final checkpoint whose weights it takes. Filled in by the study when it
+    plans the stage; only the weights are taken: a fresh optimiser, this run's own schedule."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train_key: str
+    run: str
+    step: int = Field(gt=0)
+    lineage_tokens: int = Field(default=0, ge=0)  # the parent's lineage's training tokens to that step (a label)
+
+
 # A stopping rule's metrics (train.stop_when.metric): what the training loop measures at each validation point,
 # all-reduced over the workers.
 STOP_METRICS = ("val_acc", "val_loss")
@@ -146,6 +160,13 @@ class TrainConfig(BaseModel):
     # data
     data: str | dict[str, Any] = ""  # a prepared folder, or {synthetic: <task>, ...} for a probe
     seq_len: int | None = Field(default=None, gt=0)  # default: the preset's train_len
+    # Context extension (a study's stages: docs/stages.md). The RoPE scaling applied in training (none, pi, ntk,
+    # yarn) with factor seq_len / original_len; original_len: the length the lineage was first trained at (None:
+    # seq_len), from which evaluation multiples count; init_from: the parent run whose final weights this one starts
+    # from (set by the study).
+    rope_scaling: str = "none"
+    original_len: int | None = Field(default=None, gt=0)
+    init_from: InitFrom | None = None
     # budget and batch
     steps: int = Field(default=18_865, gt=0)  # with stop_when: the cap
     # a stopping rule checked at each validation point, e.g. {metric: val_acc, at_least: 0.99}; None: train `steps`
@@ -232,6 +253,16 @@ class TrainConfig(BaseModel):
     def _plugin_record(self, value):
         return None if value is None else value.to_dict()
 
+    @field_validator("rope_scaling", mode="before")
+    @classmethod
+    def _rope_scaling(cls, value):
+        from attnlab.names import ROPE_SCALINGS, is_none_word
+
+        value = "none" if value is None or is_none_word(value) else value
+        if value not in ROPE_SCALINGS:
+            raise ValueError(f"is not allowed: use one of {', '.join(ROPE_SCALINGS)} (the RoPE scaling in training)")
+        return value
+
     @field_validator("micro_batch", mode="before")
     @classmethod
     def _micro_batch(cls, value):
@@ -261,7 +292,7 @@ class TrainConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _no_attention_in_model(cls, value: dict) -> dict:
-        for key in ("attention", "p_train", "scale", "train_len", "attn_impl"):
+        for key in ("attention", "p_train", "scale", "train_len", "attn_impl", "rope_scaling", "original_len"):
             if key in value:
                 where = "seq_len" if key == "train_len" else key
                 raise ValueError(f"model.{key} is set by the training config's own field: use {where}")
@@ -317,6 +348,12 @@ class TrainConfig(BaseModel):
     def seq_length(self) -> int:
         return self.seq_len or PRESETS[self.preset]["train_len"]
 
+    @property
+    def base_length(self) -> int:
+        """The length evaluation multiples count from: the lineage's first training length (``original_len``),
+        ``seq_len`` for a run trained once."""
+        return self.original_len or self.seq_length
+
     def gpt_config(self, vocab_size: int | None = None, kind: str = "gpt") -> GPTConfig:
         """The model config: the preset, its overrides, the attention choice, and the data's vocabulary; ``kind``
         is the data's model kind (``attnlab.data.source.model_kind``: ``orbit`` for coordinate tokens). A config
@@ -331,6 +368,8 @@ class TrainConfig(BaseModel):
         overrides["p_train"] = self.p_train
         overrides["train_len"] = self.seq_length
         overrides["attn_impl"] = self.attn_impl
+        overrides["rope_scaling"] = self.rope_scaling
+        overrides["original_len"] = self.original_len
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
         return with_kind(preset(self.preset, **overrides), kind)
@@ -473,7 +512,8 @@ class TrainConfig(BaseModel):
         model = dataclasses.asdict(gpt)
         for key in ("attention", "p_train", "scale", "attn_impl"):
             model.pop(key)
-        for key, default in (("position", "rope"), ("block", "gpt2")):  # added later: old keys stay the same
+        for key, default in (("position", "rope"), ("block", "gpt2"), ("original_len", None),
+                             ("rope_scaling", "none")):  # added later: old keys stay the same
             if model.get(key) == default:
                 model.pop(key)
         model["attention"] = {"variant": get_variant(variant.name).name, "scale": variant.scale_label, "p": variant.p}
@@ -481,14 +521,18 @@ class TrainConfig(BaseModel):
             model["attention"]["plugin"] = variant.sha256
         recipe = {k: v for k, v in self.model_dump(mode="json").items()
                   if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
-                                                         "seq_len", "stop_when", "plugin")}
+                                                         "seq_len", "stop_when", "plugin", "rope_scaling",
+                                                         "original_len", "init_from")}
         if self.stop_when is not None:
             # The rule decides the trained weights (the step they stop at), and so does where it is checked:
             # val_every and val_tokens are run settings without a rule, part of the identity with one. steps (the cap) stays in
             # the recipe: it sets the learning-rate schedule. A config without a rule keeps its old key.
             recipe["stop_when"] = {**self.stop_when.model_dump(mode="json", exclude_none=True),
                                    "every": self.val_every, "val_tokens": self.val_tokens}
-        return {"model": model, "data": str(data_fingerprint), "recipe": recipe}
+        identity = {"model": model, "data": str(data_fingerprint), "recipe": recipe}
+        if self.init_from is not None:  # a stage: its parent's identity, and the step whose weights it starts from
+            identity["parent"] = {"train_key": self.init_from.train_key, "step": self.init_from.step}
+        return identity
 
     def train_key(self, data_fingerprint: str, vocab_size: int | None = None) -> str:
         """The training run's identity (16 hex digits): names its run folder, goes into its provenance and into
@@ -503,4 +547,4 @@ def load_train_config(fields: dict[str, Any] | None = None, **overrides) -> Trai
     return parse(TrainConfig, merged, prefix="train")
 
 
-__all__ = ["TrainConfig", "load_train_config", "pydantic"]
+__all__ = ["InitFrom", "TrainConfig", "load_train_config", "pydantic"]

@@ -32,7 +32,7 @@ import torch
 from attnlab.data.source import DataSource, model_kind, open_data
 from attnlab.location import Location
 from attnlab.model import GPT, build_model, compile_model, is_compiled
-from attnlab.model.checkpoint import META_FILE, resume, save_checkpoint
+from attnlab.model.checkpoint import META_FILE, load_weights, resume, save_checkpoint
 from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
 from attnlab.runfolder import PROVENANCE_FILE, MetricsLog, decode_metrics, write_failure, write_replica_checksum
@@ -266,6 +266,9 @@ def build_parts(cfg: TrainConfig, session, run: Location, source: DataSource | N
     model = ModelAndOptimizer.build(cfg, gpt_config, session)
     checkpointer = Checkpointer(session, cfg, gpt_config)
     start, resumed = checkpointer.resume(model)
+    if start == 0 and cfg.init_from is not None:
+        # a stage's first start: its parent's final weights (a restart resumes from this run's own checkpoint)
+        load_weights(cfg.init_from.run, cfg.init_from.step, model.model, field="init_from")
     writer = MetricsWriter(run, session.rank, start)
     writer.provenance(cfg, model.model, source, session.world_size, data)
     model.wrap(session)
