@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,18 @@ def test_a_parent_trains_once_for_three_children_and_a_second_study_reuses_it(ra
     assert stages2["pretrain"][0]["train_key"] == parent_key and stages2["pretrain"][0]["run_dir"].startswith(
         str(tmp_path / "runs" / "ext-a"))  # the first study's run, not a copy
 
+    # the study page shows each child's stage and parent, and reads the reused parent where it is (ext-a's folder)
+    from attnlab.serve.app import create_app
+    from attnlab.serve.data import open_sources
+    from serve_util import get, serving
+
+    with serving(create_app(open_sources(store_uri, runs))) as base:
+        status, _, page = get(base + "/study/ext-b")
+    assert status == 200 and f'data-parent="{parent_key}"' in page and "stage ntk, from" in page
+    parent_row = page[page.index(f'<tr id="run-{parent_key}"'):].split("</tr>")[0]
+    assert "complete" in parent_row or "cached" in parent_row
+    assert parent_row.count("–") < 4, parent_row  # its losses are read from ext-a's run folder
+
     # re-running trains nothing; editing a child's setting retrains the children only
     again = run_study(spec, store=store_uri, runs=runs)
     assert again.trained == 0 and {t["status"] for t in again.trials} <= {"cached", "complete"}
@@ -110,6 +123,18 @@ def test_a_parent_trains_once_for_three_children_and_a_second_study_reuses_it(ra
     assert summary3.trained == 3
     children = {t["train_key"] for t in summary3.trials if t.get("point", {}).get("stage") == "extend"}
     assert len(children - {t["train_key"] for t in stages["extend"]}) == 3  # three new keys beside the old three
+
+    # a parent that finished without its final checkpoint (deleted, or moved away): refused, nothing written
+    run = Path(stages["pretrain"][0]["run_dir"])
+    final = next(run.glob("checkpoints/step_*"))
+    kept = run / "checkpoints" / "step_0000004"
+    shutil.copytree(final, kept)
+    (kept / "meta.json").write_text(json.dumps({**json.loads((kept / "meta.json").read_text()), "step": 4}))
+    shutil.rmtree(final)
+    spec4 = load_spec(_write(tmp_path, _study("ext-c", [second])))
+    with pytest.raises(UserError, match=r"finished without its final checkpoint \(step 8; kept: 4\)"):
+        run_study(spec4, store=store_uri, runs=runs)
+    assert not (tmp_path / "runs" / "ext-c").exists()
 
 
 @pytest.mark.ray
@@ -148,30 +173,6 @@ def test_bad_stages_are_one_line_before_anything_runs(tmp_path, change, needle):
         load_spec(_write(tmp_path, study))
     message = str(err.value)
     assert "\n" not in message and needle in message, message
-
-
-@pytest.mark.ray
-def test_a_parent_without_its_final_checkpoint_is_refused_with_nothing_written(ray_session, tmp_path):
-    import shutil
-
-    from attnlab.study.runner import run_study
-
-    runs, store_uri = tmp_path / "runs", str(tmp_path / "results")
-    first = load_spec(_write(tmp_path, _study("root-only", [])))
-    summary = run_study(first, store=store_uri, runs=str(runs))
-    parent = summary.trials[0]
-    run = Path(parent["run_dir"])
-    # the run finished, then its final checkpoint went (kept elsewhere, or deleted): a step-4 one is all it has
-    final = next(run.glob("checkpoints/step_*"))
-    kept = run / "checkpoints" / "step_0000004"
-    shutil.copytree(final, kept)
-    meta = json.loads((kept / "meta.json").read_text())
-    (kept / "meta.json").write_text(json.dumps({**meta, "step": 4}))
-    shutil.rmtree(final)
-    spec = load_spec(_write(tmp_path, _study("child-of-lost", [dict(EXTEND, space={})])))
-    with pytest.raises(UserError, match=r"finished without its final checkpoint \(step 8; kept: 4\)"):
-        run_study(spec, store=store_uri, runs=str(runs))
-    assert not (runs / "child-of-lost").exists()
 
 
 # ------------------------------------------------------------------------------------------ training

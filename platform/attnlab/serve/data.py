@@ -285,7 +285,8 @@ def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) 
     key, status, steps, step, updated = trial.train_key or "?", trial.status, trial.steps, trial.step, trial.updated
     losses: dict = {}  # the run's latest losses (a finished run's last), from its metrics.jsonl
     curve = None
-    run = state.run(key) if key != "?" else None
+    # a run found trained in another study of the runs folder is read where it is (its status names it)
+    run = Location.parse(trial.run_dir) if trial.run_dir else (state.run(key) if key != "?" else None)
     if run is not None and (with_curve or status is TrialState.RUNNING):
         lines = read_metrics(run)
         if lines and status is TrialState.RUNNING:
@@ -309,6 +310,7 @@ def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) 
     return clean({
         "key": key, "status": status, "reason": trial.reason, "point": trial.point,
         "label": point_label(trial.point), "trial": trial.trial, "run_dir": trial.run_dir,
+        "stage": trial.stage, "parent": trial.parent,
         "step": step, "steps": steps, "progress": progress, "objectives": trial.objectives,
         "train_loss": losses.get("train_loss"), "val_loss": losses.get("val_loss"),
         "started": trial.started, "updated": updated,

@@ -93,6 +93,8 @@ class TrialStatus:
     run_dir: str | None
     started: float | None
     updated: float | None
+    parent: str | None = None  # a stage's run: the train_key of the run whose final weights it started from
+    stage: str | None = None  # a study with stages: the stage's name (None for the study's own points)
 
     @classmethod
     def parse(cls, record: dict) -> TrialStatus:
@@ -102,7 +104,9 @@ class TrialStatus:
                    trial=record.get("trial"), point=point,
                    attention=record.get("attention") or point.get("attention"), reason=record.get("reason"),
                    steps=record.get("steps"), step=record.get("step"), objectives=dict(record.get("objectives") or {}),
-                   run_dir=record.get("run_dir"), started=record.get("started"), updated=record.get("updated"))
+                   run_dir=record.get("run_dir"), started=record.get("started"), updated=record.get("updated"),
+                   parent=((record.get("config") or {}).get("init_from") or {}).get("train_key"),
+                   stage=point.get("stage"))
 
 
 def _with_train_key(record: dict | None) -> dict | None:
