@@ -338,3 +338,11 @@ def test_evaluation_only_scalings_of_a_run_trained_once_are_unchanged(monkeypatc
         before = {s: model(x, rope_scaling=s)[0] for s in ("none", "ntk", "pi", "yarn")}
     for s in now:
         assert torch.equal(now[s], before[s]), s
+
+
+def test_studies_written_before_stages_keep_their_search_fingerprint():
+    """The fields stages added hash only when set: a study's Tune state from before them still resumes."""
+    root = Path(__file__).resolve().parents[1] / "studies"
+    pinned = {"proxy_text": "e17e431a9a553553", "smoke": "eff44938855a44e7", "paper_table4": "944631d7a00272dc"}
+    for name, fingerprint in pinned.items():
+        assert load_spec(root / f"{name}.yaml").search_fingerprint() == fingerprint, name

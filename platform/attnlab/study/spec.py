@@ -471,6 +471,12 @@ class StudySpec(_Strict):
         hashes as before they existed."""
         blob = self.model_dump(mode="json", exclude={"eval", "description", "store", "plugins"})
         blob["train"].pop("plugin", None)  # a plugin's bytes count once, below
+        # fields added later hash only when set: a study written before them keeps its fingerprint (and its resume)
+        for key, default in (("rope_scaling", "none"), ("original_len", None), ("init_from", None)):
+            if blob["train"].get(key) == default:
+                blob["train"].pop(key, None)
+        if not blob.get("stages"):
+            blob.pop("stages", None)
         if self.plugins:
             blob["plugins"] = self.plugin_hashes()
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
