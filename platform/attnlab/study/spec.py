@@ -321,6 +321,9 @@ class StudySpec(_Strict):
             data_rule = "demo, a folder made by `attnlab data prepare` (path or URI), or {synthetic: TASK, ...}"
             if "preset" not in value:
                 raise ValueError("train.preset is required: a model preset, e.g. tiny or gpt2-small")
+            if "val_extrapolation" in value:
+                raise ValueError("train.val_extrapolation is set by the study's eval.during_training (every trial "
+                                 "gets it): write eval.during_training: {multiples: [2, 4, 8], every: 100}")
             data = value.get("data")
             if data is None or (isinstance(data, str) and not data.strip()):
                 raise ValueError(f"train.data is required: {data_rule}")
@@ -460,6 +463,7 @@ class StudySpec(_Strict):
         hashes as before they existed."""
         blob = self.model_dump(mode="json", exclude={"eval", "description", "store", "plugins"})
         blob["train"].pop("plugin", None)  # a plugin's bytes count once, below
+        blob["train"].pop("val_extrapolation", None)  # eval.during_training's copy: a run setting, never searched
         if self.plugins:
             blob["plugins"] = self.plugin_hashes()
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]

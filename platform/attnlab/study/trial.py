@@ -94,6 +94,8 @@ def plan_trial(ctx: StudyContext, point: dict, trial: str, cfg: TrainConfig | No
 
     spec = ctx.spec
     cfg = cfg or spec.search_space().config(point, data=ctx.data.resolved)
+    # eval.during_training: a run setting (no key changes), also on a config read back from a status file
+    cfg = cfg.model_copy(update={"val_extrapolation": spec.eval.during_training})
     key = cfg.train_key(ctx.data.fingerprint, ctx.data.vocab_size)
     cells = [(cell, cell.key(key, cfg.steps, ctx.data.fingerprint)) for cell in spec.eval.cells(cfg.seq_length)]
     row_context = {"study": spec.name, "trial": trial, "seed": cfg.seed, "train_key": key,
