@@ -152,6 +152,8 @@ def test_the_setting_changes_no_key():
     assert on.train_key("fp", 64) == off.train_key("fp", 64) and on.identity("fp", 64) == off.identity("fp", 64)
     plain, during = load_spec(_study()), load_spec(_study(during_training=ON))
     assert during.eval.during_training == ValExtrapolation(**ON)
+    assert "while training: val loss at [64, 128] every 3 steps" in during.describe()  # attnlab study validate
+    assert "while training" not in plain.describe()
     assert during.search_fingerprint() == plain.search_fingerprint()
     # and the same fingerprint as before the field existed: the training config's copy is not hashed
     blob = plain.model_dump(mode="json", exclude={"eval", "description", "store", "plugins"})

@@ -492,7 +492,9 @@ class StudySpec(_Strict):
             f"objective: {', '.join(f'{o.key} ({o.mode})' for o in self.objective)}; scheduler: {self.scheduler.type}",
             f"eval: lengths {self.eval.eval_lengths(t.seq_length)}, p_eval "
             f"{['none' if p is None else f'{p:g}' for p in self.eval.p_eval]}, rope {self.eval.rope_scaling}, "
-            f"{self.eval.max_tokens} tokens per length",
+            f"{self.eval.max_tokens} tokens per length"
+            + (f"; while training: val loss at {self.eval.during_training.lengths(t.seq_length)} every "
+               f"{self.eval.during_training.every} steps" if self.eval.during_training is not None else ""),
             f"resources per trial: {req['CPU']:g} CPU, {req['GPU']:g} GPU ({t.workers} worker(s)); at most "
             f"{self.resources.max_concurrent_trials} trial(s) at once",
         ]
