@@ -90,6 +90,17 @@ def write_study(store_uri: str, runs_uri: str, name: str = "probe", engine: str 
     return state
 
 
+def add_val_loss_at(state: StudyState, key: str, lengths=(128, 256), every: int = 10) -> None:
+    """Give run ``key``'s metrics the validation losses at longer lengths a run with ``eval.during_training``
+    writes (``val_loss_at`` every ``every`` steps), with known numbers: ``4.5 + L / 1000 - 0.05 * step``."""
+    run = state.run(key)
+    lines = [json.loads(line) for line in run.read_text("metrics.jsonl").splitlines() if line.strip()]
+    for line in lines:
+        if line["step"] % every == 0:
+            line["val_loss_at"] = {str(L): round(4.5 + L / 1000 - 0.05 * line["step"], 6) for L in lengths}
+    run.write_text("metrics.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
+
+
 def _row(study: str, key: str, point: dict, step: int, p_eval, rope: str, length: int) -> dict:
     return {"study": study, "trial": key, "attention": point["attention"], "scale": "logd_logn",
             "p_train": 15.0 if point["attention"] == "lssar" else None, "p_eval": p_eval, "rope_scaling": rope,

@@ -24,7 +24,7 @@ from attnlab.serve import data
 from attnlab.serve.app import ResultsCache, create_app, plotly_js
 from attnlab.serve.data import NotFound, open_sources
 from attnlab.study.state import StudyState
-from serve_util import TRIALS, get, get_json, serving, write_study
+from serve_util import TRIALS, add_val_loss_at, get, get_json, serving, write_study
 
 ROOT = Path(__file__).resolve().parents[1]
 URL = re.compile(r"""https?://[^\s"'<>)]+""")
@@ -65,6 +65,24 @@ def test_trials_carry_status_reason_point_and_progress(local):
     assert out["signature"]  # the study has results files
     with pytest.raises(UserError, match="curves='some'"):
         data.trials(sources, "probe", curves="some")
+
+
+def test_a_runs_validation_at_longer_lengths_is_a_curve_per_length(local):
+    """A run trained with eval.during_training has val_loss_at in its metrics lines: its curve carries one series
+    per length (shortest first) against the steps that measured it; a run without them has none."""
+    sources, state = local
+    add_val_loss_at(state, "aaaa000000000005", lengths=(256, 128), every=10)  # the running trial, to step 24
+    by_key = {t["key"]: t for t in data.trials(sources, "probe", curves="all")["trials"]}
+    val_at = by_key["aaaa000000000005"]["curve"]["val_at"]
+    assert [s["length"] for s in val_at] == [128, 256]
+    for series in val_at:
+        assert series["step"] == [10, 20]
+        assert series["val_loss"] == [pytest.approx(4.5 + series["length"] / 1000 - 0.05 * s) for s in (10, 20)]
+    assert by_key["aaaa000000000001"]["curve"]["val_at"] == []
+    with serving(create_app(sources, refresh_s=1.0)) as base:  # and through the page's JSON
+        status, trials = get_json(base + "/api/study/probe/trials?curves=running")
+    [running] = [t for t in trials["trials"] if t["curve"]]
+    assert status == 200 and [s["length"] for s in running["curve"]["val_at"]] == [128, 256]
 
 
 def test_a_study_of_many_trials_is_listed_a_page_at_a_time(tmp_path):

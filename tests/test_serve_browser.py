@@ -27,9 +27,8 @@ import yaml
 
 from attnlab.study.state import StudyState
 
-from serve_util import free_port, get
+from serve_util import add_val_loss_at, free_port, get, serving, write_study
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 CHROMIUM = os.environ.get("ATTNLAB_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -83,6 +82,8 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=30)
 
 
+@pytest.mark.slow
+@pytest.mark.ray
 @pytest.mark.timeout(1800)  # ~3 min on an idle 2-core machine; 17 min measured on a heavily shared one
 def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
     from playwright.sync_api import sync_playwright
@@ -218,3 +219,47 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
             _stop(study)
         _stop(server)
     assert "Traceback" not in server_log.read_text(), server_log.read_text()[-3000:]
+
+
+def _browser(playwright, tmp_path):
+    return playwright.chromium.launch_persistent_context(
+        str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+        viewport={"width": 1280, "height": 900})
+
+
+@pytest.mark.timeout(600)
+def test_the_training_curves_draw_a_line_per_longer_length(tmp_path):
+    """A run trained with eval.during_training: the study page's training curves draw its validation loss at each
+    longer length as a line of its own, named "val @L" in the legend, next to its train and validation loss. No Ray:
+    the study's files are written as a study leaves them (tests/serve_util.py) and served in this process."""
+    from playwright.sync_api import sync_playwright
+
+    from attnlab.serve.app import create_app
+    from attnlab.serve.data import open_sources
+
+    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does it)"
+    store, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    state = write_study(store, runs)
+    add_val_loss_at(state, "aaaa000000000005", lengths=(128, 256), every=10)  # the running trial (lssa, seed 0)
+    errors: list[str] = []
+    with serving(create_app(open_sources(store, runs), refresh_s=1.0)) as base, sync_playwright() as playwright:
+        browser = _browser(playwright, tmp_path)
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(base + "/study/probe")
+            page.wait_for_function("() => +document.getElementById('live-curves').dataset.traces > 0", timeout=60_000)
+            names = page.evaluate("() => document.getElementById('live-curves').data.map((t) => t.name)")
+            label = "attention=lssa, seed=0"
+            assert f"{label} val @128" in names and f"{label} val @256" in names, names
+            assert len([n for n in names if "val @" in n]) == 2  # only the run that measured them
+            legend = page.evaluate("""() => [...document.querySelectorAll('#live-curves .legend .legendtext')]
+                                                .map((e) => e.textContent)""")  # what the reader sees
+            assert f"{label} val @128" in legend and f"{label} val @256" in legend, legend
+            traces = page.evaluate("""() => document.getElementById('live-curves').data
+                                           .filter((t) => / val @/.test(t.name)).map((t) => [t.x, t.line.dash])""")
+            assert [x for x, _ in traces] == [[10, 20], [10, 20]] and traces[0][1] != traces[1][1]
+            page.screenshot(path=str(tmp_path / "val-at.png"), full_page=True)
+        finally:
+            browser.close()
+    assert not errors, errors

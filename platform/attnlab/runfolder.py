@@ -7,8 +7,9 @@ Layout of a run folder (``RUN``)::
 
     RUN/metrics.jsonl          one JSON object per report (step, train_loss, lr, grad_norm, tokens_per_s, mfu:
                                null where the device's peak is unknown, val_loss when measured; with a stopping
-                               rule the last one says stopped: reached or cap), rewritten whole (object storage
-                               has no append)
+                               rule the last one says stopped: reached or cap; with ``val_extrapolation`` its
+                               steps carry val_loss_at: {"<length in tokens>": mean loss}), rewritten whole
+                               (object storage has no append)
     RUN/provenance.json        config, train_key, git, versions, hardware, data fingerprint, FLOPs (a run written
                                before train_key was its name says config_hash: :func:`recorded_train_key`)
     RUN/failure.json           only when the run diverged: {"reason", "step", "kind"}
@@ -27,15 +28,25 @@ as a :class:`attnlab.states.StopReason` (lines and checkpoints of runs before it
 
 It also watches a run's progress (:class:`Progress`, :func:`watch`): the step, the losses and an estimate of
 the time left, read from ``metrics.jsonl`` by whoever waits for the run; :func:`latest_losses` is a run's latest
-(a finished run's last) train and validation loss, as the console and ``attnlab serve`` show it. No Ray, no torch here.
+(a finished run's last) train and validation loss, as the console and ``attnlab serve`` show it.
+
+:class:`ValExtrapolation` is the setting of validation at longer lengths while a run trains (a study's
+``eval.during_training``, the training config's ``val_extrapolation``), and :data:`VAL_LOSS_AT` the metrics key
+its measurements go under. It is defined here because both the training config (``attnlab.train``) and the
+evaluation config (``attnlab.evaluate``) hold it, and neither may import the other: this module is below both,
+and it owns the metrics lines the setting adds to. No Ray, no torch here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import time
 from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from attnlab.errors import UserError
 from attnlab.location import Location
@@ -49,6 +60,58 @@ REPLICAS_DIR = "replicas"
 # On object storage the metrics file is rewritten at most this often (and always at a checkpoint, a
 # validation, a divergence and the end); a local file is rewritten at every report.
 REMOTE_FLUSH_SECONDS = 10.0
+# The metrics key of the validation losses at longer lengths (ValExtrapolation): {"<length in tokens>": loss}.
+VAL_LOSS_AT = "val_loss_at"
+
+
+class ValExtrapolation(BaseModel):
+    """Validation at longer lengths while a run trains: ``{multiples: [2, 4, 8], every: 100}`` measures the mean
+    validation loss at ``round(m * train_len)`` tokens for each multiple ``m``, every ``every`` training steps and at
+    the last step, with the model as trained (RoPE as trained, p as trained). The losses go to that step's
+    ``metrics.jsonl`` line as ``val_loss_at: {"512": 2.9, ...}`` (:data:`VAL_LOSS_AT`). A run setting: it changes
+    no weights, so no training key, study fingerprint or evaluation cell key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    multiples: list[float] = [2.0, 4.0, 8.0]  # of the training length, each > 1
+    every: int  # training steps
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, data):
+        if isinstance(data, (dict, ValExtrapolation)):
+            return data
+        raise ValueError("must be a mapping like {multiples: [2, 4, 8], every: 100}")
+
+    @field_validator("multiples", mode="before")
+    @classmethod
+    def _multiples(cls, value):
+        allowed = "a non-empty list of distinct numbers > 1 (multiples of the training length), e.g. [2, 4, 8]"
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not items or any(isinstance(m, bool) or not isinstance(m, numbers.Real) or not math.isfinite(m) or m <= 1
+                            for m in items):
+            raise ValueError(f"is not allowed: use {allowed}")
+        out = [float(m) for m in items]
+        if len(set(out)) != len(out):
+            raise ValueError(f"repeats a value: use {allowed}")
+        return out
+
+    @field_validator("every", mode="before")
+    @classmethod
+    def _every(cls, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError("is not allowed: use a positive integer (training steps between measurements)")
+        return int(value)
+
+    def lengths(self, train_len: int) -> list[int]:
+        """The lengths measured for a run trained at ``train_len``: ``round(m * train_len)``, distinct, sorted,
+        each longer than ``train_len``."""
+        lengths = {int(round(m * train_len)) for m in self.multiples}
+        return sorted(length for length in lengths if length > train_len)
+
+    def due(self, done: int, steps: int) -> bool:
+        """Whether the measurement runs after training step ``done`` (1-based) of ``steps``."""
+        return done % self.every == 0 or done == steps
 
 
 class MetricsLog:

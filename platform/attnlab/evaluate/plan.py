@@ -13,6 +13,10 @@ fingerprint and everything that changes the cell's numbers (length, p_eval, rope
 passkey trials); every results row carries it (``eval_key``), so adding a p_eval value, a length or a RoPE
 setting to a study evaluates only the new cells, and re-running an unchanged study evaluates nothing.
 
+``during_training`` is not a cell: it is measured by the training run itself (the training config's
+``val_extrapolation``, :class:`attnlab.runfolder.ValExtrapolation`, the one type both configs hold) and goes to the
+run's ``metrics.jsonl``, not to the results store.
+
 Token budget (docs/protocol.md#evaluation): ``max_tokens`` target tokens at every length, whatever the
 device (default :data:`DEFAULT_EVAL_TOKENS`): ``max_tokens // L`` non-overlapping windows at length ``L`` (fewer
 when the validation split runs out; each row records ``n_tokens``). With lengths that are powers of two times
@@ -31,6 +35,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attnlab.names import DEFAULT_MULTIPLES, ROPE_BOTH, ROPE_SCALINGS, is_none_word, parse_length, parse_optional_number
+from attnlab.runfolder import ValExtrapolation
 
 DEFAULT_EVAL_TOKENS = 2**18  # target tokens scored at every length unless a study or --max-tokens says otherwise
 WINDOW_MODES = ("nonoverlap", "long_docs")
@@ -153,6 +158,9 @@ class EvalConfig(BaseModel):
     windows: bool = True  # false: no validation-window cells (e.g. `attnlab eval --downstream` alone)
     batch_size: int | None = Field(default=None, gt=0)  # windows per forward; how, not what: not in any key
     compile: bool | None = None  # torch.compile the model (None: on for CUDA, off on CPU); not in any key
+    # validation loss at longer lengths while each run trains, e.g. {multiples: [2, 4, 8], every: 100}: copied into
+    # every trial's training config (val_extrapolation), lines in its metrics.jsonl, not cells; not in any key
+    during_training: ValExtrapolation | None = None
 
     @field_validator("lengths", mode="before")
     @classmethod

@@ -28,7 +28,7 @@ from attnlab.location import Location
 from attnlab.names import STUDY_NAME
 from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, StudyRows, reports
 from attnlab.study.state import STATUSES, STUDY_FILE, SavedStudy, StudyState, TrialStatus
-from attnlab.runfolder import METRICS_FILE, latest_losses, read_metrics
+from attnlab.runfolder import METRICS_FILE, VAL_LOSS_AT, latest_losses, read_metrics
 from attnlab.states import TrialState
 
 DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
@@ -252,11 +252,21 @@ def overview(sources: Sources) -> dict:
 
 # ------------------------------------------------------------------------------------------------ trials
 def _curve(lines: list[dict]) -> dict:
-    """Train and validation loss against the training step, from a run's metrics lines."""
+    """Train and validation loss against the training step, from a run's metrics lines; ``val_at``: the validation
+    loss at each longer length the run measured while training (``val_loss_at``, a study's
+    ``eval.during_training``), one series per length, shortest first: ``[{"length", "step", "val_loss"}]``."""
     train = [(m["step"], m["train_loss"]) for m in lines if "step" in m and m.get("train_loss") is not None]
     val = [(m["step"], m["val_loss"]) for m in lines if "step" in m and m.get("val_loss") is not None]
+    at: dict[int, list] = {}
+    for m in lines:
+        if "step" in m and isinstance(m.get(VAL_LOSS_AT), dict):
+            for length, loss in m[VAL_LOSS_AT].items():
+                if str(length).isdigit() and loss is not None:
+                    at.setdefault(int(length), []).append((m["step"], loss))
     return clean({"step": [s for s, _ in train], "train_loss": [v for _, v in train],
-                  "val_step": [s for s, _ in val], "val_loss": [v for _, v in val]})
+                  "val_step": [s for s, _ in val], "val_loss": [v for _, v in val],
+                  "val_at": [{"length": length, "step": [s for s, _ in at[length]],
+                              "val_loss": [v for _, v in at[length]]} for length in sorted(at)]})
 
 
 _FINISHED_LOSSES: dict[tuple, dict] = {}  # (run, status, updated) -> latest_losses of a run that stopped training

@@ -325,6 +325,9 @@ class StudySpec(_Strict):
             data_rule = "demo, a folder made by `attnlab data prepare` (path or URI), or {synthetic: TASK, ...}"
             if "preset" not in value:
                 raise ValueError("train.preset is required: a model preset, e.g. tiny or gpt2-small")
+            if "val_extrapolation" in value:
+                raise ValueError("train.val_extrapolation is set by the study's eval.during_training (every trial "
+                                 "gets it): write eval.during_training: {multiples: [2, 4, 8], every: 100}")
             data = value.get("data")
             if data is None or (isinstance(data, str) and not data.strip()):
                 raise ValueError(f"train.data is required: {data_rule}")
@@ -471,6 +474,7 @@ class StudySpec(_Strict):
         hashes as before they existed."""
         blob = self.model_dump(mode="json", exclude={"eval", "description", "store", "plugins"})
         blob["train"].pop("plugin", None)  # a plugin's bytes count once, below
+        blob["train"].pop("val_extrapolation", None)  # eval.during_training's copy: a run setting, never searched
         # fields added later hash only when set: a study written before them keeps its fingerprint (and its resume)
         for key, default in (("rope_scaling", "none"), ("original_len", None), ("init_from", None)):
             if blob["train"].get(key) == default:
@@ -505,7 +509,9 @@ class StudySpec(_Strict):
             f"objective: {', '.join(f'{o.key} ({o.mode})' for o in self.objective)}; scheduler: {self.scheduler.type}",
             f"eval: lengths {self.eval.eval_lengths(t.seq_length)}, p_eval "
             f"{['none' if p is None else f'{p:g}' for p in self.eval.p_eval]}, rope {self.eval.rope_scaling}, "
-            f"{self.eval.max_tokens} tokens per length",
+            f"{self.eval.max_tokens} tokens per length"
+            + (f"; while training: val loss at {self.eval.during_training.lengths(t.seq_length)} every "
+               f"{self.eval.during_training.every} steps" if self.eval.during_training is not None else ""),
             f"resources per trial: {req['CPU']:g} CPU, {req['GPU']:g} GPU ({t.workers} worker(s)); at most "
             f"{self.resources.max_concurrent_trials} trial(s) at once",
         ]

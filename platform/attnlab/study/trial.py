@@ -124,6 +124,8 @@ def plan_trial(ctx: StudyContext, point: dict, trial: str, cfg: TrainConfig | No
             cfg = StagedSpace.with_parent(cfg, parent.train_key, parent.run.uri, parent_final_step(parent),
                                           parent.lineage_tokens)
     cfg = cfg or space.config(point, data=data.resolved)
+    # eval.during_training: a run setting (no key changes), also on a config read back from a status file
+    cfg = cfg.model_copy(update={"val_extrapolation": spec.eval.during_training})
     key = cfg.train_key(data.fingerprint, data.vocab_size)
     cells = [(cell, cell.key(key, cfg.steps, data.fingerprint)) for cell in spec.eval.cells(cfg.base_length)]
     row_context = {"study": spec.name, "trial": trial, "seed": cfg.seed, "train_key": key,

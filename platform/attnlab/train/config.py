@@ -41,6 +41,7 @@ from attnlab.attention.spec import P_TRAIN_DEFAULT, PluginSpec, parse_p_train
 from attnlab.attention.variants import plugin_spec
 from attnlab.model import PRESETS, GPTConfig, preset, with_kind
 from attnlab.names import GPT2_VOCAB
+from attnlab.runfolder import ValExtrapolation
 from attnlab.validation import parse
 
 
@@ -49,7 +50,7 @@ from attnlab.validation import parse
 RUN_SETTINGS = frozenset({
     "workers", "gpus_per_worker", "cpus_per_worker", "worker_resources", "threads_per_worker", "micro_batch",
     "log_every", "val_every", "val_tokens", "val_batch", "checkpoint_every", "keep_checkpoints", "max_failures",
-    "compile", "attn_impl",
+    "compile", "attn_impl", "val_extrapolation",
 })
 
 
@@ -190,6 +191,9 @@ class TrainConfig(BaseModel):
     val_every: int = Field(default=250, gt=0)
     val_tokens: int = Field(default=10_485_760, gt=0)  # llm.c/modded-nanogpt's first 10,485,760 val tokens
     val_batch: int = Field(default=8, gt=0)
+    # validation at longer lengths while training, e.g. {multiples: [2, 4, 8], every: 100} (a study's
+    # eval.during_training sets it); None: only at the training length. A run setting: no weights change.
+    val_extrapolation: ValExtrapolation | None = None
     checkpoint_every: int = Field(default=1000, gt=0)
     keep_checkpoints: int = Field(default=2, gt=0)
     max_failures: int = Field(default=2, ge=0)  # worker-group restarts from the latest checkpoint
@@ -472,6 +476,10 @@ class TrainConfig(BaseModel):
             out.append(f"warmup_steps={self.warmup_steps} >= steps={self.steps}: the learning rate never leaves "
                        f"warm-up (it peaks at {self.lr * self.steps / max(self.warmup_steps, 1):.2g}, not lr={self.lr:g}); "
                        "lower warmup_steps")
+        extra = self.val_extrapolation
+        if extra is not None and not extra.lengths(self.seq_length):
+            out.append(f"val_extrapolation.multiples={extra.multiples} round to no length above seq_len="
+                       f"{self.seq_length}: nothing is measured; use larger multiples")
         workers = world_size or self.workers
         try:
             global_batch, accum = self.batch_plan(workers)
@@ -501,7 +509,9 @@ class TrainConfig(BaseModel):
                 f"({global_batch} x {self.seq_length}) = {self.steps * self.tokens_per_step:,} tokens; {workers} "
                 f"worker(s) of {device}, micro-batch {batch}, grad accumulation {accum}; data {data}"
                 + (f"; stop when {self.stop_when.describe()} (checked every {self.val_every} steps; "
-                   f"{self.steps:,} is the cap)" if self.stop_when is not None else ""))
+                   f"{self.steps:,} is the cap)" if self.stop_when is not None else "")
+                + (f"; validation also at {', '.join(map(str, self.val_extrapolation.lengths(self.seq_length)))} "
+                   f"tokens every {self.val_extrapolation.every} steps" if self.val_extrapolation is not None else ""))
 
     def identity(self, data_fingerprint: str, vocab_size: int | None = None) -> dict:
         """What determines the trained weights: the resolved model (attention spec included; a plugin's variant by

@@ -13,7 +13,9 @@ run (a non-finite loss) is found on the first such step after it, writes ``failu
 first went non-finite, and stops cleanly, before any checkpoint of its non-finite weights. With a stopping rule
 (``cfg.stop_when``) the first validation point that meets it ends the run there with a checkpoint whose metrics
 say ``stopped: reached``; a resumed run whose latest checkpoint says so trains no further; a run that reaches
-``steps`` without meeting it ends with ``stopped: cap``.
+``steps`` without meeting it ends with ``stopped: cap``. With ``cfg.val_extrapolation`` the steps it names (every
+``every`` steps, the last one, and a step the stopping rule ends the run at) also measure the validation loss at
+longer lengths (``val_loss_at`` in that step's metrics line, written at once).
 
 Before every step the loop calls the fault-injection seam :func:`attnlab.faults.before_train_step` (a no-op unless a
 test replaced it): the crash tests fail a worker there, at the step and rank they choose.
@@ -34,6 +36,7 @@ from attnlab.data.source import DataSource
 from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.model.checkpoint import META_FILE, find_latest_checkpoint, local_checkpoint
+from attnlab.runfolder import VAL_LOSS_AT
 from attnlab.states import StopReason
 from attnlab.train.config import TrainConfig
 from attnlab.train.parts import TrainParts, build_parts
@@ -142,7 +145,8 @@ def train_loop(parts: TrainParts) -> dict:
         log_now = done % cfg.log_every == 0 or done == cfg.steps
         val_now = done % cfg.val_every == 0 or done == cfg.steps
         ckpt_now = done % cfg.checkpoint_every == 0 or done == cfg.steps
-        if not (log_now or val_now or ckpt_now):
+        extrap_now = cfg.val_extrapolation is not None and cfg.val_extrapolation.due(done, cfg.steps)
+        if not (log_now or val_now or ckpt_now or extrap_now):
             continue
         # one collective on the steps that report: the loss, and whether any rank has seen a non-finite loss since
         # the run started (so every rank decides alike that it diverged)
@@ -159,6 +163,12 @@ def train_loop(parts: TrainParts) -> dict:
             metrics.update(parts.validator.validate(model.model, done))
             # evaluation uses the weights that met the rule
             ckpt_now = ckpt_now or metrics.get("stopped") is StopReason.REACHED
+        # validation at longer lengths: every val_extrapolation.every steps, the last step, and a step that stops
+        extrap_now = extrap_now or (cfg.val_extrapolation is not None and metrics.get("stopped") is StopReason.REACHED)
+        if extrap_now and not diverged:
+            at = parts.validator.at_lengths(model.model)
+            if at:
+                metrics[VAL_LOSS_AT] = at
         if diverged:
             metrics["diverged"] = True
             gpt = model.model.cfg
@@ -167,7 +177,7 @@ def train_loop(parts: TrainParts) -> dict:
             seen = "" if at == done else f"; seen at step {done}, the first step since that reports"
             parts.writer.failure(f"loss is {loss} at step {at} (attention={gpt.attention}, p_train={gpt.p_train}"
                                  f"{seen})", at)
-        parts.writer.append(metrics, force=val_now or ckpt_now or diverged)
+        parts.writer.append(metrics, force=val_now or ckpt_now or extrap_now or diverged)
         parts.checkpointer.report(metrics, model if ckpt_now and not diverged and rank == 0 else None)
         last = metrics
         t_last, tokens_since = time.perf_counter(), 0

@@ -5,7 +5,8 @@
 - :class:`ModelAndOptimizer`: the model (compiled when asked, DDP-wrapped by the session), its AdamW, and one
   optimizer step over a step's micro-batches;
 - :class:`Validator`: validation at the training length on this rank's share of the windows, all-reduced over the
-  workers, and the stopping rule (``train.stop_when``) decided from the all-reduced metric;
+  workers, and the stopping rule (``train.stop_when``) decided from the all-reduced metric; with
+  ``val_extrapolation`` also the validation loss at longer lengths (:meth:`Validator.at_lengths`);
 - :class:`Checkpointer`: resumes from the session's latest checkpoint, and saves a checkpoint (rank 0) with the
   report of a step;
 - :class:`MetricsWriter`: the run's own files (:mod:`attnlab.runfolder`): rank 0's ``metrics.jsonl``,
@@ -35,7 +36,8 @@ from attnlab.model import GPT, build_model, compile_model, is_compiled
 from attnlab.model.checkpoint import META_FILE, load_weights, resume, save_checkpoint
 from attnlab.model.scoring import autocast_context, mean_window_loss
 from attnlab.provenance import git_info, hardware, package_versions
-from attnlab.runfolder import PROVENANCE_FILE, MetricsLog, decode_metrics, write_failure, write_replica_checksum
+from attnlab.runfolder import (PROVENANCE_FILE, MetricsLog, decode_metrics, write_failure,
+                               write_replica_checksum)
 from attnlab.states import StopReason
 from attnlab.train.config import TrainConfig
 from attnlab.train.recipe import build_optimizer
@@ -105,17 +107,31 @@ class ModelAndOptimizer:
 class Validator:
     """Validation at the training length on this rank's share of the windows, summed over the workers, and the
     stopping rule: the first validation point whose all-reduced metric meets it ends the run (every rank decides
-    alike), and a run that reaches ``steps`` without meeting it ends with ``stopped: cap``."""
+    alike), and a run that reaches ``steps`` without meeting it ends with ``stopped: cap``.
 
-    def __init__(self, windows, mask, cfg: TrainConfig, session):
+    With ``cfg.val_extrapolation`` it also holds windows at each longer length (built once, here: the first
+    ``max(val_tokens, L)`` validation tokens at length ``L``, so every length has at least one window where the
+    split is long enough; a length whose split has no whole window is left out) and measures them
+    (:meth:`at_lengths`) with the batch scaled down so a forward holds about ``val_batch x seq_len`` tokens."""
+
+    def __init__(self, windows, mask, cfg: TrainConfig, session, longer: dict | None = None):
         self.windows, self.mask, self.session = windows, mask, session
         self.batch_size, self.precision, self.rule, self.steps = cfg.val_batch, cfg.precision, cfg.stop_when, cfg.steps
+        self.seq_len = cfg.seq_length
+        self.longer = longer or {}  # length -> (this rank's windows, their target mask or None)
 
     @classmethod
     def build(cls, source: DataSource, cfg: TrainConfig, session) -> Validator:
-        windows, mask = source.eval_set(cfg.seq_length, max_tokens=cfg.val_tokens, seed=cfg.data_seed)
         rank, world = session.rank, session.world_size
-        return cls(windows[rank::world], None if mask is None else mask[rank::world], cfg, session)
+        windows, mask = source.eval_set(cfg.seq_length, max_tokens=cfg.val_tokens, seed=cfg.data_seed)
+        longer = {}
+        extra = cfg.val_extrapolation
+        for length in extra.lengths(cfg.seq_length) if extra is not None else ():
+            long_windows, long_mask = source.eval_set(length, max_tokens=max(cfg.val_tokens, length),
+                                                      seed=cfg.data_seed)
+            if len(long_windows):  # the same on every rank: each leaves the same lengths out
+                longer[length] = (long_windows[rank::world], None if long_mask is None else long_mask[rank::world])
+        return cls(windows[rank::world], None if mask is None else mask[rank::world], cfg, session, longer)
 
     def validate(self, model: torch.nn.Module, done: int) -> dict:
         """``val_loss``, ``val_acc`` and ``val_tokens`` over every worker's windows, after step ``done``; with a
@@ -132,6 +148,25 @@ class Validator:
             elif done == self.steps:
                 metrics["stopped"] = StopReason.CAP
         return metrics
+
+    def at_lengths(self, model: torch.nn.Module) -> dict[str, float]:
+        """The mean validation loss at each longer length over every worker's windows, ``{"<length>": loss}``
+        (:data:`attnlab.runfolder.VAL_LOSS_AT`): the model as trained (RoPE and p as trained), in eval mode without
+        gradients, its training mode and the random generators' states left as they were (a run trains the same
+        weights with this on or off). One all-reduce for all the lengths."""
+        if not self.longer:
+            return {}
+        device = self.session.device
+        sums = []
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for length, (windows, mask) in self.longer.items():
+                batch = max(1, self.batch_size * self.seq_len // length)
+                total, count, _ = mean_window_loss(model, windows, batch_size=batch, device=device,
+                                                   precision=self.precision, target_mask=mask)
+                sums += [total, float(count)]
+        sums = self.session.all_reduce_sum(sums)
+        return {str(length): sums[2 * i] / sums[2 * i + 1]
+                for i, length in enumerate(self.longer) if sums[2 * i + 1] > 0}
 
     def finished(self, resumed: dict) -> bool:
         """Whether a resumed run is already over: its latest checkpoint met the rule (the run died after it)."""

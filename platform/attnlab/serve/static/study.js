@@ -7,6 +7,7 @@
   const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                    "#bcbd22", "#17becf"];
   const PLOT_CONFIG = {displaylogo: false, responsive: true, showLink: false, showSendToCloud: false};
+  const DASHES = ["dash", "dashdot", "longdash", "longdashdot"];   // validation at longer lengths, one per length
   const curves = {};   // trial key -> {label, status, curve}
   const colors = {};   // trial key -> a palette colour, stable across refreshes
   let signature = cfg.signature;
@@ -52,6 +53,14 @@
                      marker: {size: 6}, opacity: running ? 1 : 0.6,
                      hovertemplate: `${t.label}<br>step %{x}<br>val loss %{y:.4f}<extra></extra>`});
       }
+      // validation loss at longer lengths while training (eval.during_training): one line per length
+      (t.curve.val_at || []).forEach((s, j) => {
+        if (!s.step.length) return;
+        traces.push({x: s.step, y: s.val_loss, name: `${t.label} val @${s.length}`, legendgroup: key,
+                     mode: "lines+markers", line: {color: color, dash: DASHES[j % DASHES.length], width: 1.5},
+                     marker: {size: 5}, opacity: running ? 1 : 0.6,
+                     hovertemplate: `${t.label}<br>step %{x}<br>val loss @${s.length} %{y:.4f}<extra></extra>`});
+      });
     }
     const layout = {margin: {t: 10, r: 10, b: 45, l: 60}, height: 340, uirevision: "live",
                     xaxis: {title: {text: "training step"}}, yaxis: {title: {text: "loss (nats)"}},
