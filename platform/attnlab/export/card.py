@@ -57,8 +57,8 @@ def _trained_scaling_lines(cfg: GPTConfig, rope_scaling: str) -> list[str]:
     if trained is None:
         return []
     return [f"- fine-tuned with RoPE scaling `{trained.method}` in training, from {trained.original_len} to "
-            f"{cfg.train_len} tokens (`attnlab_trained_rope_scaling` and `original_len` in config.json): the model uses "
-            f"{trained.method}'s frequencies for {cfg.train_len} tokens at every length; `rope_scaling` "
+            f"{cfg.train_len} tokens (`attnlab_trained_rope_scaling` and `original_len` in config.json): the "
+            f"model uses {trained.method}'s frequencies for {cfg.train_len} tokens at every length; `rope_scaling` "
             f"(`{rope_scaling}`) is an evaluation-time scaling applied on top of it beyond {cfg.train_len} tokens"]
 
 
