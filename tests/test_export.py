@@ -2,13 +2,15 @@
 without attnlab, with attnlab's logits.
 
 One module fixture builds a tiny model of every registered built-in variant, of both blocks, of RoPE (each scaling),
-NoPE and ALiBi (three heads: the slopes' odd case), and of each shipped plugin and a module plugin, its weights
-moved off their initialisation (a parameter mapped to the wrong place changes the logits), writes each as a checkpoint
-with ``save_checkpoint`` (no training), exports it, and saves attnlab's logits at 1x and 4x the training length, as
-exported and with a sharpened ``p_eval``. One subprocess (tests/export_hf_side.py: attnlab not importable,
-``HF_HUB_OFFLINE=1``, a temporary working directory) loads every folder with ``AutoModelForCausalLM``, compares the
-logits, generates 20 tokens from two exports, reads the tokenizers and loads a folder whose plugin code was changed;
-the tests read its report. lm-evaluation-harness's ``hf`` model scores a GPT-2-vocabulary export on the downstream
+NoPE and ALiBi (three heads: the slopes' odd case), of runs fine-tuned with pi, ntk and yarn in training (a
+context-extension stage: compared under every evaluation-time scaling on top), and of each shipped plugin and a
+module plugin, its weights moved off their initialisation (a parameter mapped to the wrong place changes the
+logits), writes each as a checkpoint with ``save_checkpoint`` (no training), exports it, and saves attnlab's logits
+at 1x and 4x the training length, as exported and with a sharpened ``p_eval``. One subprocess
+(tests/export_hf_side.py: attnlab not importable, ``HF_HUB_OFFLINE=1``, a temporary working directory) loads every
+folder with ``AutoModelForCausalLM``, compares the logits, generates 20 tokens from two exports, reads the tokenizers
+and loads a folder whose plugin code was changed and one whose training-time scaling lacks its original length; the
+tests read its report. lm-evaluation-harness's ``hf`` model scores a GPT-2-vocabulary export on the downstream
 tests' task folder, against attnlab's own harness model. Bad input is checked in this process.
 """
 
@@ -68,6 +70,17 @@ def _builtin_cases() -> list[dict]:
     ]
 
 
+# Runs fine-tuned at 2 x TRAIN_LEN from TRAIN_LEN with a RoPE scaling in training (a context-extension stage,
+# docs/stages.md; attnlab.model.rope.TrainedScaling), each exported with an evaluation-time scaling ("rope") and
+# compared at 1x and 4x its train_len under every evaluation-time scaling on top.
+EXTENDED_LEN = 2 * TRAIN_LEN
+EXTENDED_LENGTHS = (EXTENDED_LEN, 4 * EXTENDED_LEN)
+TRAINED_CASES = [
+    dict(name="trained-pi-softmax", attention="softmax", trained="pi", rope="none"),
+    dict(name="trained-ntk-llama-softmax", attention="softmax", block="llama", trained="ntk", rope="ntk"),
+    dict(name="trained-yarn-lssar", attention="lssar", trained="yarn", rope="yarn"),
+]
+
 PLUGIN_CASES = [
     dict(name="plugin-fox-nope", attention="fox", position="nope"),
     dict(name="plugin-fox-llama-alibi3", attention="fox", block="llama", position="alibi", n_head=3),
@@ -82,6 +95,10 @@ def _config(case: dict, vocab_size: int = 257, train_len: int = TRAIN_LEN) -> GP
     return GPTConfig(n_layer=2, n_head=n_head, n_embd=16 * n_head, vocab_size=vocab_size, train_len=train_len,
                      attention=case["attention"], block=case.get("block", "gpt2"),
                      position=case.get("position", "rope"), attn_impl="dense")
+
+
+def _trained_config(case: dict) -> GPTConfig:
+    return _config(case, train_len=EXTENDED_LEN).replace(original_len=TRAIN_LEN, rope_scaling=case["trained"])
 
 
 def _model(cfg: GPTConfig, seed: int) -> GPT:
@@ -163,6 +180,35 @@ def exported(plugins, tmp_path_factory):
         jobs.append(dict(kind="logits", name=case["name"], folder=str(folder), reference=str(root / f"{case['name']}.pt"),
                          settings=settings))
         cases[case["name"]] = (model, rope, folder)
+    long_ids = torch.randint(0, 256, (2, EXTENDED_LENGTHS[-1]), generator=torch.Generator().manual_seed(1))
+    for seed, case in enumerate(TRAINED_CASES, start=200):
+        model = _model(_trained_config(case), seed)
+        plain = GPT(model.cfg.replace(rope_scaling="none", original_len=None)).eval()  # the trained scaling ignored
+        plain.load_state_dict(model.state_dict())
+        run, folder = root / "runs" / case["name"], root / "hf" / case["name"]
+        _write_run(run, model)
+        export_run(str(run), str(folder), rope_scaling=case["rope"])
+        p = model.cfg.attention_spec().p
+        reference, settings = {"ids": long_ids}, [{"label": "run", "lengths": EXTENDED_LENGTHS}]
+        for length in EXTENDED_LENGTHS:
+            reference[f"run@{length}"] = _forward(model, long_ids[:, :length], case["rope"], p)
+            reference[f"ignored@{length}"] = _forward(plain, long_ids[:, :length], case["rope"], p)
+        for rope in ROPES:  # every evaluation-time scaling on top of the trained one, set after loading
+            settings.append({"label": f"eval-{rope}", "lengths": EXTENDED_LENGTHS, "config": {"rope_scaling": rope}})
+            for length in EXTENDED_LENGTHS:
+                reference[f"eval-{rope}@{length}"] = _forward(model, long_ids[:, :length], rope, p)
+        torch.save(reference, root / f"{case['name']}.pt")
+        jobs.append(dict(kind="logits", name=case["name"], folder=str(folder),
+                         reference=str(root / f"{case['name']}.pt"), settings=settings))
+        cases[case["name"]] = (model, case["rope"], folder)
+    no_original = root / "hf" / "trained-without-original_len"
+    no_original.mkdir()
+    for path in cases["trained-pi-softmax"][2].iterdir():
+        (no_original / path.name).write_bytes(path.read_bytes()) if path.is_file() else None
+    config = json.loads((no_original / "config.json").read_text())
+    config["original_len"] = None
+    (no_original / "config.json").write_text(json.dumps(config))
+    jobs.append(dict(kind="errors", name="trained-without-original_len", folder=str(no_original)))
     prompt = list(range(60, 68))  # 8 tokens + 20 new: past the training length (16), where ntk changes with it
     greedy = {}
     for name in ("lssar", "plugin-stickbreaking-rope"):
@@ -235,7 +281,8 @@ def test_every_variant_block_position_and_plugin_has_attnlabs_logits_without_att
     assert not bad, bad
     compared = {k.split(" ")[0] for k in diffs if "sharp@" in k}
     assert {"lssar", "softmax", "plugin-fox-nope", "plugin-module-rope"} <= compared  # a sharpened p_eval too
-    assert all(f"{name} run@{LENGTHS[-1]}" in diffs for name in report["logits"])  # 4x the training length
+    trained = {case["name"] for case in TRAINED_CASES}  # their lengths are 1x and 4x their own train_len
+    assert all(f"{name} run@{LENGTHS[-1]}" in diffs for name in report["logits"] if name not in trained)  # 4x
 
 
 def test_the_reference_logits_tell_variants_apart(exported):
@@ -245,6 +292,49 @@ def test_the_reference_logits_tell_variants_apart(exported):
     assert (softmax - lssar).abs().max() > 1000 * TOLERANCE
     sharp = refs["lssar"][f"sharp@{LENGTHS[-1]}"]
     assert (sharp - lssar).abs().max() > 1000 * TOLERANCE  # p_eval 2.5 is not the trained 15
+
+
+def test_a_run_fine_tuned_with_rope_scaling_in_training_has_attnlabs_logits(report):
+    """pi, ntk and yarn in training, with every evaluation-time scaling on top, at 1x and 4x the fine-tune's length."""
+    assert not report["failed"], "\n".join(f"{k}:\n{v}" for k, v in report["failed"].items())
+    want = {"run", *(f"eval-{rope}" for rope in ROPES)}
+    for case in TRAINED_CASES:
+        result = {k: v for k, v in report["logits"][case["name"]].items() if k != "modules"}
+        assert set(result) == {f"{label}@{length}" for label in want for length in EXTENDED_LENGTHS}, case["name"]
+        bad = {k: v for k, v in result.items() if not (isinstance(v, float) and v <= TOLERANCE)}
+        assert not bad, (case["name"], bad)
+
+
+def test_the_trained_scaling_changes_the_reference_logits(exported):
+    """The comparison above can fail: a template that ignored the training-time scaling (plain RoPE at train_len)
+    would be far off at both lengths, and each evaluation-time scaling changes the logits beyond train_len."""
+    for case in TRAINED_CASES:
+        ref = torch.load(exported["root"] / f"{case['name']}.pt")
+        for length in EXTENDED_LENGTHS:
+            assert (ref[f"run@{length}"] - ref[f"ignored@{length}"]).abs().max() > 1000 * TOLERANCE, (case, length)
+        longest = EXTENDED_LENGTHS[-1]
+        for rope in ("ntk", "pi", "yarn"):
+            assert (ref[f"eval-{rope}@{longest}"] - ref[f"eval-none@{longest}"]).abs().max() > 1000 * TOLERANCE
+            assert torch.equal(ref[f"eval-{rope}@{EXTENDED_LEN}"], ref[f"eval-none@{EXTENDED_LEN}"])
+
+
+def test_a_trained_scaling_is_in_config_json_and_the_card(exported):
+    folder = exported["cases"]["trained-yarn-lssar"][2]
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["attnlab_trained_rope_scaling"], config["original_len"], config["train_len"]) == \
+        ("yarn", TRAIN_LEN, EXTENDED_LEN)
+    assert config["attnlab_rope_scaling"] == "yarn"
+    card = (folder / "README.md").read_text()
+    assert f"fine-tuned with RoPE scaling `yarn` in training, from {TRAIN_LEN} to {EXTENDED_LEN} tokens" in card
+    assert f"(`yarn`) is an evaluation-time scaling applied on top of it beyond {EXTENDED_LEN} tokens" in card
+    plain = json.loads((exported["cases"]["softmax"][2] / "config.json").read_text())
+    assert (plain["attnlab_trained_rope_scaling"], plain["original_len"]) == ("none", None)
+    assert "in training" not in (exported["cases"]["softmax"][2] / "README.md").read_text()
+
+
+def test_a_trained_scaling_without_original_len_is_refused_when_loaded(report):
+    error = report["errors"]["trained-without-original_len"]
+    assert "trained_rope_scaling='pi' is not allowed" in error and "original_len below train_len" in error
 
 
 def test_generate_gives_attnlabs_greedy_tokens_with_or_without_use_cache(exported, report):

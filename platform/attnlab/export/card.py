@@ -50,6 +50,24 @@ def _variant_lines(spec: AttentionSpec | PluginSpec, plugin: dict | None) -> lis
             f"- its form: {fields} (attnlab's docs/attention.md); tables and equations are those of {PAPER}"]
 
 
+def _trained_scaling_lines(cfg: GPTConfig, rope_scaling: str) -> list[str]:
+    """A run fine-tuned with a RoPE scaling in training (a context-extension stage): what that scaling is and how the
+    evaluation-time ``rope_scaling`` acts with it."""
+    trained = cfg.trained_scaling
+    if trained is None:
+        return []
+    return [f"- fine-tuned with RoPE scaling `{trained.method}` in training, from {trained.original_len} to "
+            f"{cfg.train_len} tokens (`attnlab_trained_rope_scaling` and `original_len` in config.json): the "
+            f"model uses {trained.method}'s frequencies for {cfg.train_len} tokens at every length; `rope_scaling` "
+            f"(`{rope_scaling}`) is an evaluation-time scaling applied on top of it beyond {cfg.train_len} tokens"]
+
+
+def _lengths(cfg: GPTConfig) -> str:
+    if cfg.original_len is not None and cfg.original_len < cfg.train_len:
+        return f"trained at {cfg.original_len} tokens, then fine-tuned at {cfg.train_len}"
+    return f"trained at {cfg.train_len} tokens"
+
+
 def model_card(cfg: GPTConfig, *, record: dict, train: dict, tokenizer: str, p_eval: float | None,
                rope_scaling: str, plugin: dict | None, table: str | None) -> str:
     """README.md of the folder. ``record``: config.json's ``attnlab`` (checkpoint, step, train key); ``train``: the
@@ -69,10 +87,11 @@ def model_card(cfg: GPTConfig, *, record: dict, train: dict, tokenizer: str, p_e
         f"{p_eval if p_eval is not None else 'none'} (change it after loading: `model.config.p_eval = 4`)",
         f"- position: {cfg.position}" + (f" (RoPE base {cfg.rope_base:g}; `rope_scaling` = `{rope_scaling}` beyond "
                                          f"{cfg.train_len} tokens: none, ntk, pi or yarn)" if cfg.position == "rope"
-                                         else ""), "",
+                                         else ""),
+        *_trained_scaling_lines(cfg, rope_scaling), "",
         "## Model", "",
         f"{cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, {cfg.block} block, vocabulary "
-        f"{cfg.vocab_size} ({tokenizer} tokenizer), trained at {cfg.train_len} tokens, tied embeddings.", "",
+        f"{cfg.vocab_size} ({tokenizer} tokenizer), {_lengths(cfg)}, tied embeddings.", "",
         "## Training", "",
         f"- data: `{data if isinstance(data, str) else json.dumps(data)}`",
         f"- tokens: {tokens:,}" if isinstance(tokens, int) else "- tokens: not recorded",

@@ -66,10 +66,6 @@ def export_run(source, to, *, store=None, overwrite: bool = False, p_eval=RUN_P,
                         "tokens, no text tokenizer): only text GPT models are exported")
     plugin = plugin_record(train.get("plugin"), checkpoint)
     cfg = config_from_dict(fields)
-    if cfg.trained_scaling is not None:  # the templates compute RoPE as a run trained once does
-        raise UserError(f"checkpoint {checkpoint.uri} was fine-tuned with rope_scaling={cfg.rope_scaling} in training "
-                        f"(from {cfg.original_len} to {cfg.train_len} tokens): exporting a training-time RoPE scaling "
-                        "is not supported yet; export its parent, or a stage fine-tuned with rope_scaling: none")
     kind = tokenizer_kind(cfg.vocab_size)
     p = resolve_p_eval(cfg, p_eval)
     step = int(state.get("step", 0))

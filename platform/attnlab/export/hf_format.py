@@ -50,7 +50,8 @@ def attention_fields(spec: AttentionSpec | PluginSpec) -> dict:
 
 def hf_config(cfg: GPTConfig, *, eot_id: int, p_eval: float | None, rope_scaling: str,
               plugin: dict | None, record: dict) -> dict:
-    """config.json: the model's fields, how it runs by default (``p_eval``, ``rope_scaling``), where it came from."""
+    """config.json: the model's fields (with a fine-tune's training-time RoPE scaling and ``original_len``), how it
+    runs by default (``p_eval``, ``rope_scaling``), where it came from."""
     spec = cfg.attention_spec(p=None)
     return {
         "architectures": ["AttnlabForCausalLM"],
@@ -64,6 +65,8 @@ def hf_config(cfg: GPTConfig, *, eot_id: int, p_eval: float | None, rope_scaling
         "plugin": plugin,
         "p_eval": p_eval,
         "attnlab_rope_scaling": rope_scaling,  # config.rope_scaling (configuration_attnlab.py says why)
+        # a context-extension stage: the scaling it was fine-tuned with from original_len to train_len
+        "attnlab_trained_rope_scaling": cfg.rope_scaling, "original_len": cfg.original_len,
         "tie_word_embeddings": True,
         "use_cache": False,
         "bos_token_id": eot_id,

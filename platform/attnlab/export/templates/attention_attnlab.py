@@ -1,5 +1,5 @@
-"""attnlab's attention variants, RoPE (with its scalings) and ALiBi in plain PyTorch, for a model folder written by
-``attnlab export``.
+"""attnlab's attention variants, RoPE (with its scalings, at evaluation and in training) and ALiBi in plain PyTorch,
+for a model folder written by ``attnlab export``.
 
 This file is copied into the folder beside ``modeling_attnlab.py`` and imports torch only: the folder runs where
 attnlab is not installed. Each function is a transcription of attnlab's dense reference, operation for operation in
@@ -87,30 +87,67 @@ def inverse_frequencies(base: float, head_dim: int, device=None) -> torch.Tensor
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
 
 
-def rope_frequencies(scaling: str, head_dim: int, seq_len: int, train_len: int, base: float, device=None):
+def check_scaling(scaling: str, field: str = "rope_scaling") -> str:
+    if scaling not in ROPE_SCALINGS:
+        raise ValueError(f"{field}={scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+    return scaling
+
+
+def ntk_base(base: float, head_dim: int, seq_len: int, train_len: int) -> float:
+    """NTK's base for a forward of ``seq_len`` tokens by a model trained at ``train_len``: ``base * s ** (d / (d - 2))``
+    beyond it, ``base`` up to it."""
+    if seq_len <= train_len:
+        return base
+    return base * (seq_len / train_len) ** (head_dim / (head_dim - 2))
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, s: float, train_len: int) -> torch.Tensor:
+    """YaRN's NTK-by-parts ramp over ``r = train_len / lambda``: interpolated (``/ s``) below ``alpha``, kept above
+    ``beta``, linear in between."""
+    ratio = train_len * inv_freq / (2 * math.pi)
+    gamma = ((ratio - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)
+    return (1 - gamma) * inv_freq / s + gamma * inv_freq
+
+
+def rope_frequencies(scaling: str, head_dim: int, seq_len: int, train_len: int, base: float, device=None,
+                     trained: str = "none", original_len: int | None = None):
     """``(inv_freq, logit multiplier)`` of a forward of ``seq_len`` tokens: ``none``; ``ntk`` (base times
     ``s ** (d / (d - 2))``); ``pi`` (frequencies / s); ``yarn`` (NTK-by-parts, logits times ``(0.1 ln s + 1)^2``);
-    every scaling is ``none`` at ``seq_len <= train_len``."""
-    if scaling not in ROPE_SCALINGS:
-        raise ValueError(f"rope_scaling={scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+    every scaling is ``none`` at ``seq_len <= train_len``.
+
+    ``trained``: the scaling the model was fine-tuned with, from ``original_len`` to ``train_len`` (``none``: trained
+    once, or fine-tuned with plain RoPE). At every length the model then uses the frequencies (and multiplier) the
+    formulas give for ``train_len`` tokens by a model trained at ``original_len`` (static), and ``scaling`` acts on
+    top of them beyond ``train_len``: ``ntk`` changes the base they start from, ``pi`` divides them by
+    ``seq_len / train_len``, ``yarn`` ramps them over ``train_len / lambda`` and multiplies the multipliers."""
+    check_scaling(scaling)
+    if trained != "none":
+        check_scaling(trained, "trained_rope_scaling")
+        beyond = seq_len > train_len and scaling != "none"
+        start = ntk_base(base, head_dim, seq_len, train_len) if beyond and scaling == "ntk" else base
+        inv_freq, multiplier = rope_frequencies(trained, head_dim, train_len, original_len, start, device)
+        if not beyond or scaling == "ntk":
+            return inv_freq, multiplier
+        s = seq_len / train_len
+        if scaling == "pi":
+            return inv_freq / s, multiplier
+        return yarn_frequencies(inv_freq, s, train_len), multiplier * (0.1 * math.log(s) + 1.0) ** 2
     if scaling == "ntk":
-        if seq_len > train_len:
-            base = base * (seq_len / train_len) ** (head_dim / (head_dim - 2))
-        return inverse_frequencies(base, head_dim, device), 1.0
+        return inverse_frequencies(ntk_base(base, head_dim, seq_len, train_len), head_dim, device), 1.0
     inv_freq = inverse_frequencies(base, head_dim, device)
     if scaling == "none" or seq_len <= train_len:
         return inv_freq, 1.0
     s = seq_len / train_len
     if scaling == "pi":
         return inv_freq / s, 1.0
-    ratio = train_len * inv_freq / (2 * math.pi)
-    gamma = ((ratio - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)
-    return (1 - gamma) * inv_freq / s + gamma * inv_freq, (0.1 * math.log(s) + 1.0) ** 2
+    return yarn_frequencies(inv_freq, s, train_len), (0.1 * math.log(s) + 1.0) ** 2
 
 
-def rope_tables(scaling: str, seq_len: int, head_dim: int, train_len: int, base: float, device=None):
+def rope_tables(scaling: str, seq_len: int, head_dim: int, train_len: int, base: float, device=None,
+                trained: str = "none", original_len: int | None = None):
     """float32 cos and sin ``(seq_len, head_dim)`` (half-rotation layout), times ``sqrt(multiplier)``."""
-    inv_freq, multiplier = rope_frequencies(scaling, head_dim, seq_len, train_len, base, device)
+    inv_freq, multiplier = rope_frequencies(scaling, head_dim, seq_len, train_len, base, device, trained,
+                                            original_len)
     pos = torch.arange(seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(pos, inv_freq.to(device=device, dtype=torch.float64))
     angles = torch.cat([angles, angles], dim=-1)

@@ -12,6 +12,13 @@ runs, with the run's values as defaults, and may be changed after loading (``mod
   ``attnlab_rope_scaling`` (``attribute_map`` makes ``config.rope_scaling`` read and write it): a reader of
   config.json that does not run this code (``AutoTokenizer`` without ``trust_remote_code``) would take a
   ``rope_scaling`` key for that dictionary and fail.
+
+A run fine-tuned at ``train_len`` from a parent trained at ``original_len`` with a RoPE scaling in training (an
+attnlab context-extension stage) records that scaling as ``trained_rope_scaling`` (``pi``, ``ntk`` or ``yarn``;
+``none``: trained once, or fine-tuned with plain RoPE), stored as ``attnlab_trained_rope_scaling`` beside
+``attnlab_rope_scaling`` (attnlab's names of scalings, under attnlab's prefix, apart from transformers' RoPE keys).
+It is part of the model, not a choice to change: the model uses that scaling's frequencies for ``train_len`` tokens
+at every length, and ``rope_scaling`` then acts on top of it beyond ``train_len``.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ ROPE_SCALINGS = ("ntk", "none", "pi", "yarn")
 class AttnlabConfig(PreTrainedConfig):
     model_type = "attnlab"
     attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
-                     "max_position_embeddings": "train_len", "rope_scaling": "attnlab_rope_scaling"}
+                     "max_position_embeddings": "train_len", "rope_scaling": "attnlab_rope_scaling",
+                     "trained_rope_scaling": "attnlab_trained_rope_scaling"}
 
     vocab_size: int = 50257
     n_layer: int = 12
@@ -41,6 +49,8 @@ class AttnlabConfig(PreTrainedConfig):
     plugin: dict | None = None  # a plugin variant's source: origin, kind, entry, sha256, files {path: text}
     p_eval: float | None = None
     attnlab_rope_scaling: str = "none"  # config.rope_scaling (attribute_map)
+    attnlab_trained_rope_scaling: str = "none"  # config.trained_rope_scaling: the fine-tune's scaling (docstring)
+    original_len: int | None = None  # the length the run's lineage was first trained at (None: train_len)
     attnlab: dict | None = None  # where the export came from (train key, checkpoint, step), for the record
     tie_word_embeddings: bool = True
     use_cache: bool = False  # no KV cache: each forward recomputes the whole sequence (modeling_attnlab.py)
@@ -55,6 +65,17 @@ class AttnlabConfig(PreTrainedConfig):
         """One line naming the field and what is allowed, for a value the model cannot run with."""
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"rope_scaling={self.rope_scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+        if self.trained_rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"trained_rope_scaling={self.trained_rope_scaling!r} is not allowed: use one of "
+                             f"{', '.join(ROPE_SCALINGS)}")
+        n = self.original_len
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.train_len):
+            raise ValueError(f"original_len={n!r} is not allowed: use None or a positive integer up to "
+                             f"train_len={self.train_len}")
+        if self.trained_rope_scaling != "none" and (self.position != "rope" or n is None or n >= self.train_len):
+            raise ValueError(f"trained_rope_scaling={self.trained_rope_scaling!r} is not allowed with position="
+                             f"{self.position!r}, original_len={n!r}, train_len={self.train_len}: a training-time "
+                             "scaling needs position rope and an original_len below train_len")
         p = self.p_eval
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not p >= 1):
             raise ValueError(f"p_eval={p!r} is not allowed: use None (no sharpening) or a number >= 1")

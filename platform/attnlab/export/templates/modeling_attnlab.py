@@ -3,9 +3,10 @@
 
 Read top to bottom, it is attnlab's model (attnlab/model/gpt.py): GPT-2's block (pre-LayerNorm with biases, tanh-GELU
 MLP) or Llama's (pre-RMSNorm, SwiGLU, no biases), tied input/output embeddings, no position table; RoPE (rotating q
-and k, with the ``rope_scaling`` chosen in the config), NoPE or ALiBi; the attention variant of the run
-(``attention_attnlab.py``: every built-in variant, sharpened with ``p_eval``; or an attnlab plugin's own code,
-``plugin_attnlab.py``). Its logits are attnlab's to float32 rounding.
+and k, with the ``rope_scaling`` chosen in the config, on top of the ``trained_rope_scaling`` of a run fine-tuned
+with one), NoPE or ALiBi; the attention variant of the run (``attention_attnlab.py``: every built-in variant,
+sharpened with ``p_eval``; or an attnlab plugin's own code, ``plugin_attnlab.py``). Its logits are attnlab's to
+float32 rounding.
 
 Generation: ``model.generate`` works, with **no KV cache**: every step runs the whole sequence again. That is what
 the variants need: the NTK base (and PI/YaRN) depend on the current length, ``sigmoid_ramapuram`` reads ``-ln T``, and
@@ -162,7 +163,8 @@ class AttnlabModel(AttnlabPreTrainedModel):
         c.validate_attnlab()  # p_eval and rope_scaling may have been changed since loading
         cos = sin = None
         if c.position == "rope":
-            cos, sin = rope_tables(c.rope_scaling, T, c.n_embd // c.n_head, c.train_len, c.rope_base, x.device)
+            cos, sin = rope_tables(c.rope_scaling, T, c.n_embd // c.n_head, c.train_len, c.rope_base, x.device,
+                                   c.trained_rope_scaling, c.original_len)
         spec = attention_spec(c)
         for block in self.blocks:
             x = block(x, cos, sin, spec)
