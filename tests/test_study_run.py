@@ -217,16 +217,19 @@ def test_a_one_worker_trial_trains_in_its_own_process_as_ray_train_would(ray_ses
     train = {**TRAIN, "steps": 8, "log_every": 2, "val_every": 4, "checkpoint_every": 4, "max_failures": 1}
     base = {"train": train, "search": {"engine": "grid"}, "space": {"attention": ["lssar"]},
             "objective": "val_loss@4x", "eval": EVAL}
-    store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+    # two runs folders: in one, the second study would find the first one's run by its key and train nothing
+    store_uri, runs = str(tmp_path / "results"), {name: str(tmp_path / f"runs-{name}") for name in ("by-ray-train",
+                                                                                                  "in-trial")}
     ray_train = run_study(load_spec({**base, "name": "by-ray-train", "resources": {"train_in_trial": False}}),
-                          store=store_uri, runs=runs, verbose=0)
+                          store=store_uri, runs=runs["by-ray-train"], verbose=0)
     monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "5")  # once, after the step-4 checkpoint: one restart absorbs it
     monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "failed-once"))
-    here = run_study(load_spec({**base, "name": "in-trial"}), store=store_uri, runs=runs, verbose=0)
+    here = run_study(load_spec({**base, "name": "in-trial"}), store=store_uri, runs=runs["in-trial"], verbose=0)
     assert (tmp_path / "failed-once").exists()
     (a,), (b,) = ray_train.trials, here.trials
     assert a["status"] == b["status"] == "complete" and a["train_key"] == b["train_key"]
-    folders = {name: Location.parse(f"{runs}/{name}/runs/{a['train_key']}") for name in ("by-ray-train", "in-trial")}
+    folders = {name: Location.parse(f"{runs[name]}/{name}/runs/{a['train_key']}") for name in ("by-ray-train",
+                                                                                               "in-trial")}
     assert any(n.startswith("checkpoint_") for n in folders["by-ray-train"].list_names(hidden=False))
     assert not any(n.startswith("checkpoint_") for n in folders["in-trial"].list_names(hidden=False))
     assert folders["in-trial"].list_names("checkpoints", hidden=False) == ["step_0000008"]  # keep_checkpoints 1

@@ -21,6 +21,7 @@ MISSING_CELL = "–"
 SINGLE_RUN = "1 seed"  # how tables and figures mark a cell measured on a single run
 
 # The columns table, best and curves look at (``attnlab results`` reads only these for them).
+LINEAGE_COLUMNS = ("stage", "extension", "ext_len", "ext_tokens")  # configuration columns of a study's stages
 REPORT_COLUMNS = ("study", "train_key", "step", "metric", "eval_len", "value", "seed", *CONFIG_COLUMNS, "stopped",
                   "stop_rule")
 
@@ -81,6 +82,8 @@ def _config_columns(rows: pd.DataFrame) -> tuple[list[str], list[str]]:
     """(all configuration columns present, the ones that vary = the label columns). ``plugin_sha256`` counts only
     where one attention variant has rows of two versions of its plugin (else the variant's name says it)."""
     columns = [c for c in CONFIG_COLUMNS if c in rows.columns]
+    # a study without stages: its lineage columns are null throughout and say nothing
+    columns = [c for c in columns if c not in LINEAGE_COLUMNS or rows[c].notna().any()]
     if "plugin_sha256" in columns and (rows.groupby("attention", dropna=False)["plugin_sha256"]
                                        .nunique(dropna=False) <= 1).all():
         columns.remove("plugin_sha256")
