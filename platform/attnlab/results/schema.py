@@ -107,8 +107,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("stop_rule", "str", False, "the training run's stopping rule, e.g. 'val_acc >= 0.99'; null = none"),
     Column("plugin_sha256", "str", False, "sha256 of the source of the attention plugin the run's variant comes from "
                                           "(docs/plugins.md): the code it trained with; null = a built-in variant"),
-    Column("stage", "str", False, "the study stage that trained the run (docs/stages.md): its root stage (pretrain) or "
-                                  "a stage's name; null = a study without stages"),
+    Column("stage", "str", False, "the study stage that trained a run started from a parent's weights (docs/stages.md); "
+                                  "null = the study's own train/space (the root, pretrain), or no stages"),
     Column("parent_key", "str", False, "train_key of the run whose final weights this run started from; null = trained "
                                        "from scratch"),
     Column("extension", "str", False, "the RoPE scaling applied in training by a stage with a parent: none (continued "

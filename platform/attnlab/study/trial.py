@@ -81,7 +81,7 @@ class TrialPlan:
     run: Location
     cells: list[tuple[EvalCell, str]]  # (cell, eval_key)
     row_context: dict  # the study's columns of every row (study, the Tune trial, seed, the run's train_key, data,
-    # knobs, stage)
+    # knobs, and a stage's run's stage: the root's rows say none, so rows measured before stages existed match them)
     stage: str = ROOT  # the study stage the run belongs to (attnlab.study.stages)
     parent: TrialPlan | None = None  # the plan of the run whose final weights this run starts from
     data: StudyData | None = None  # what the run trains on (the study's data, or its stage's own)
@@ -130,7 +130,7 @@ def plan_trial(ctx: StudyContext, point: dict, trial: str, cfg: TrainConfig | No
     cells = [(cell, cell.key(key, cfg.steps, data.fingerprint)) for cell in spec.eval.cells(cfg.base_length)]
     row_context = {"study": spec.name, "trial": trial, "seed": cfg.seed, "train_key": key,
                    "git_sha": git_info()["sha"], "data": data.label, "knobs": knob_label(spec, point),
-                   **({"stage": stage} if spec.stages else {})}
+                   **({"stage": stage} if stage != ROOT else {})}
     return TrialPlan(point, cfg, key, find_run(ctx.state, key, cfg.steps), cells, row_context, stage, parent, data)
 
 
