@@ -50,7 +50,7 @@ NOT_IN_STAGE = {"preset": "a stage keeps its parent's model", "model": "a stage 
 class Stage(BaseModel):
     """One entry of ``stages:`` (module docstring)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
 
     name: str
     parent: str = Field(alias="from")
