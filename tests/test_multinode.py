@@ -324,8 +324,10 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
                   if json.loads(trials.read_text(n)).get("status") == "complete"}
     assert len(done_first) >= 1
 
-    # 2. The same command again: resumes from the bucket, the completed trial is not trained again.
-    second = cluster.submit(work, *run)
+    # 2. The same command again: resumes from the bucket, the completed trial is not trained again. (A third run
+    #    that trains nothing and adds no row is the run book's step 5 below, through `study submit`.)
+    second_id = f"mn-study-{uuid.uuid4().hex[:6]}"
+    second = cluster.submit(work, *run, submission_id=second_id)
     out = second.stdout + second.stderr
     assert second.returncode == 0, out[-4000:]
     assert "study mn-study: 2 trial(s)" in out, out[-3000:]
@@ -340,14 +342,6 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
     trained = [json.loads(events.read_text(n))["train_key"] for n in events.list_names(hidden=False)]
     assert all(trained.count(key) == 1 for key in done_first)  # the finished training was not trained again
 
-    # 3. Once more: nothing trains, nothing is evaluated, no row is added.
-    third_id = f"mn-study-{uuid.uuid4().hex[:6]}"
-    third = cluster.submit(work, *run, submission_id=third_id)
-    assert third.returncode == 0, (third.stdout + third.stderr)[-4000:]
-    assert "0 trained this run" in third.stdout
-    assert len(ResultsStore(store).read(study="mn-study")) == len(rows)
-    assert len(events.list_names(hidden=False)) == len(trained)
-
     # The Train runs' files are in the bucket: metrics, provenance, checkpoints, replica checksums.
     bucket_keys = s3_keys(s3_bucket)
     for key in keys:
@@ -361,7 +355,6 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
 
     # Training and evaluation ran on the worker node, whichever node the trial's driver sat on.
     nodes = cluster.nodes()
-    jobs = [_job_id(cluster, first), _job_id(cluster, third_id)]
     from ray.job_submission import JobSubmissionClient
 
     jobs = [j.job_id for j in JobSubmissionClient(cluster.address).list_jobs() if j.job_id]
@@ -374,7 +367,7 @@ def test_a_study_on_two_nodes_trains_and_evaluates_on_the_worker_writes_only_to_
     # Nothing was written to a local folder named s3: (job working-dir copies, both nodes' temp dirs, the cwd).
     assert _local_s3_paths(cluster.head_tmp, cluster.worker_tmp, work, os.getcwd()) == []
     # Train's placement-group cleaner found its own cluster among the several on this machine (attnlab.ray_runtime).
-    for job in (first, third_id):
+    for job in (first, second_id):
         assert multiple_instance_errors(cluster.job_logs(job)) == []
     assert cluster.logs_with_multiple_instance_errors() == []
 
@@ -431,7 +424,8 @@ def test_the_run_book_works_against_an_s3_compatible_server(cluster, tmp_path):
     # 0. Check the configs offline.
     for command in ("attnlab cluster validate cluster/aws.yaml cluster/gcp.yaml cluster/kuberay/raycluster.yaml "
                     "cluster/kuberay/rayjob.yaml",
-                    "attnlab study validate --cluster cluster/aws.yaml studies/*.yaml"):
+                    # the run book's command; every shipped study against both clusters is test_memory_plan's
+                    "attnlab study validate --cluster cluster/aws.yaml studies/paper_table4.yaml"):
         proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=laptop, capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, command + "\n" + proc.stdout + proc.stderr

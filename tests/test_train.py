@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import fault_injection
 from attnlab.errors import UserError
 from attnlab.train import load_train_config
 from attnlab.train.recipe import lr_at
@@ -92,63 +91,68 @@ def test_bad_config_cli_errors_before_any_worker(tmp_path, demo_data_dir, capsys
     assert not out.exists()
 
 
-def test_local_loop_resumes_exactly_after_a_crash(tmp_path, demo_data_dir):
-    """A plain-process run killed at step 6 and restarted continues from its step-4 checkpoint with the same
-    losses as an uninterrupted run."""
-    cfg = dict(preset="tiny", data=str(demo_data_dir), steps=8, tokens_per_step=512, micro_batch=4, lr=3e-3,
-               warmup_steps=2, log_every=1, val_every=8, val_tokens=2048, checkpoint_every=4, threads_per_worker=1)
-    cfg_file = tmp_path / "cfg.json"
-    cfg_file.write_text(json.dumps(cfg))
-    # the script installs the test's fault injection in its process (tests/fault_injection.py)
-    script = ("import json,sys; sys.path.insert(0, sys.argv[3]); import fault_injection; fault_injection.install(); "
-              "from attnlab.train import load_train_config; "
-              "from attnlab.train.loop import LocalSession, train_worker; "
-              "cfg = load_train_config(json.load(open(sys.argv[1]))); train_worker(cfg, LocalSession(sys.argv[2]), sys.argv[2])")
+def _resume_cfg(data):
+    return _cfg(data, steps=8, tokens_per_step=512, log_every=1, val_every=8, val_tokens=2048, workers=1,
+                max_failures=0)
 
-    def run(out, env=None):
-        return subprocess.run([sys.executable, "-c", script, str(cfg_file), str(out), fault_injection.HERE],
-                              capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300)
 
-    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
-    assert run(ref).returncode == 0
-    res = run(crashed, {"ATTNLAB_FAIL_AT_STEP": "6", "ATTNLAB_FAIL_RANK": "0"})
-    assert res.returncode != 0 and "injected worker failure at step 6" in res.stderr
-    assert [m["step"] for m in _metrics(crashed)] == [1, 2, 3, 4, 5, 6]
-    assert run(crashed).returncode == 0
-    a, b = _metrics(ref), _metrics(crashed)
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory, demo_data_dir):
+    """An uninterrupted plain-process run of the resume tests' config: the losses a resumed run must repeat."""
+    from attnlab.train.loop import train_here
+
+    ref = tmp_path_factory.mktemp("resume") / "ref"
+    train_here(_resume_cfg(demo_data_dir), ref)
+    return ref
+
+
+def _crash_at_step_6(cfg, out) -> None:
+    """A plain-process run (a study's one-worker trial, ``train --local``) that fails at step 6: its step-4
+    checkpoint is what is left."""
+    from attnlab.train.loop import train_here
+
+    os.environ.update(ATTNLAB_FAIL_AT_STEP="6", ATTNLAB_FAIL_RANK="0")
+    try:
+        with pytest.raises(RuntimeError, match="injected worker failure at step 6"):
+            train_here(cfg, out)
+    finally:
+        del os.environ["ATTNLAB_FAIL_AT_STEP"], os.environ["ATTNLAB_FAIL_RANK"]
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000004"]
+
+
+def _same_losses(ref, resumed) -> None:
+    a, b = _metrics(ref), _metrics(resumed)
     assert [m["step"] for m in b] == list(range(1, 9))  # the lost segment (steps 5-6) was replaced, not repeated
     for x, y in zip(a, b):
         assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-6, abs=1e-6)
     assert a[-1]["val_loss"] == pytest.approx(b[-1]["val_loss"], rel=1e-6)
 
 
+def test_local_loop_resumes_exactly_after_a_crash(tmp_path, demo_data_dir, plain_reference):
+    """A plain-process run that failed at step 6 and is started again continues from its step-4 checkpoint with
+    the same losses as an uninterrupted run."""
+    from attnlab.train.loop import train_here
+
+    cfg, crashed = _resume_cfg(demo_data_dir), tmp_path / "crashed"
+    _crash_at_step_6(cfg, crashed)
+    train_here(cfg, crashed)
+    _same_losses(plain_reference, crashed)
+
+
 @pytest.mark.ray
-def test_ray_train_resumes_a_plain_process_runs_checkpoint(tmp_path, demo_data_dir, ray_session):
+def test_ray_train_resumes_a_plain_process_runs_checkpoint(tmp_path, demo_data_dir, plain_reference, ray_session):
     """A run a plain process (a study's one-worker trial, ``train --local``) left at its step-4 checkpoint is
     resumed by Ray Train from there (Ray has no checkpoint of its own for it), with the losses of an uninterrupted
     run: switching ``resources.train_in_trial`` or the worker count never restarts a run from scratch."""
-    from attnlab.train.loop import train_here
     from attnlab.train.ray_train import run_training
 
-    cfg = _cfg(demo_data_dir, steps=8, tokens_per_step=512, log_every=1, val_every=8, val_tokens=2048, workers=1,
-               max_failures=0)
-    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
-    train_here(cfg, ref)
-    os.environ.update(ATTNLAB_FAIL_AT_STEP="6", ATTNLAB_FAIL_RANK="0")
-    try:
-        with pytest.raises(RuntimeError, match="injected worker failure at step 6"):
-            train_here(cfg, crashed)
-    finally:
-        del os.environ["ATTNLAB_FAIL_AT_STEP"], os.environ["ATTNLAB_FAIL_RANK"]
-    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_0000004"]
+    cfg, crashed = _resume_cfg(demo_data_dir), tmp_path / "crashed"
+    _crash_at_step_6(cfg, crashed)
     assert run_training(cfg, crashed).status == "finished"
     # Ray Train checkpointed step 8 only (from scratch it would have checkpointed step 4 too: keep_checkpoints 2)
     assert cfg.keep_checkpoints >= 2 and len([p for p in crashed.glob("checkpoint_*") if p.is_dir()]) == 1
-    a, b = _metrics(ref), _metrics(crashed)
-    assert [m["step"] for m in b] == list(range(1, 9))  # resumed at step 5, not from scratch
-    for x, y in zip(a, b):
-        assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-6, abs=1e-6)
-    assert a[-1]["val_loss"] == pytest.approx(b[-1]["val_loss"], rel=1e-6)
+    _same_losses(plain_reference, crashed)
 
 
 @pytest.fixture(scope="module")
@@ -241,16 +245,18 @@ def test_micro_batch_auto_resolves_on_the_worker_and_keeps_the_step(tmp_path, de
 
 
 @pytest.mark.ray
-def test_relative_data_and_out_mean_the_users_folders_on_every_worker(tmp_path, demo_data_dir):
+def test_relative_data_and_out_mean_the_users_folders_on_every_worker(tmp_path, demo_data_dir, ray_session):
     """`attnlab train --data data/demo --out runs/lssar` as docs/cli.md writes it: Ray Train workers run in their own
-    folder, so the CLI resolves both against the user's directory before any worker sees them."""
+    folder, so the CLI resolves both against the user's directory before any worker sees them. The command joins
+    the session's cluster (``RAY_ADDRESS``), whose workers run in another folder than the test's."""
     (tmp_path / "data").mkdir()
     os.symlink(demo_data_dir, tmp_path / "data" / "demo")
     res = subprocess.run([sys.executable, "-m", "attnlab.cli", "train", "--preset", "tiny", "--attention", "lssar",
                           "--data", "data/demo", "--out", "runs/lssar", "--steps", "2", "--tokens-per-step", "256",
                           "--micro-batch", "4", "--set", "cpus_per_worker=0.5", "--set", "val_tokens=256",
                           "--set", "warmup_steps=1", "--set", "log_every=1", "--set", "threads_per_worker=1"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address})
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "runs" / "lssar"
     assert [m["step"] for m in _metrics(run)] == [1, 2]
