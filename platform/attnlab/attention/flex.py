@@ -397,7 +397,7 @@ def _compiled_flex_attention():
     return torch.compile(_flex_attention_or_refuse, dynamic=False)
 
 
-# Test-only: see :func:`cuda_code_path`.
+# The CPU lowering proxy's switch (attention check, the cuda_proxy tests): see :func:`cuda_code_path`.
 _cuda_code_path_on_cpu = False
 
 
@@ -405,9 +405,11 @@ _cuda_code_path_on_cpu = False
 def cuda_code_path():
     """Within this context, a ``torch.compile`` trace of :func:`_flex` on CPU tensors takes the CUDA branch.
 
-    For GPU-proxy tests only (``tests/test_cuda_proxy_attention.py``): the traced FlexAttention call with its
-    statistics (LSE and row maximum) and gradients, exactly the graph a compiled model builds on CUDA, so that
-    inductor's lowering of it (forward and backward) can be checked on a machine without a GPU. The public
+    For checking lowering without a GPU (``attention check``'s lowering step through
+    :mod:`attnlab.attention.inductor_proxy`, and ``tests/test_cuda_proxy_attention.py``): the traced FlexAttention
+    call with its statistics (LSE and row maximum) and gradients, exactly the graph a compiled model builds on
+    CUDA, so that inductor's lowering of it (forward and backward) can be checked on a machine without a GPU. The
+    public
     ``flex_attention`` refuses CPU tensors that require grad and the row maximum on CPU before tracing, so
     the branch calls the operator underneath as ``flex_attention`` itself does when traced
     (:func:`_flex_traced`). Outside ``torch.compile`` the switch changes nothing (the CPU path stays the
