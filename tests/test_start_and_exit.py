@@ -73,3 +73,50 @@ def test_study_run_exits_1_when_any_trial_failed(monkeypatch, statuses, code):
     args = argparse.Namespace(plugin_bundle=None, study="s.yaml", plugin=None, resume=False, fresh=False, store=None,
                               runs=None, curves=None, verbose=False, compact=True)
     assert cli._run(args) == code
+
+
+PORT_TAKEN_SCRIPT = """
+import socket, sys
+import ray
+from attnlab import ray_runtime
+
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen()
+busy = taken.getsockname()[1]
+ports = [busy]
+real = ray_runtime._free_port
+ray_runtime._free_port = lambda: ports.pop() if ports else real()
+assert ray_runtime.ensure_ray(num_cpus=1, object_store_mb=80)
+url = ray_runtime.dashboard().url
+assert ray.get(ray.remote(num_cpus=0.1)(lambda: 7).remote()) == 7
+print("busy", busy, "dashboard", url)
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+def test_a_dashboard_port_taken_before_ray_binds_it_is_chosen_again():
+    """Two embedded clusters starting at once both pick free ports: the dashboard port chosen for one can be taken
+    before its Ray binds it, and ``ray.init`` then fails with "already occupied" (seen in CI when two studies
+    started side by side). The next free port is tried instead; the cluster starts, runs a task, and the URL the
+    study records is the one it bound. Here the first port offered is held by this test."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="rp", dir="/tmp")  # short: Ray's socket paths under it have a 107-byte limit
+    env = {**os.environ, "RAY_TMPDIR": tmp}
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        env.pop(name, None)
+    try:
+        done = subprocess.run([sys.executable, "-c", PORT_TAKEN_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = done.stdout.split()
+    busy, url = words[words.index("busy") + 1], words[words.index("dashboard") + 1]
+    assert url.startswith("http://127.0.0.1:") and not url.endswith(f":{busy}"), done.stdout

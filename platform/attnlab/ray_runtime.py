@@ -145,6 +145,14 @@ def _startup_timed_out(exc: BaseException) -> bool:
     return "timed out during startup" in str(exc)
 
 
+DASHBOARD_PORT_TRIES = 3
+
+
+def _port_taken(exc: BaseException) -> bool:
+    """Ray's ``ValueError`` for a dashboard port something else bound first."""
+    return "already occupied" in str(exc)
+
+
 def _start_local(ray, **init_kwargs) -> None:
     """``ray.init`` of a local cluster; one that did not start in time is shut down and started once more after a
     pause (a second wait); a second time-out is a :class:`UserError` in one line naming Ray's logs."""
@@ -180,13 +188,22 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
     kwargs = {}
-    if dashboard:
-        port = _free_port()
-        kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
-        os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"  # inherited by this cluster's processes only
-    _start_local(ray, address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
-                 object_store_memory=object_store_mb * 1024**2, configure_logging=False, log_to_driver=log_to_driver,
-                 **kwargs)
+    for attempt in range(DASHBOARD_PORT_TRIES):
+        if dashboard:
+            port = _free_port()
+            kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
+            os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"  # inherited by this cluster's processes only
+        try:
+            _start_local(ray, address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+                         include_dashboard=dashboard, object_store_memory=object_store_mb * 1024**2,
+                         configure_logging=False, log_to_driver=log_to_driver, **kwargs)
+            break
+        except ValueError as exc:
+            # The free port chosen above was taken before Ray bound it (another cluster starting on this machine
+            # at the same moment picks ports too): a new port, up to DASHBOARD_PORT_TRIES times.
+            if not (dashboard and _port_taken(exc)) or attempt == DASHBOARD_PORT_TRIES - 1:
+                raise
+            ray.shutdown()
     _dashboards[ray.get_runtime_context().gcs_address] = (
         Dashboard(f"http://127.0.0.1:{kwargs['dashboard_port']}", embedded=True) if dashboard
         else Dashboard(None, "this embedded cluster was started without one", embedded=True))
