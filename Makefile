@@ -1,5 +1,5 @@
 # Two commands for a fresh machine (see README):
-#   make demo   set up, build the offline demo corpus, run the two demo studies on a local Ray, print their tables
+#   make demo   set up, build the offline demo corpus, run the real-text demo study on a local Ray, print its table
 #   make test   set up (Debian's chromium included, for the browser test) and run the test suite
 # Each creates or reuses .venv and installs the project into it. Without a GPU (no nvidia-smi) the
 # CPU build of torch 2.13.0 is installed first, so no multi-GB CUDA wheels are pulled; with one, its CUDA 12.6
