@@ -1,8 +1,9 @@
 """The quick check (``python bench/gpu.py --quick``, ``make gpu-check``): what a first GPU session must answer, in
 at most 6 minutes on one H100 from a cold start, with the site's torch and Triton and no Ray, pytest or network.
 
-Parts, in the order of what they decide (each with a budget; an item that would start past it is skipped and
-counted; no part starts after the run's total):
+Parts, lettered in the order of what they decide (each with a budget; an item that would start past it is skipped
+and counted; no part starts after the run's total). They run in :data:`~gpucheck.sizes.QUICK_RUN_ORDER`: a, f, b,
+e, c, d, the short ones before those that wait on compiles:
 
 a. ``environment``: the GPU, driver, torch, CUDA, Triton, Python; the torch floor check.
 b. ``agreement``: every registered variant and each shipped plugin, fused on this device against the float64 dense
@@ -37,7 +38,7 @@ from gpucheck.environment import environment
 from gpucheck.evaluation import evaluation
 from gpucheck.harness import FAIL, Clock, Context, Recorder, header, run_part, say
 from gpucheck.kernels import KERNEL_METHODS, kernels
-from gpucheck.sizes import QUICK, QUICK_PARTS, QUICK_SMOKE
+from gpucheck.sizes import QUICK, QUICK_PARTS, QUICK_RUN_ORDER, QUICK_SMOKE
 from gpucheck.quick_training import QUICK_VARIANTS, training
 
 PARTS = {"environment": ("a. environment", environment), "agreement": ("b. fused vs reference", agreement),
@@ -96,7 +97,7 @@ def run(args, parts: list[str]) -> int:
     try:
         if background is not None:
             start_background(background, sizes, parts, backend)
-        for key in QUICK_PARTS:
+        for key in QUICK_RUN_ORDER:
             if key in parts:
                 name, fn = PARTS[key]
                 outcomes[key] = run_part(ctx, recorder, key, name, sizes.budgets_s[key], fn)
