@@ -155,18 +155,21 @@ def test_ray_train_resumes_a_plain_process_runs_checkpoint(tmp_path, demo_data_d
     _same_losses(plain_reference, crashed)
 
 
+DDP = dict(steps=12, val_every=12)  # checkpoints at 4, 8 and 12; the loss falls by over 2 nats in 12 steps
+
+
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory, demo_data_dir, ray_session):
     from attnlab.train.ray_train import run_training
 
     run_dir = tmp_path_factory.mktemp("ddp") / "reference"
-    return run_training(_cfg(demo_data_dir), run_dir)
+    return run_training(_cfg(demo_data_dir, **DDP), run_dir)
 
 
 @pytest.mark.ray
 def test_two_workers_learn_and_stay_identical(ddp_reference):
     m = _metrics(ddp_reference.run_dir)
-    assert ddp_reference.status == "finished" and m[-1]["step"] == 20
+    assert ddp_reference.status == "finished" and m[-1]["step"] == 12
     start, end = m[0]["train_loss"], m[-1]["train_loss"]
     assert start > 9.5 and end < start - 2.0, (start, end)  # from ~ln(50257) clearly down
     assert math.isfinite(m[-1]["val_loss"]) and m[-1]["val_loss"] < start - 2.0
@@ -193,10 +196,10 @@ def test_worker_failure_is_retried_and_resumes_exactly(ddp_reference, tmp_path, 
     monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "10")
     monkeypatch.setenv("ATTNLAB_FAIL_RANK", "1")
     monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "failed-once"))
-    result = run_training(_cfg(_data_of(ddp_reference)), tmp_path / "faulty")
+    result = run_training(_cfg(_data_of(ddp_reference), **DDP), tmp_path / "faulty")
     assert (tmp_path / "failed-once").exists(), "the failure was not injected"
     ref, got = _metrics(ddp_reference.run_dir), _metrics(result.run_dir)
-    assert result.status == "finished" and got[-1]["step"] == 20
+    assert result.status == "finished" and got[-1]["step"] == 12
     assert [m["step"] for m in got] == [m["step"] for m in ref]
     for a, b in zip(ref, got):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=1e-5), (a["step"], a, b)
@@ -263,33 +266,6 @@ def test_relative_data_and_out_mean_the_users_folders_on_every_worker(tmp_path, 
     prov = json.loads((run / "provenance.json").read_text())
     assert prov["config"]["data"] == str(tmp_path / "data" / "demo")
     assert f"run folder: {run}" in res.stdout
-
-
-@pytest.mark.ray
-def test_a_run_on_object_storage_keeps_every_file_there(ray_session, s3_bucket, demo_data_dir, tmp_path):
-    """Run storage in a bucket: checkpoints, metrics, provenance and replica checksums all land in it, and the run
-    is read back (outcome, evaluation) from the bucket alone."""
-    from attnlab.evaluate import EvalConfig, evaluate_checkpoint
-    from attnlab.location import Location
-    from attnlab.train.ray_train import run_training
-    from attnlab.runfolder import outcome, replica_checksums
-    from conftest import s3_keys
-
-    run = f"{s3_bucket}/runs/tiny"
-    result = run_training(_cfg(demo_data_dir, steps=4, checkpoint_every=2, val_every=4), run)
-    assert result.status == "finished" and result.run_dir == run and result.checkpoint.startswith(f"{run}/checkpoint_")
-    keys = s3_keys(s3_bucket)
-    for name in ("runs/tiny/metrics.jsonl", "runs/tiny/provenance.json", "runs/tiny/replicas/rank0.sha256",
-                 "runs/tiny/replicas/rank1.sha256"):
-        assert name in keys, keys
-    assert any(k.startswith("runs/tiny/checkpoint_") and k.endswith("/state.pt") for k in keys)
-    assert not (tmp_path / "s3:").exists() and not os.path.exists("s3:")
-    again = outcome(run, steps=4)
-    assert again.status == "finished" and again.final["step"] == 4 and again.train_key == result.train_key
-    checksums = replica_checksums(Location.parse(run))
-    assert len(checksums) == 2 and len(set(checksums.values())) == 1
-    rows = evaluate_checkpoint(run, EvalConfig(multiples=[1], max_tokens=256), device="cpu")
-    assert rows and rows[0]["train_key"] == result.train_key and rows[0]["step"] == 4
 
 
 # ------------------------------------------------------------------------------------------ the parts, each alone
