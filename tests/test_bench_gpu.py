@@ -211,19 +211,25 @@ def test_a_gradient_over_the_tolerance_is_held_to_the_dense_form_in_its_dtype(gc
     assert gc.agreement.judge({"dk": 1.7e-3}, 1e-3, {"dk": 1e-6}) == (["dk"], [])
 
 
-def test_relu_shen_at_4096_tokens_in_float32_is_at_the_floor_not_a_failure(gc):
-    """The case that failed on the H100, on CPU: the dense float32 form is itself over the tolerance, so the fused
-    form is judged against it, and the line says so."""
+def test_a_case_over_its_tolerance_measures_the_dense_form_and_says_so(gc, monkeypatch):
+    """The plumbing of that rule, on CPU at 64 tokens with the float32 tolerance set to 0 (every error is over it):
+    the dense float32 form runs on the same inputs, each tensor is at the floor or named in the failure with the
+    dense form's figure. (The H100's case itself, relu_shen at 4,096 tokens, hangs on where float32 rounds two of
+    33.6M scores, which differs between CPUs: bench/RESULTS.md gives the command that measures it.)"""
     import dataclasses
 
-    sizes = dataclasses.replace(gc.sizes.QUICK_SMOKE, agree_heads=4, head_dim=64)
-    row = gc.agreement.check_case(sizes, torch.device("cpu"), 4096, "float32", "relu_shen", None)
-    assert "failure" not in row, row
-    assert row["form"] == "fused"
-    assert max(row["dense_errors"][n] for n in ("dq", "dk")) > 1e-3  # float32's own floor, over the tolerance
-    assert all(row["errors"][n] <= 4 * row["dense_errors"][n] for n in row["at_floor"])
-    assert row["error"] <= 1e-3
-    assert all(f"{n} " in gc.agreement._line(row) for n in row["at_floor"])
+    monkeypatch.setitem(gc.agreement.TOLERANCE, torch.float32, 0.0)
+    sizes = dataclasses.replace(gc.sizes.QUICK_SMOKE, agree_heads=2, head_dim=16)
+    row = gc.agreement.check_case(sizes, torch.device("cpu"), 64, "float32", "relu_shen", None)
+    assert row["form"] == "fused" and set(row["dense_errors"]) == set(row["errors"]) == {"out", "dq", "dk", "dv"}
+    over = {n for n, e in row["errors"].items() if e > 0}
+    at_floor = set(row["at_floor"])
+    assert at_floor <= over and all(row["errors"][n] <= 4 * row["dense_errors"][n] for n in at_floor)
+    if over - at_floor:
+        assert "the dense float32 form:" in row["failure"], row
+    else:
+        assert "failure" not in row and row["error"] == 0.0
+    assert all(f"{n} {row['errors'][n]:.1e} at float32's floor" in gc.agreement._line(row) for n in at_floor)
 
 
 def test_smoke_run_end_to_end(bench, gc, tmp_path, capsys):
