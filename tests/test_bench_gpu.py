@@ -198,7 +198,6 @@ def test_evaluation_scores_with_eager_blocks_when_the_compiled_graph_fails(gc, m
     assert len(rows) == len(ctx.sizes.eval_multiples) * len(ctx.sizes.eval_p) and all("loss" in r for r in rows)
 
 
-@pytest.mark.slow  # ~35 s of CPU, minutes of wall time on a loaded 2-core machine
 def test_a_gradient_over_the_tolerance_is_held_to_the_dense_form_in_its_dtype(gc):
     """The rule of part b for errors that are the dtype's (bench/gpucheck/agreement.py): on an H100, relu_shen's dk
     at 4,096 tokens in float32 was 1.7e-3 off, over the 1e-3 tolerance; the dense float32 form on the same inputs
@@ -232,6 +231,7 @@ def test_a_case_over_its_tolerance_measures_the_dense_form_and_says_so(gc, monke
     assert all(f"{n} {row['errors'][n]:.1e} at float32's floor" in gc.agreement._line(row) for n in at_floor)
 
 
+@pytest.mark.slow  # ~35 s of CPU, minutes of wall time on a loaded 2-core machine
 def test_smoke_run_end_to_end(bench, gc, tmp_path, capsys):
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# Benchmark results\n")
