@@ -207,6 +207,38 @@ def test_p_eval_sweep_leaves_weights_byte_identical(trained_run):
         assert 0 < ent[(15.0, "ntk", 256, layer)] < ent[(None, "ntk", 256, layer)] <= math.log(256)
 
 
+def test_a_model_whose_graph_does_not_compile_is_scored_eagerly_with_one_line(trained_run, monkeypatch):
+    """torch 2.11's inductor failed to lower LSSAR's compiled evaluation graph on an H100 and an H200
+    (bench/RESULTS.md), and evaluation compiles by default on a GPU: the cells are scored with the blocks eager
+    instead, with one line naming the cause and eval.compile: false, and the same values as an eager evaluation.
+    Here inductor's lowering raises the GPU's assertion (the seam: its ``compile_fx``)."""
+    import torch._dynamo
+    import torch._inductor.compile_fx
+
+    calls = []
+
+    def lowering_fails(*args, **kwargs):
+        calls.append(1)
+        raise AssertionError("convert FlexibleLayout to FixedLayout first")
+
+    run_dir, _ = trained_run
+    fields = dict(lengths=[64, 128], p_eval=["none", 15], max_tokens=256)
+    eager = evaluate_checkpoint(run_dir, _cfg(**fields, compile=False), device="cpu", log=lambda line: None)
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lowering_fails)
+    torch._dynamo.reset()
+    lines: list[str] = []
+    try:
+        rows = evaluate_checkpoint(run_dir, _cfg(**fields, compile=True), device="cpu", log=lines.append)
+    finally:
+        torch._dynamo.reset()
+    assert calls, "the compiled graph was never built"
+    told = [line for line in lines if "failed to compile" in line]
+    assert len(told) == 1 and "convert FlexibleLayout to FixedLayout first" in told[0], lines
+    assert "scoring the remaining 4 cell(s) with the blocks eager (eval.compile: false" in told[0]
+    value = lambda rs: sorted((r["metric"], r["eval_len"], str(r["p_eval"]), r["value"]) for r in rs)  # noqa: E731
+    assert value(rows) == value(eager) and len(rows) == len(eager) > 0
+
+
 def test_passkey_rows_from_a_real_model(trained_run):
     run_dir, _ = trained_run
     rows = evaluate_checkpoint(run_dir, _cfg(lengths=[128], max_tokens=128, passkey=True, passkey_trials=1),

@@ -173,7 +173,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: s
                         f"({max(lengths)} tokens), so every length scores whole windows")
     train_key = train_key_of(loaded)
     base = base_row(loaded, source, train_key, context)
-    from attnlab.model import compile_model
+    from attnlab.model import compile_model, is_compile_failure, is_compiled, uncompile_model
 
     compile_model(model, config.compile)  # in place; the weights are unchanged (checkpoints load eagerly)
     step = base["step"]
@@ -206,18 +206,32 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: s
         pending.clear()
         pending_cells.clear()
 
-    for cell, scores in measure(model, source, [c for c, _ in todo], device=dev,
-                                precision=cfg.precision, batch_size=config.batch_size,
-                                batch_at_train_len=cfg.val_batch, data_seed=cfg.data_seed, log=say,
-                                downstream=config.downstream):
-        if pending_cells and pending_cells[0].length != cell.length:
-            flush()  # one file per length: what was measured is kept if a longer length fails
-        say(progress.done(cell))
-        new = rows_for(base, cell, keys[cell], scores, scored_text)
-        for i, row in enumerate(new):  # refuse to return rows the store would refuse
-            validate_row(row, i)
-        pending.extend(new)
-        pending_cells.append(cell)
+    done: set[EvalCell] = set()
+    while True:
+        try:
+            for cell, scores in measure(model, source, [c for c, _ in todo if c not in done], device=dev,
+                                        precision=cfg.precision, batch_size=config.batch_size,
+                                        batch_at_train_len=cfg.val_batch, data_seed=cfg.data_seed, log=say,
+                                        downstream=config.downstream):
+                if pending_cells and pending_cells[0].length != cell.length:
+                    flush()  # one file per length: what was measured is kept if a longer length fails
+                say(progress.done(cell))
+                new = rows_for(base, cell, keys[cell], scores, scored_text)
+                for i, row in enumerate(new):  # refuse to return rows the store would refuse
+                    validate_row(row, i)
+                pending.extend(new)
+                pending_cells.append(cell)
+                done.add(cell)
+            break
+        except Exception as exc:  # noqa: BLE001 - only a compile failure is handled; anything else is raised
+            if not (is_compiled(model) and is_compile_failure(exc)):
+                raise
+            # The graph did not build (torch 2.11's inductor on LSSAR's evaluation graph, on an H100 and an H200):
+            # the same blocks eagerly compute the same scores. The cells measured so far are kept.
+            cause = " ".join(f"{type(exc).__name__}: {exc}".split())
+            say(f"eval: the compiled model failed to compile ({cause[:300]}); scoring the remaining "
+                f"{len(todo) - len(done)} cell(s) with the blocks eager (eval.compile: false skips the compile)")
+            uncompile_model(model)
     flush()
     return rows
 

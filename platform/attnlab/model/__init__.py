@@ -2,7 +2,7 @@
 (x, y) coordinate tokens (``OrbitGPT``), ``build_model`` / ``config_from_dict`` that pick one from a config, and
 the per-GPU memory plan of a training step or an evaluation (``estimate_train_step`` ...; no Ray here)."""
 
-from attnlab.model.compile import compile_enabled, compile_model, is_compiled
+from attnlab.model.compile import compile_enabled, compile_model, is_compile_failure, is_compiled, uncompile_model
 from attnlab.model.config import GPT2_VOCAB, PRESETS, GPTConfig, preset
 from attnlab.model.gpt import GPT
 from attnlab.model.memory import (MemoryEstimate, estimate_eval, estimate_train_step, largest_eval_batch,
@@ -11,6 +11,6 @@ from attnlab.model.orbit import MODEL_KINDS, OrbitGPT, OrbitGPTConfig, build_mod
 from attnlab.model.rope import ROPE_SCALINGS, ntk_base, rope_frequencies
 
 __all__ = ["GPT", "GPTConfig", "GPT2_VOCAB", "PRESETS", "ROPE_SCALINGS", "ntk_base", "rope_frequencies", "preset", "compile_enabled",
-           "compile_model", "is_compiled", "MODEL_KINDS", "OrbitGPT", "OrbitGPTConfig", "build_model", "config_from_dict",
+           "compile_model", "is_compile_failure", "is_compiled", "uncompile_model", "MODEL_KINDS", "OrbitGPT", "OrbitGPTConfig", "build_model", "config_from_dict",
            "with_kind", "MemoryEstimate", "estimate_eval", "estimate_train_step", "largest_eval_batch",
            "largest_micro_batch"]

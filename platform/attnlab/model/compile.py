@@ -67,6 +67,30 @@ def compile_model(model: nn.Module, enabled: bool | None = None, *, backend: str
     return model
 
 
+def is_compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is ``torch.compile`` failing to build a graph (a backend's failure, inductor's lowering), not
+    an error of the computation itself: torch 2.11's inductor failed to lower LSSAR's evaluation graph on an H100 and
+    an H200 (``LoweringException: ... convert FlexibleLayout to FixedLayout first``), which the same blocks run
+    eagerly compute."""
+    import torch._dynamo.exc
+
+    kinds: tuple[type, ...] = (torch._dynamo.exc.BackendCompilerFailed,)
+    try:
+        from torch._inductor.exc import InductorError
+
+        kinds += (InductorError,)
+    except ImportError:  # pragma: no cover - older torch wraps it in BackendCompilerFailed
+        pass
+    return isinstance(exc, kinds)
+
+
+def uncompile_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`compile_model` in place: the model and its blocks run eagerly again (the weights are shared)."""
+    for module in (*getattr(model, "blocks", ()), model):
+        module._compiled_call_impl = None
+    return model
+
+
 def is_compiled(model: nn.Module) -> bool:
     """True when ``model`` was compiled in place by :func:`compile_model` (or ``nn.Module.compile``)."""
     return getattr(model, "_compiled_call_impl", None) is not None
