@@ -39,6 +39,8 @@ from gpucheck.background import worker_count
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
 FLOOR_FACTOR = 4.0  # a fused error within 4x the dense form's own error in that dtype is the dtype's floor
+HEADLINE = ("lssar", "lssa", "softmax")
+PLUGIN_DIR = ROOT / "plugins"
 
 
 def judge(held: dict[str, float], tolerance: float, floor: dict[str, float] | None) -> tuple[list[str], list[str]]:
@@ -47,8 +49,6 @@ def judge(held: dict[str, float], tolerance: float, floor: dict[str, float] | No
     over = [n for n, e in held.items() if e > tolerance]
     at_floor = [n for n in over if floor is not None and held[n] <= FLOOR_FACTOR * floor[n]]
     return [n for n in over if n not in at_floor], at_floor
-HEADLINE = ("lssar", "lssa", "softmax")
-PLUGIN_DIR = ROOT / "plugins"
 
 
 def cases() -> list[tuple[str, float | None]]:

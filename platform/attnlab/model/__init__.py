@@ -11,6 +11,7 @@ from attnlab.model.orbit import MODEL_KINDS, OrbitGPT, OrbitGPTConfig, build_mod
 from attnlab.model.rope import ROPE_SCALINGS, ntk_base, rope_frequencies
 
 __all__ = ["GPT", "GPTConfig", "GPT2_VOCAB", "PRESETS", "ROPE_SCALINGS", "ntk_base", "rope_frequencies", "preset", "compile_enabled",
-           "compile_model", "is_compile_failure", "is_compiled", "uncompile_model", "MODEL_KINDS", "OrbitGPT", "OrbitGPTConfig", "build_model", "config_from_dict",
+           "compile_model", "is_compile_failure", "is_compiled", "uncompile_model", "MODEL_KINDS", "OrbitGPT",
+           "OrbitGPTConfig", "build_model", "config_from_dict",
            "with_kind", "MemoryEstimate", "estimate_eval", "estimate_train_step", "largest_eval_batch",
            "largest_micro_batch"]
