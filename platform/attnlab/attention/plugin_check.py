@@ -43,6 +43,7 @@ from attnlab.attention.flex import cuda_code_path
 from attnlab.attention.plugin import (LoadedPlugin, PluginSpec, Shape, build_params, flex_calls_as_kernels,
                                      prepare_state)
 from attnlab.attention.variants import get_variant
+from attnlab.errors import one_line
 
 # The inputs of the float64 comparisons: odd length past the first three rows, two heads, two sequences.
 B, H, T, D = 2, 2, 37, 16
@@ -91,7 +92,7 @@ def check_variant(spec: PluginSpec, say: Callable[[Verdict], None] = lambda v: N
                 warnings.simplefilter("ignore")  # the one-time fallback warnings are stated in the verdicts
                 name, ok, detail = check(spec)
         except Exception as exc:  # noqa: BLE001 - a plugin's error is a failed check, in one line
-            name, ok, detail = check.__name__.strip("_").replace("_", " "), False, _one_line(exc)
+            name, ok, detail = check.__name__.strip("_").replace("_", " "), False, one_line(exc)
         if check is _causality:
             leaks = not ok
         elif leaks and not ok and check in (_fused_vs_reference, _sharpening):
@@ -105,11 +106,6 @@ def check_variant(spec: PluginSpec, say: Callable[[Verdict], None] = lambda v: N
 def _diff(err: float, tolerance: float) -> str:
     """A difference and the tolerance it is judged against, as every verdict prints them."""
     return f"{err:.1e} (tolerance {tolerance:.1e})"
-
-
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # --- inputs and runs -------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnlab.errors import UserError
+from attnlab.errors import UserError, one_line
 from attnlab.evaluate.measure import measure, text_tokenizer
 from attnlab.evaluate.plan import EvalCell, EvalConfig, p_eval_label
 from attnlab.evaluate.cell_rows import rows_for
@@ -228,8 +228,7 @@ def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: s
                 raise
             # The graph did not build (torch 2.11's inductor on LSSAR's evaluation graph, on an H100 and an H200):
             # the same blocks eagerly compute the same scores. The cells measured so far are kept.
-            cause = " ".join(f"{type(exc).__name__}: {exc}".split())
-            say(f"eval: the compiled model failed to compile ({cause[:300]}); scoring the remaining "
+            say(f"eval: the compiled model failed to compile ({one_line(exc, 300)}); scoring the remaining "
                 f"{len(todo) - len(done)} cell(s) with the blocks eager (eval.compile: false skips the compile)")
             uncompile_model(model)
     flush()
