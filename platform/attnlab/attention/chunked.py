@@ -91,5 +91,7 @@ def _attend_chunked(q, k, v, spec, weights: Callable, temporaries: int, chunk_by
     return out.to(v.dtype)
 
 
-# Under torch.compile without gradients, a multi-chunk sequence: eager, chunked, outside the graph.
-_attend_chunked_eager = torch.compiler.disable(_attend_chunked)
+# Under torch.compile without gradients, a multi-chunk sequence: eager, chunked, outside the graph. torch's lazy form
+# of ``torch.compiler.disable``: importing torch._dynamo costs every process about 2 s (a CLI call, a Ray worker) that
+# never compiles.
+_attend_chunked_eager = torch._disable_dynamo(_attend_chunked)

@@ -461,7 +461,7 @@ def _flex_traced(q, k, v, score_mod: ScoreMod, block_mask: BlockMask, with_stats
     return out, lse * ln2, (max_score * ln2 if with_max else None)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, without importing torch._dynamo until it is called
 def _flex_unfused(q, k, v, score_mod: ScoreMod, block_mask: BlockMask, with_stats: bool):
     """FlexAttention's own unfused implementation (CPU): its higher-order op called eagerly.
 

@@ -218,7 +218,7 @@ class GPT(nn.Module):
             x = block(x, cos, sin, spec, impl, p)
         return self.ln_f(x)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, without importing torch._dynamo until it is called
     def _observed_blocks(self, x, cos, sin, spec, impl, p, on_attention: AttentionObserver) -> torch.Tensor:
         # block.forward, not block(...): a compiled block's __call__ would trace the observer (a new closure
         # per call, so a recompile per call); diagnostics run eagerly.
