@@ -48,6 +48,9 @@ _ENV = {
 }
 for _k, _v in _ENV.items():
     os.environ.setdefault(_k, _v)
+# Each test process its own moto server: pytest-xdist's workers inherit the controller's environment, and two workers
+# on one port was a clash. Never a real endpoint from the environment either.
+os.environ["AWS_ENDPOINT_URL"] = _ENV["AWS_ENDPOINT_URL"]
 os.environ.setdefault("HF_HOME", os.path.join(tempfile.gettempdir(), "attnlab-test-hf-home"))
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(tempfile.gettempdir(), "attnlab-test-tiktoken"))
 
@@ -117,6 +120,22 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+# The heaviest files first (seconds of a CI run on 2 cores, 2026-11-27): `make test` runs the suite on two
+# pytest-xdist workers, a file at a time (``--dist loadfile``), handing each worker the next file in this order; a
+# heavy file left for last would run alone while the other worker idles (`--no-loadscope-reorder` keeps this order).
+# The rest keep their alphabetical order.
+HEAVY_FIRST = ("test_multinode.py", "test_train.py", "test_study_run.py", "test_cuda_proxy_attention.py",
+               "test_downstream.py", "test_trial_counts.py", "test_cluster.py", "test_bench_gpu.py",
+               "test_serve_browser.py", "test_study_stages.py", "test_study_watch.py", "test_evaluate.py",
+               "test_attention_flex.py", "test_data_streaming.py", "test_model_plugins.py", "test_model_compile.py",
+               "test_memory_plan.py", "test_attention_plugins.py", "test_embedded_clusters.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
 def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float, failure: str) -> None:
