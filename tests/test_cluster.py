@@ -483,6 +483,10 @@ class OwnFakeCluster:
         self.dashboard_port = _free_port()
         config = yaml.safe_load(config_path.read_text())
         config["provider"]["gcs_address"] = f"127.0.0.1:{self.port}"
+        # 30 s, not the shipped 6 s: on a loaded machine (CI's two test workers on 2 cores) the autoscaler removed a
+        # node it had added for the second trial before that trial's process started there, as idle; the trial died
+        # with it ("Terminated by autoscaler"). The test still waits for the idle nodes to go.
+        config["idle_timeout_minutes"] = 0.5
         self.config_path = self.temp_dir / "autoscaler.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         # Not the session cluster's addresses (conftest's ray_session sets RAY_API_SERVER_ADDRESS for its own).
