@@ -1,6 +1,7 @@
 """Test-only fault injection: rank ``ATTNLAB_FAIL_RANK`` (default 0) raises at optimizer step
 ``ATTNLAB_FAIL_AT_STEP``, once when ``ATTNLAB_FAIL_ONCE_FILE`` names a marker file (written as it fails; a restart
-finds it and trains on).
+finds it and trains on). With ``ATTNLAB_FAIL_HOW=exit`` the process dies there instead (``os._exit``, as one killed
+for its memory would), before any handler can record why.
 
 The production code only exposes the seam (:func:`attnlab.faults.before_train_step`, a no-op); :func:`install`
 puts :func:`fail_at_step` there. These variables are read here, by test code, on every step of a process where it
@@ -33,6 +34,8 @@ def fail_at_step(step: int, rank: int) -> None:
         if os.path.exists(marker):
             return
         Path(marker).write_text(f"failed at step {step} on rank {rank}\n")
+    if os.environ.get("ATTNLAB_FAIL_HOW") == "exit":
+        os._exit(3)
     raise RuntimeError(f"injected worker failure at step {step} on rank {rank} ({FAIL_AT_STEP_ENV})")
 
 

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from attnlab.results import ResultsStore
+from attnlab.states import TrialState
 from attnlab.study.runner import run_study, study_state
 from attnlab.study.spec import load_spec
 
@@ -205,6 +206,34 @@ def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_sess
     assert by_status == ["complete", "failed"], summary.trials
     failed = next(t for t in summary.trials if t["status"] == "failed")
     assert "injected worker failure at step 3" in failed["reason"]
+
+    # a trial whose process dies (no exception the trial could record: killed, out of memory, its node gone) is
+    # failed too, with Tune's error as the reason, and counted as such (study run then exits 1); it was left
+    # "running" and the study reported success
+    monkeypatch.setenv("ATTNLAB_FAIL_HOW", "exit")
+    monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "died-once"))
+    study3 = {**study2, "name": "died", "space": {"attention": ["softmax"]}}
+    summary = run_study(load_spec(_write(tmp_path, study3)), store=store_uri, runs=runs, verbose=0)
+    (died,) = summary.trials
+    assert died["status"] == "failed" and "the trial's process died" in died["reason"], died
+    assert summary.count(TrialState.FAILED) == 1 and summary.lost == []
+
+
+def test_a_trial_that_died_before_recording_a_run_is_counted_failed(tmp_path):
+    """A Tune trial that errored before it wrote its run's status (its node removed by the autoscaler before the
+    trial started there, as a loaded CI machine once showed) is in the summary as failed, with the error."""
+    from types import SimpleNamespace
+
+    from attnlab.study.runner import _record_died
+
+    spec = load_spec({"name": "lost", "train": TRAIN, "search": {"engine": "grid"},
+                      "space": {"attention": ["softmax"]}, "objective": "val_loss@1x", "eval": EVAL})
+    state = study_state(spec, str(tmp_path / "runs"))
+    error = RuntimeError("The actor died because its node has died. Terminated by autoscaler.")
+    lost = _record_died(state, [SimpleNamespace(error=None, config={"point": {"seed": 0}}),
+                                SimpleNamespace(error=error, config={"point": {"seed": 1}})])
+    assert lost == [{"point": {"seed": 1}, "reason": "the trial's process died: RuntimeError: The actor died because "
+                                                     "its node has died. Terminated by autoscaler."}]
 
 
 def test_a_one_worker_trial_trains_in_its_own_process_as_ray_train_would(ray_session, tmp_path, monkeypatch):

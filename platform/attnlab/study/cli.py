@@ -83,7 +83,8 @@ def _run(args: argparse.Namespace) -> int:
     resume = True if args.resume else (False if args.fresh else None)
     summary = run_study(spec, store=args.store, runs=args.runs, resume=resume, curves_dir=args.curves,
                         verbose=1 if args.verbose else 0, quiet=not args.verbose, compact=args.compact)
-    # after the summary and the table: a study with a failed trial did not do what it was asked (exit 1)
+    # after the summary and the table: a study with a failed trial did not do what it was asked (exit 1), a trial
+    # whose process died before it recorded a run included
     return 1 if summary.count(TrialState.FAILED) else 0
 
 

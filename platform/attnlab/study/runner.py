@@ -36,7 +36,7 @@ from attnlab.study.spec import StudySpec
 from attnlab.study.stages import stage_of
 from attnlab.study.state import StudyState
 from attnlab.study.trackers import tracker_callbacks
-from attnlab.study.trial import StudyContext, StudyData, evaluate_missing, study_trial
+from attnlab.study.trial import StudyContext, StudyData, evaluate_missing, point_of, study_trial
 
 if TYPE_CHECKING:
     from attnlab.results import ResultsStore
@@ -199,9 +199,11 @@ class StudySummary:
     curves: dict = field(default_factory=dict)
     tensorboard_dir: str | None = None
     restored: bool = False
+    lost: list[dict] = field(default_factory=list)  # Tune trials that died before recording a run (point, reason)
 
     def count(self, status: TrialState) -> int:
-        return sum(1 for t in self.trials if TrialState.read(t.get("status")) == status)  # a member or its string
+        counted = sum(1 for t in self.trials if TrialState.read(t.get("status")) == status)  # a member or its string
+        return counted + (len(self.lost) if status is TrialState.FAILED else 0)
 
 
 def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> bool:
@@ -348,7 +350,9 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
         grid = tuner.fit()
     del registry  # every trial has ended: the claim registry goes with its last handle
     _record_pruned(spec, state, grid)
-    summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri)
+    lost = _record_died(state, grid)
+    summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri,
+                           lost=lost)
     summary.evaluated = evaluate_missing(ctx)
     if compact:
         summary.compacted = compact_results(ctx.store, spec.name)
@@ -400,6 +404,30 @@ def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
                                       f"({spec.scheduler.metric}={metrics.get(spec.scheduler.metric)})")
 
 
+def _record_died(state: StudyState, grid) -> list[dict]:
+    """Tune trials that ended with an error their own code never recorded: the trial's process, or its node, died
+    (killed, out of memory, a node the autoscaler removed before the trial started there). A run left ``running``
+    is marked failed with the error; a trial that died before it recorded a run is returned (its point and the
+    error), so the summary counts it failed and ``study run`` exits 1 instead of reporting fewer trials."""
+    import json
+
+    from attnlab.errors import one_line
+
+    lost = []
+    for result in grid:
+        if result.error is None:
+            continue
+        point = json.loads(json.dumps(point_of(result.config or {}), default=str))  # as its status file holds it
+        reason = f"the trial's process died: {one_line(result.error, 300)}"
+        mine = [t for t in state.statuses() if t.get("point") == point]
+        if not mine:
+            lost.append({"point": point, "reason": reason})
+        for t in mine:
+            if TrialState.read(t.get("status")) in (TrialState.RUNNING, TrialState.UNKNOWN):
+                state.write_status(t["train_key"], status=TrialState.FAILED, reason=reason)
+    return lost
+
+
 def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: ResultsStore,
             curves_dir: str | None) -> None:
     """Print the results table, the trials that did not complete, and write the curves."""
@@ -409,7 +437,9 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: Re
     statuses = {}
     for t in summary.trials:
         statuses[t.get("status")] = statuses.get(t.get("status"), 0) + 1
-    runs = len(summary.trials)
+    if summary.lost:
+        statuses[TrialState.FAILED.value] = statuses.get(TrialState.FAILED.value, 0) + len(summary.lost)
+    runs = len(summary.trials) + len(summary.lost)
     counted = (f"{summary.searched} trial(s) on {runs} distinct training run(s) (the search proposed a point more "
                "than once):" if summary.searched > runs else f"{runs} trial(s)")
     print(f"\nstudy {spec.name}: {counted} "
@@ -418,6 +448,8 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: Re
     for t in summary.trials:
         if TrialState.read(t.get("status")).has_reason:
             print(f"  {t['status']}: {t.get('train_key')} {t.get('point')}: {t.get('reason')}")
+    for t in summary.lost:
+        print(f"  failed: no run recorded {t['point']}: {t['reason']}")
     metric = spec.objective[0].parts.metric  # the study's own measure: val_loss, or acc for a probe
     if len(df) == 0 or not (df["metric"] == metric).any():
         print("no results in the store yet")
