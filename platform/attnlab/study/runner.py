@@ -413,13 +413,13 @@ def _record_died(state: StudyState, grid) -> list[dict]:
 
     from attnlab.errors import one_line
 
+    errored = [result for result in grid if result.error is not None]
+    statuses = state.statuses() if errored else []  # read once: a large study's status files are many
     lost = []
-    for result in grid:
-        if result.error is None:
-            continue
+    for result in errored:
         point = json.loads(json.dumps(point_of(result.config or {}), default=str))  # as its status file holds it
         reason = f"the trial's process died: {one_line(result.error, 300)}"
-        mine = [t for t in state.statuses() if t.get("point") == point]
+        mine = [t for t in statuses if t.get("point") == point]
         if not mine:
             lost.append({"point": point, "reason": reason})
         for t in mine:
