@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 FAIL_AT_STEP_ENV, FAIL_RANK_ENV, FAIL_ONCE_FILE_ENV = "ATTNLAB_FAIL_AT_STEP", "ATTNLAB_FAIL_RANK", "ATTNLAB_FAIL_ONCE_FILE"
+FAIL_HOW_ENV = "ATTNLAB_FAIL_HOW"
 HERE = str(Path(__file__).resolve().parent)
 
 
@@ -34,7 +35,7 @@ def fail_at_step(step: int, rank: int) -> None:
         if os.path.exists(marker):
             return
         Path(marker).write_text(f"failed at step {step} on rank {rank}\n")
-    if os.environ.get("ATTNLAB_FAIL_HOW") == "exit":
+    if os.environ.get(FAIL_HOW_ENV) == "exit":
         os._exit(3)
     raise RuntimeError(f"injected worker failure at step {step} on rank {rank} ({FAIL_AT_STEP_ENV})")
 

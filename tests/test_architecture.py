@@ -171,11 +171,13 @@ def test_the_checks_see_the_imports_and_flag_an_upward_one():
 def test_the_commands_and_a_trial_import_without_torch_dynamo():
     """Importing torch._dynamo costs a process about 2 s on a small machine: every ``attnlab`` call and every Ray
     worker paid it while a module-level ``torch.compiler.disable`` pulled it in. It loads when something compiles."""
+    import os
     import subprocess
     import sys
 
-    code = ("import sys; import attnlab.cli, attnlab.study.trial, attnlab.train.ray_train, attnlab.evaluate.extrapolation;"
-            " attnlab.cli.build_parser(); print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    code = ("import sys; import attnlab.cli, attnlab.study.trial, attnlab.train.ray_train, "
+            "attnlab.evaluate.extrapolation; attnlab.cli.build_parser(); "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
