@@ -175,17 +175,24 @@ def test_a_part_that_raises_is_one_fail_line_and_the_next_part_runs(gc, tmp_path
 
 def test_evaluation_scores_with_eager_blocks_when_the_compiled_graph_fails(gc, monkeypatch):
     """torch 2.11's inductor failed to lower the compiled LSSAR evaluation graph on an H200: the part says so, with
-    the fix (eval.compile: false), and still measures the cells with the blocks eager."""
+    the fix (eval.compile: false), and still measures the cells with the blocks eager. The failed model is gone by
+    then: an H100 measured its weights, pinned by the exception's traceback, in every eager cell's peak."""
+    import gc as garbage
+    import weakref
+
     from attnlab.model import is_compiled
 
     ev = gc.evaluation
-    calls = []
+    calls, first = [], []
     real = ev._score_cells
 
     def score(ctx, model, rows, problems):
         calls.append(is_compiled(model.blocks[0]))
         if len(calls) == 1:
+            first.append(weakref.ref(model))
             raise RuntimeError("LoweringException: AssertionError: " + ev.KNOWN_LOWERING_FAILURE)
+        garbage.collect()
+        assert first[0]() is None, "the model whose compile failed is still alive while the eager one scores"
         return real(ctx, model, rows, problems)
 
     monkeypatch.setattr(ev, "_score_cells", score)
