@@ -115,6 +115,25 @@ def test_token_stats_agree_with_forward_loss_and_masks():
     assert torch.equal(tok_correct[decisive], (logits.argmax(-1) == y)[decisive])
 
 
+def test_token_stats_give_the_cross_entropy_contiguous_rows(monkeypatch):
+    """CUDA's log-softmax copies a transposed input contiguous first: logits given as ``(B, vocab, T)`` cost 4 more
+    bytes per logit at evaluation's peak (an H100 measured 3.06 GiB against 2.28 at 4 x 1,024 tokens)."""
+    import attnlab.model.gpt as gpt
+
+    seen = []
+    real = gpt.F.cross_entropy
+
+    def spy(logits, target, **kwargs):
+        seen.append((logits.dim(), logits.is_contiguous()))
+        return real(logits, target, **kwargs)
+
+    monkeypatch.setattr(gpt.F, "cross_entropy", spy)
+    model = GPT(preset("tiny", vocab_size=300)).eval()
+    idx = torch.randint(0, 300, (2, 21))
+    loss, _ = model.token_stats(idx[:, :-1], idx[:, 1:], chunk=8)
+    assert loss.shape == (2, 20)
+    assert seen == [(2, True)] * 3
+
 def test_eval_time_attention_override_leaves_weights_untouched():
     torch.manual_seed(2)
     model = GPT(preset("tiny", attention="lssa")).eval()

@@ -244,13 +244,16 @@ class GPT(nn.Module):
                     **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cross-entropy ``(B, T)`` (float32) and whether the argmax is the target ``(B, T)`` (bool).
 
-        The LM head runs over chunks of positions, so long windows never materialise ``(B, T, vocab)`` logits.
+        The LM head runs over chunks of positions, so long windows never materialise ``(B, T, vocab)`` logits. The
+        cross-entropy reads the logits as ``(positions, vocab)`` rows: given them transposed, CUDA's log-softmax
+        first copies them contiguous, 4 more bytes per logit (an H100 measured 0.77 GiB at 4 x 1,024 tokens).
         """
         h = self.hidden_states(idx, **kwargs)
         losses, correct = [], []
         for t0 in range(0, h.shape[1], chunk):
             logits = self.lm_head(h[:, t0:t0 + chunk]).float()
             tgt = targets[:, t0:t0 + chunk]
-            losses.append(F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none"))
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+            losses.append(loss.view(tgt.shape))
             correct.append(logits.argmax(-1) == tgt)
         return torch.cat(losses, dim=1), torch.cat(correct, dim=1)
