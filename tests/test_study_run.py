@@ -236,6 +236,13 @@ def test_a_trial_that_died_before_recording_a_run_is_counted_failed(tmp_path):
                                                      "its node has died. Terminated by autoscaler."}]
 
 
+def _queue_actors() -> int:
+    """How many of Ray's queue actors this cluster has started (alive or not)."""
+    from ray.util.state import list_actors
+
+    return len(list_actors(filters=[("class_name", "=", "_QueueActor")], limit=10_000, raise_on_missing_output=False))
+
+
 def test_a_one_worker_trial_trains_in_its_own_process_as_ray_train_would(ray_session, tmp_path, monkeypatch):
     """The default one-worker CPU trial trains and evaluates in its Tune trial's process (resources.train_in_trial):
     a failure restarts it from its latest checkpoint (max_failures), and its losses, checkpoints' step and results
@@ -249,12 +256,18 @@ def test_a_one_worker_trial_trains_in_its_own_process_as_ray_train_would(ray_ses
     # two runs folders: in one, the second study would find the first one's run by its key and train nothing
     store_uri, runs = str(tmp_path / "results"), {name: str(tmp_path / f"runs-{name}") for name in ("by-ray-train",
                                                                                                   "in-trial")}
+    queues = [_queue_actors()]
     ray_train = run_study(load_spec({**base, "name": "by-ray-train", "resources": {"train_in_trial": False}}),
                           store=store_uri, runs=runs["by-ray-train"], verbose=0)
+    queues.append(_queue_actors())
     monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "5")  # once, after the step-4 checkpoint: one restart absorbs it
     monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "failed-once"))
     here = run_study(load_spec({**base, "name": "in-trial"}), store=store_uri, runs=runs["in-trial"], verbose=0)
+    queues.append(_queue_actors())
     assert (tmp_path / "failed-once").exists()
+    # Ray Train's reports reach Tune through a queue actor (TuneReportCallback makes it); a trial that trains in its
+    # own process reports to Tune directly and starts none (it started one per trial, a process each, unused)
+    assert queues[1] - queues[0] == 1 and queues[2] == queues[1], queues
     (a,), (b,) = ray_train.trials, here.trials
     assert a["status"] == b["status"] == "complete" and a["train_key"] == b["train_key"]
     folders = {name: Location.parse(f"{runs[name]}/{name}/runs/{a['train_key']}") for name in ("by-ray-train",

@@ -183,10 +183,11 @@ def wait_for_parent(ctx: StudyContext, parent: TrialPlan, poll: float = 2.0) -> 
 
 
 # ------------------------------------------------------------------------------------------ step 2: train
-def train_step(plan: TrialPlan, state: StudyState, callbacks=(), here=None, on_report=None):
+def train_step(plan: TrialPlan, state: StudyState, callbacks=list, here=None, on_report=None):
     """Train unless the run already finished or diverged. Returns ``(outcome, trained: bool)``. ``here``: train in
     this process (a one-worker CPU trial: :meth:`StudySpec.trains_in_trial`), a function returning the data opened
-    in it, each step's metrics going to ``on_report``; None: Ray Train, its reports going to ``callbacks``."""
+    in it, each step's metrics going to ``on_report``; None: Ray Train, its reports going to the callbacks that
+    ``callbacks()`` returns, called only then (a ``TuneReportCallback`` starts an actor, its queue, as it is made)."""
     from attnlab.runfolder import outcome
 
     done = outcome(plan.run, steps=plan.cfg.steps)
@@ -200,7 +201,7 @@ def train_step(plan: TrialPlan, state: StudyState, callbacks=(), here=None, on_r
         return outcome(plan.run, steps=plan.cfg.steps), True
     from attnlab.train.ray_train import run_training
 
-    return run_training(plan.cfg, plan.run, callbacks=callbacks), True
+    return run_training(plan.cfg, plan.run, callbacks=callbacks()), True
 
 
 # ------------------------------------------------------------------------------------------ step 3: evaluate
@@ -451,7 +452,7 @@ def study_trial(config: dict, context: StudyContext) -> None:
         # a one-worker CPU trial holds the worker's resources too: it trains and evaluates here, the data opened once
         here = functools.partial(data_here, plan.data) if spec.trains_in_trial() else None
         outcome, trained = train_step(plan, state, here=here, on_report=tune_reporter(plan.cfg.steps, plan.train_key),
-                                      callbacks=[report_callback(plan.cfg.steps, plan.train_key)])
+                                      callbacks=lambda: [report_callback(plan.cfg.steps, plan.train_key)])
         timing["trained"] = time.time()
         evaluated = evaluate_step(plan, context, outcome, here=here)
         timing["evaluated"] = time.time()
