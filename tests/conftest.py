@@ -37,6 +37,7 @@ _ENV = {
     "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
     "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
     "RAY_DEDUP_LOGS": "0",
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",  # as attnlab.ray_runtime.LOCAL_ENV: the log folder globbed every 0.5 s
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",
     # The moto S3 server of the ``s3`` fixture (credentials are moto's dummies, never real ones).
