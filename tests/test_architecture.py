@@ -168,31 +168,29 @@ def test_the_checks_see_the_imports_and_flag_an_upward_one():
     assert not _upward([("attnlab.study.cli", "attnlab.study.runner", 1)])
 
 
-def test_the_commands_and_a_trial_import_without_torch_dynamo():
-    """Importing torch._dynamo costs a process about 2 s on a small machine: every ``attnlab`` call and every Ray
-    worker paid it while a module-level ``torch.compiler.disable`` pulled it in. It loads when something compiles."""
+def _loaded_after(imports: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded after running ``imports`` (Python statements)."""
+    import json
     import os
     import subprocess
     import sys
 
-    code = ("import sys; import attnlab.cli, attnlab.study.trial, attnlab.train.ray_train, "
-            "attnlab.evaluate.extrapolation; attnlab.cli.build_parser(); "
-            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    code = f"import json, sys; {imports}; print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_commands_and_a_trial_import_without_torch_dynamo():
+    """Importing torch._dynamo costs a process about 2 s on a small machine: every ``attnlab`` call and every Ray
+    worker paid it while a module-level ``torch.compiler.disable`` pulled it in. It loads when something compiles."""
+    imports = ("import attnlab.cli, attnlab.study.trial, attnlab.train.ray_train, attnlab.evaluate.extrapolation; "
+               "attnlab.cli.build_parser()")
+    assert _loaded_after(imports, ("torch._dynamo", "torch._inductor")) == []
 
 
 def test_the_claim_registry_actor_imports_neither_torch_nor_pandas():
     """Each ``study run`` starts a claim registry actor, whose process imports its class's module: through the
     package's eager ``load_spec`` it imported torch, pandas and pyarrow (4.4 s of CPU a study on 2 cores, for a
     dictionary)."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import sys; import attnlab.study.claims; "
-            "print(sorted(m for m in ('torch', 'pandas', 'pyarrow', 'ray') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert _loaded_after("import attnlab.study.claims", ("torch", "pandas", "pyarrow", "ray")) == []
