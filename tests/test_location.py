@@ -152,6 +152,29 @@ def test_a_ray_job_working_dir_refuses_relative_outputs(tmp_path, monkeypatch):
     assert user_location(None, flag="--store", default="results").uri == "s3://bucket/attnlab/results"
 
 
+def test_a_study_run_in_a_ray_job_without_storage_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """The run book's submit with neither --store / --runs nor the cluster's ATTNLAB_STORAGE: `attnlab study run` in
+    a job's working-dir copy exits 2 with one line naming the flag and the variable, before it writes anything."""
+    import yaml
+
+    from attnlab.cli import main
+
+    job_dir = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    (job_dir / "studies").mkdir(parents=True)
+    (job_dir / "studies" / "s.yaml").write_text(yaml.safe_dump({
+        "name": "s", "train": {"preset": "tiny", "data": {"synthetic": "copy_distractors", "vocab": 64}, "steps": 2},
+        "search": {"engine": "grid"}, "space": {"attention": ["softmax"]}, "objective": "val_loss@1x"}))
+    monkeypatch.chdir(job_dir)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_abc.zip"}}))
+    monkeypatch.delenv("ATTNLAB_STORAGE", raising=False)
+    assert main(["study", "run", "studies/s.yaml"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("attnlab: error:")]
+    assert len(errors) == 1 and "--store" in errors[0] and "ATTNLAB_STORAGE" in errors[0], err
+    assert "Traceback" not in err
+    assert sorted(p.relative_to(job_dir).as_posix() for p in job_dir.rglob("*")) == ["studies", "studies/s.yaml"]
+
+
 def test_a_ray_job_reads_relative_data_below_the_clusters_storage(tmp_path, monkeypatch):
     """Inside a job the head's working-dir copy is at another path on every other node: a relative data path means
     the same path below ATTNLAB_STORAGE (where the run book prepares it), and is refused without it."""
