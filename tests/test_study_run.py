@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -243,45 +244,53 @@ def _queue_actors() -> int:
     return len(list_actors(filters=[("class_name", "=", "_QueueActor")], limit=10_000, raise_on_missing_output=False))
 
 
-def test_a_one_worker_trial_trains_in_its_own_process_as_ray_train_would(ray_session, tmp_path, monkeypatch):
+def test_a_one_worker_trial_trains_in_its_own_process_as_the_plain_loop_would(ray_session, tmp_path, monkeypatch):
     """The default one-worker CPU trial trains and evaluates in its Tune trial's process (resources.train_in_trial):
-    a failure restarts it from its latest checkpoint (max_failures), and its losses, checkpoints' step and results
-    equal those of the same point trained with Ray Train (train_in_trial: false), uninterrupted."""
+    a failure restarts it from its latest checkpoint (max_failures), and its losses and results equal those of the
+    same config trained uninterrupted by the plain loop in this process and evaluated here. (The plain loop's losses
+    are Ray Train's: tests/test_train.py resumes a plain run with Ray Train. A study whose trials train with Ray
+    Train is tests/test_trial_counts.py's and tests/test_multinode.py's.)"""
+    from ray.util.queue import Queue
+
+    from attnlab.evaluate import evaluate_checkpoint
     from attnlab.location import Location
     from attnlab.runfolder import read_metrics
+    from attnlab.train import load_train_config
+    from attnlab.train.loop import train_here
 
     train = {**TRAIN, "steps": 8, "log_every": 2, "val_every": 4, "checkpoint_every": 4, "max_failures": 1}
-    base = {"train": train, "search": {"engine": "grid"}, "space": {"attention": ["lssar"]},
-            "objective": "val_loss@4x", "eval": EVAL}
-    # two runs folders: in one, the second study would find the first one's run by its key and train nothing
-    store_uri, runs = str(tmp_path / "results"), {name: str(tmp_path / f"runs-{name}") for name in ("by-ray-train",
-                                                                                                  "in-trial")}
+    spec = load_spec({"name": "in-trial", "train": train, "search": {"engine": "grid"},
+                      "space": {"attention": ["lssar"]}, "objective": "val_loss@4x", "eval": EVAL})
+    store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
     queues = [_queue_actors()]
-    ray_train = run_study(load_spec({**base, "name": "by-ray-train", "resources": {"train_in_trial": False}}),
-                          store=store_uri, runs=runs["by-ray-train"], verbose=0)
-    queues.append(_queue_actors())
     monkeypatch.setenv("ATTNLAB_FAIL_AT_STEP", "5")  # once, after the step-4 checkpoint: one restart absorbs it
     monkeypatch.setenv("ATTNLAB_FAIL_ONCE_FILE", str(tmp_path / "failed-once"))
-    here = run_study(load_spec({**base, "name": "in-trial"}), store=store_uri, runs=runs["in-trial"], verbose=0)
+    here = run_study(spec, store=store_uri, runs=runs, verbose=0)
     queues.append(_queue_actors())
     assert (tmp_path / "failed-once").exists()
+    (trial,) = here.trials
+    assert trial["status"] == "complete"
+    folder = Location.parse(f"{runs}/in-trial/runs/{trial['train_key']}")
+    assert not any(n.startswith("checkpoint_") for n in folder.list_names(hidden=False))  # no Ray Train checkpoint
+    assert folder.list_names("checkpoints", hidden=False) == ["step_0000008"]  # keep_checkpoints 1
     # Ray Train's reports reach Tune through a queue actor (TuneReportCallback makes it); a trial that trains in its
-    # own process reports to Tune directly and starts none (it started one per trial, a process each, unused)
-    assert queues[1] - queues[0] == 1 and queues[2] == queues[1], queues
-    (a,), (b,) = ray_train.trials, here.trials
-    assert a["status"] == b["status"] == "complete" and a["train_key"] == b["train_key"]
-    folders = {name: Location.parse(f"{runs[name]}/{name}/runs/{a['train_key']}") for name in ("by-ray-train",
-                                                                                               "in-trial")}
-    assert any(n.startswith("checkpoint_") for n in folders["by-ray-train"].list_names(hidden=False))
-    assert not any(n.startswith("checkpoint_") for n in folders["in-trial"].list_names(hidden=False))
-    assert folders["in-trial"].list_names("checkpoints", hidden=False) == ["step_0000008"]  # keep_checkpoints 1
+    # own process reports to Tune directly and starts none (it started one per trial, a process each, unused). The
+    # count sees a queue actor when there is one:
+    Queue()
+    queues.append(_queue_actors())
+    assert queues[1] == queues[0] and queues[2] == queues[1] + 1, queues
 
-    def losses(folder):
-        return {(m["step"], k): m[k] for m in read_metrics(folder) for k in ("train_loss", "val_loss") if k in m}
+    monkeypatch.delenv("ATTNLAB_FAIL_AT_STEP")
+    cfg = load_train_config(folder.read_json("provenance.json")["config"])
+    reference = tmp_path / "plain"
+    train_here(cfg, reference)
 
-    assert losses(folders["in-trial"]) == losses(folders["by-ray-train"]) and len(losses(folders["in-trial"])) == 6
-    store = ResultsStore(store_uri)
+    def losses(run):
+        return {(m["step"], k): m[k] for m in read_metrics(run) for k in ("train_loss", "val_loss") if k in m}
+
+    assert losses(folder) == losses(Location.parse(str(reference))) and len(losses(folder)) == 6
     cells = ["eval_len", "p_eval", "metric"]
-    first, second = (store.read(study=s).sort_values(cells)[cells + ["value"]].reset_index(drop=True)
-                     for s in ("by-ray-train", "in-trial"))
-    assert len(first) > 0 and first.equals(second)
+    ours = pd.DataFrame(evaluate_checkpoint(reference, spec.eval, data=cfg.data, device="cpu"))
+    theirs = ResultsStore(store_uri).read(study="in-trial")
+    ours, theirs = (frame.sort_values(cells)[cells + ["value"]].reset_index(drop=True) for frame in (ours, theirs))
+    assert len(theirs) > 0 and theirs.equals(ours), (theirs, ours)
