@@ -16,12 +16,16 @@ from attnlab.train import load_train_config
 from attnlab.train.recipe import lr_at
 
 
-def _cfg(data, **over):
+def _fields(data, **over) -> dict:
     base = dict(preset="tiny", data=str(data), steps=20, tokens_per_step=1024, micro_batch=4, lr=3e-3,
                 warmup_steps=3, log_every=2, val_every=10, val_tokens=4096, checkpoint_every=4, workers=2,
                 cpus_per_worker=0.5, threads_per_worker=1, max_failures=2)
     base.update(over)
-    return load_train_config(base)
+    return base
+
+
+def _cfg(data, **over):
+    return load_train_config(_fields(data, **over))
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -91,9 +95,13 @@ def test_bad_config_cli_errors_before_any_worker(tmp_path, demo_bytes_dir, capsy
     assert not out.exists()
 
 
+def _resume_fields(data) -> dict:
+    return _fields(data, steps=8, tokens_per_step=512, log_every=1, val_every=8, val_tokens=2048, workers=1,
+                   max_failures=0)
+
+
 def _resume_cfg(data):
-    return _cfg(data, steps=8, tokens_per_step=512, log_every=1, val_every=8, val_tokens=2048, workers=1,
-                max_failures=0)
+    return load_train_config(_resume_fields(data))
 
 
 @pytest.fixture(scope="module")
@@ -141,15 +149,30 @@ def test_local_loop_resumes_exactly_after_a_crash(tmp_path, demo_bytes_dir, plai
 
 
 @pytest.mark.ray
-def test_ray_train_resumes_a_plain_process_runs_checkpoint(tmp_path, demo_bytes_dir, plain_reference, ray_session):
+def test_ray_train_resumes_a_plain_process_runs_checkpoint_from_the_users_relative_folders(
+        tmp_path, demo_bytes_dir, plain_reference, ray_session):
     """A run a plain process (a study's one-worker trial, ``train --local``) left at its step-4 checkpoint is
     resumed by Ray Train from there (Ray has no checkpoint of its own for it), with the losses of an uninterrupted
-    run: switching ``resources.train_in_trial`` or the worker count never restarts a run from scratch."""
-    from attnlab.train.ray_train import run_training
+    run: switching ``resources.train_in_trial`` or the worker count never restarts a run from scratch.
 
-    cfg, crashed = _resume_cfg(demo_bytes_dir), tmp_path / "crashed"
+    Resumed as docs/cli.md writes the command, ``attnlab train --data data/demo --out runs/crashed``: Ray Train
+    workers run in their own folder, so the CLI resolves both against the user's directory before any worker sees
+    them. The command joins the session's cluster (``RAY_ADDRESS``), whose workers run in another folder than the
+    test's."""
+    (tmp_path / "data").mkdir()
+    os.symlink(demo_bytes_dir, tmp_path / "data" / "demo")
+    fields = _resume_fields(tmp_path / "data" / "demo")  # the folder the relative flag means
+    cfg, crashed = load_train_config(fields), tmp_path / "runs" / "crashed"
     _crash_at_step_6(cfg, crashed)
-    assert run_training(cfg, crashed).status == "finished"
+    (tmp_path / "resume.yaml").write_text(json.dumps({k: v for k, v in fields.items() if k != "data"}))
+    res = subprocess.run([sys.executable, "-m", "attnlab.cli", "train", "--config", "resume.yaml",
+                          "--data", "data/demo", "--out", "runs/crashed"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"run folder: {crashed}" in res.stdout and "status: finished; step 8" in res.stdout, res.stdout
+    prov = json.loads((crashed / "provenance.json").read_text())
+    assert prov["config"]["data"] == str(tmp_path / "data" / "demo")
     # Ray Train checkpointed step 8 only (from scratch it would have checkpointed step 4 too: keep_checkpoints 2)
     assert cfg.keep_checkpoints >= 2 and len([p for p in crashed.glob("checkpoint_*") if p.is_dir()]) == 1
     _same_losses(plain_reference, crashed)
@@ -245,27 +268,6 @@ def test_micro_batch_auto_resolves_on_the_worker_and_keeps_the_step(tmp_path, de
         main(["train", "--preset", "tiny", "--data", "x", "--out", str(out), "--micro-batch", "big"])
     assert refused.value.code == 2
     assert "--micro-batch: expected a positive integer or auto, got 'big'" in capsys.readouterr().err
-
-
-@pytest.mark.ray
-def test_relative_data_and_out_mean_the_users_folders_on_every_worker(tmp_path, demo_bytes_dir, ray_session):
-    """`attnlab train --data data/demo --out runs/lssar` as docs/cli.md writes it: Ray Train workers run in their own
-    folder, so the CLI resolves both against the user's directory before any worker sees them. The command joins
-    the session's cluster (``RAY_ADDRESS``), whose workers run in another folder than the test's."""
-    (tmp_path / "data").mkdir()
-    os.symlink(demo_bytes_dir, tmp_path / "data" / "demo")
-    res = subprocess.run([sys.executable, "-m", "attnlab.cli", "train", "--preset", "tiny", "--attention", "lssar",
-                          "--data", "data/demo", "--out", "runs/lssar", "--steps", "2", "--tokens-per-step", "256",
-                          "--micro-batch", "4", "--set", "cpus_per_worker=0.5", "--set", "val_tokens=256",
-                          "--set", "warmup_steps=1", "--set", "log_every=1", "--set", "threads_per_worker=1"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address})
-    assert res.returncode == 0, res.stderr[-3000:]
-    run = tmp_path / "runs" / "lssar"
-    assert [m["step"] for m in _metrics(run)] == [1, 2]
-    prov = json.loads((run / "provenance.json").read_text())
-    assert prov["config"]["data"] == str(tmp_path / "data" / "demo")
-    assert f"run folder: {run}" in res.stdout
 
 
 # ------------------------------------------------------------------------------------------ the parts, each alone
