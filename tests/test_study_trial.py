@@ -106,6 +106,19 @@ def test_nothing_to_wait_for(registry, case):
     assert found["trial_b"] == ({"trial": "trial_a", "status": "cached"} if case == "finished" else {})
 
 
+@pytest.mark.ray
+def test_every_study_run_of_a_driver_has_its_own_claims_in_one_registry(registry):
+    """A driver that runs several studies (run_study from Python) starts one registry actor, a process, not one per
+    study run; a key claimed in one run is free in the next."""
+    later, _ = start_registry("twins")
+    assert later.split("#")[0] == registry.split("#")[0] and later != registry  # the same actor, another run
+    k1 = _key()
+    claim_point(registry, k1, "trial_a")  # held in the first run, never released
+    found, order = {}, []
+    _claim_in_thread(later, k1, "trial_b", found, order).join(timeout=60)
+    assert order == ["trial_b"] and found["trial_b"] == {}
+
+
 OWNER = """
 import sys, os, ray
 from attnlab.study.claims import claim_point

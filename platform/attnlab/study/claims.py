@@ -2,10 +2,12 @@
 
 A search may propose the same point twice (TPE does on a small categorical space), and a restarted trial proposes
 its own again. Two trials of one training key must never train the same run folder at once, and the second should
-reuse the first's run. The study driver starts one :class:`ClaimRegistry` actor per ``study run`` (named, owned
-by the driver, so it ends with the run: claims of an earlier, killed run are not in it); each trial claims its
-key there (:func:`claim_point`) before it trains and releases it when its status is written
-(:func:`release_point`).
+reuse the first's run. The study driver's process starts one :class:`ClaimRegistry` actor (named, owned by the
+driver, so it ends with it: claims of an earlier, killed driver are not in it); each ``study run`` has a name of
+its own there (:func:`start_registry`), under which its trials claim their keys (:func:`claim_point`) before they
+train and release them when their status is written (:func:`release_point`). A driver that runs several studies
+(``run_study`` from Python: a notebook, the tests) starts the actor once, not once per study (an actor is a
+process: about 2 s of CPU); the keys of one run never meet another's.
 
 A trial that finds its key held waits on the holder's *hold*: an ``ObjectRef`` of a registry call that returns
 when the holder releases, and that the holder's process owns. Ray fails a borrowed reference whose owner died
@@ -61,20 +63,47 @@ class ClaimRegistry:
         self._released[key] = {"trial": trial, "status": status}
         self._events.setdefault(current[1], asyncio.Event()).set()
 
+    def forget(self, run: str) -> None:
+        """The study run ``run`` ended: drop its released keys (a key still held stays, its twins may wait on it)."""
+        for key in [k for k in self._released if k.startswith(f"{run}/")]:
+            del self._released[key]
+
 
 def registry_name(study: str) -> str:
-    """A name of its own for each study run's registry."""
+    """A name of its own for each study run's claims."""
     return f"{REGISTRY_PREFIX}:{study}:{uuid.uuid4().hex[:12]}"
 
 
+_driver_registry: dict[tuple[str, str], tuple[str, object]] = {}  # (GCS, job) -> (actor name, handle)
+
+
 def start_registry(study: str):
-    """Start the study run's registry (no CPU; it lives as long as the calling driver). Returns ``(name,
-    actor)``: trials find it by name; the caller keeps the actor handle for as long as the run lasts."""
+    """This study run's claims in the calling driver's registry, which is started on the driver's first study run
+    (no CPU; it lives as long as the driver). Returns ``(name, actor)``: ``name`` (``ACTOR#RUN``) is what trials
+    are given, ``actor`` the handle (``actor.forget.remote(RUN)`` when the run ends)."""
     import ray
 
-    name = registry_name(study)
-    actor = ray.remote(num_cpus=0, max_restarts=0)(ClaimRegistry).options(name=name, namespace=NAMESPACE).remote()
-    return name, actor
+    context = ray.get_runtime_context()
+    driver = (context.gcs_address, context.get_job_id())
+    actor_name, actor = _driver_registry.get(driver, (None, None))
+    if actor_name is not None:
+        try:
+            ray.get_actor(actor_name, namespace=NAMESPACE)
+        except ValueError:  # gone (killed): a new one
+            actor_name = None
+    if actor_name is None:
+        actor_name = f"{REGISTRY_PREFIX}:{uuid.uuid4().hex[:12]}"
+        actor = ray.remote(num_cpus=0, max_restarts=0)(ClaimRegistry).options(
+            name=actor_name, namespace=NAMESPACE).remote()
+        _driver_registry.clear()  # one driver connection at a time: a handle of an earlier cluster is dead
+        _driver_registry[driver] = (actor_name, actor)
+    return f"{actor_name}#{registry_name(study)}", actor
+
+
+def _scoped(registry: str, key: str) -> tuple[str, str]:
+    """``(actor name, RUN/key)`` of ``key`` in the study run ``registry`` names (``ACTOR#RUN``)."""
+    actor, _, run = registry.partition("#")
+    return actor, f"{run}/{key}"
 
 
 def claim_point(registry: str | None, key: str, trial: str) -> dict:
@@ -86,7 +115,8 @@ def claim_point(registry: str | None, key: str, trial: str) -> dict:
     import ray
     from ray.exceptions import OwnerDiedError
 
-    actor = ray.get_actor(registry, namespace=NAMESPACE)
+    name, key = _scoped(registry, key)
+    actor = ray.get_actor(name, namespace=NAMESPACE)
     token = uuid.uuid4().hex
     hold = actor.hold.remote(token)  # owned by this process: a twin's wait on it fails when this process dies
     dead = None
@@ -107,7 +137,8 @@ def release_point(registry: str | None, key: str, trial: str, status: str | None
         return
     import ray
 
-    ray.get(ray.get_actor(registry, namespace=NAMESPACE).release.remote(key, trial, status))
+    name, key = _scoped(registry, key)
+    ray.get(ray.get_actor(name, namespace=NAMESPACE).release.remote(key, trial, status))
 
 
 __all__ = ["ClaimRegistry", "claim_point", "registry_name", "release_point", "start_registry"]

@@ -313,7 +313,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     if board.embedded:  # the cluster ends with this process: then `attnlab serve` says so instead of linking it
         atexit.register(_record_cluster_stopped, state)
     trained_before = state.trainings_started()
-    # one trial per point: this run's claim registry (attnlab.study.claims); the handle keeps it alive until we return
+    # one trial per point: this run's claims in the driver's claim registry (attnlab.study.claims)
     ctx.claims, registry = start_registry(spec.name)
 
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
@@ -348,7 +348,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     print(f"attnlab: TensorBoard: tensorboard --logdir {exp.uri}", flush=True)
     with LiveView(state) if quiet else contextlib.nullcontext():
         grid = tuner.fit()
-    del registry  # every trial has ended: the claim registry goes with its last handle
+    registry.forget.remote(ctx.claims.partition("#")[2])  # every trial has ended: the run's claims go
     _record_pruned(spec, state, grid)
     lost = _record_died(state, grid)
     summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri,

@@ -65,7 +65,7 @@ class StudyContext:
     store: ResultsStore
     data: StudyData
     env: dict = field(default_factory=dict)  # attnlab's and the object store's settings, for every process
-    claims: str | None = None  # the name of this `study run`'s claim registry (attnlab.study.claims); None: none
+    claims: str | None = None  # this `study run`'s name in the claim registry (attnlab.study.claims); None: none
     stage_data: dict = field(default_factory=dict)  # {stage: StudyData} of the stages that train on other data
 
     def data_for(self, stage: str) -> StudyData:
