@@ -131,7 +131,8 @@ HEAVY_FIRST = ("test_multinode.py", "test_cuda_proxy_attention.py", "test_study_
                "test_downstream.py", "test_bench_gpu.py", "test_trial_counts.py", "test_cluster.py",
                "test_serve_browser.py", "test_data_streaming.py", "test_attention_flex.py", "test_study_stages.py",
                "test_embedded_clusters.py", "test_evaluate.py", "test_study_watch.py", "test_model_compile.py",
-               "test_model_plugins.py", "test_memory_plan.py", "test_attention_plugins.py", "test_attention_baselines.py")
+               "test_model_plugins.py", "test_memory_plan.py", "test_attention_plugins.py",
+               "test_attention_baselines.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -147,7 +147,8 @@ def test_train_prints_its_plan_warnings_and_progress(tmp_path, demo_bytes_dir):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
-    assert re.match(r"plan: tiny (\([0-9.]+M params\) )?softmax, 6 steps x 1,024 tokens \(16 x 64\)", lines[0]), lines[0]
+    plan = r"plan: tiny (\([0-9.]+M params\) )?softmax, 6 steps x 1,024 tokens \(16 x 64\)"
+    assert re.match(plan, lines[0]), lines[0]
     assert any(line.startswith("attnlab: warning: warmup_steps=20 >= steps=6") for line in lines)
     assert any("step 6/6" in line and "done" in line for line in lines), res.stdout
 
