@@ -258,7 +258,9 @@ def test_a_one_worker_trial_trains_in_its_own_process_as_the_plain_loop_would(ra
     from attnlab.train import load_train_config
     from attnlab.train.loop import train_here
 
-    train = {**TRAIN, "steps": 8, "log_every": 2, "val_every": 4, "checkpoint_every": 4, "max_failures": 1}
+    # one thread in the trial and here: the same computation on the same shapes, compared exactly
+    train = {**TRAIN, "steps": 8, "log_every": 2, "val_every": 4, "checkpoint_every": 4, "max_failures": 1,
+             "threads_per_worker": 1}
     spec = load_spec({"name": "in-trial", "train": train, "search": {"engine": "grid"},
                       "space": {"attention": ["lssar"]}, "objective": "val_loss@4x", "eval": EVAL})
     store_uri, runs = str(tmp_path / "results"), str(tmp_path / "runs")
