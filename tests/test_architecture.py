@@ -190,7 +190,7 @@ def test_the_commands_and_a_trial_import_without_torch_dynamo():
 
 
 def test_the_claim_registry_actor_imports_neither_torch_nor_pandas():
-    """Each ``study run`` starts a claim registry actor, whose process imports its class's module: through the
+    """A study driver starts a claim registry actor, whose process imports its class's module: through the
     package's eager ``load_spec`` it imported torch, pandas and pyarrow (4.4 s of CPU a study on 2 cores, for a
     dictionary)."""
     assert _loaded_after("import attnlab.study.claims", ("torch", "pandas", "pyarrow", "ray")) == []

@@ -53,10 +53,8 @@ def test_the_context_carries_objects_that_pickle_as_themselves(tmp_path):
 # (attnlab.study.claims); a twin waits on the holder's hold, which ends when the holder releases or its process dies.
 @pytest.fixture(scope="module")
 def registry(ray_session):
-    """One registry for this file's twin tests (each uses keys of its own): an actor start costs seconds."""
-    name, actor = start_registry("twins")
-    yield name
-    del actor
+    """One study run's claims for this file's twin tests (each uses keys of its own), in the driver's registry."""
+    return start_registry("twins")
 
 
 def _key() -> str:
@@ -95,7 +93,7 @@ def test_nothing_to_wait_for(registry, case):
     if case == "own":
         claim_point(registry, k1, "trial_b")  # Tune restarted this very trial
     elif case == "earlier run":  # a study run killed before this one started: its registry is not this run's
-        earlier, _earlier = start_registry("twins")
+        earlier = start_registry("twins")
         claim_point(earlier, k1, "trial_a")
     elif case == "finished":
         claim_point(registry, k1, "trial_a")
@@ -110,7 +108,7 @@ def test_nothing_to_wait_for(registry, case):
 def test_every_study_run_of_a_driver_has_its_own_claims_in_one_registry(registry):
     """A driver that runs several studies (run_study from Python) starts one registry actor, a process, not one per
     study run; a key claimed in one run is free in the next."""
-    later, _ = start_registry("twins")
+    later = start_registry("twins")
     assert later.split("#")[0] == registry.split("#")[0] and later != registry  # the same actor, another run
     k1 = _key()
     claim_point(registry, k1, "trial_a")  # held in the first run, never released

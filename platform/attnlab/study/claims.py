@@ -30,8 +30,9 @@ NAMESPACE = "attnlab"  # registries are found by name from any job of the cluste
 
 
 class ClaimRegistry:
-    """The claims of one study run (an async Ray actor, made one by :func:`start_registry`): per training key, the
-    trial that holds it and that trial's hold; per key, the last release (its trial and the status it wrote)."""
+    """The claims of one driver's study runs (an async Ray actor, made one by :func:`start_registry`; keys are
+    ``RUN/train_key``): per key, the trial that holds it and that trial's hold; per key, the last release (its trial
+    and the status it wrote)."""
 
     def __init__(self):
         self._holders: dict[str, tuple[str, str, list]] = {}  # key -> (trial, token, [hold ObjectRef])
@@ -74,36 +75,50 @@ def registry_name(study: str) -> str:
     return f"{REGISTRY_PREFIX}:{study}:{uuid.uuid4().hex[:12]}"
 
 
-_driver_registry: dict[tuple[str, str], tuple[str, object]] = {}  # (GCS, job) -> (actor name, handle)
+_driver_registry: tuple | None = None  # ((GCS, job), actor name, handle): the calling driver's registry
 
 
-def start_registry(study: str):
-    """This study run's claims in the calling driver's registry, which is started on the driver's first study run
-    (no CPU; it lives as long as the driver). Returns ``(name, actor)``: ``name`` (``ACTOR#RUN``) is what trials
-    are given, ``actor`` the handle (``actor.forget.remote(RUN)`` when the run ends)."""
+def start_registry(study: str) -> str:
+    """This study run's name (``ACTOR#RUN``, what its trials are given) in the calling driver's registry, which is
+    started on the driver's first study run (no CPU) and held here for as long as the driver lives; call
+    :func:`end_run` with the name when the run's trials have ended."""
+    global _driver_registry
     import ray
 
     context = ray.get_runtime_context()
     driver = (context.gcs_address, context.get_job_id())
-    actor_name, actor = _driver_registry.get(driver, (None, None))
+    actor_name = _driver_registry[1] if _driver_registry and _driver_registry[0] == driver else None
     if actor_name is not None:
         try:
             ray.get_actor(actor_name, namespace=NAMESPACE)
         except ValueError:  # gone (killed): a new one
             actor_name = None
-    if actor_name is None:
+    if actor_name is None:  # the first run of this driver connection (a handle of an earlier cluster is dead)
         actor_name = f"{REGISTRY_PREFIX}:{uuid.uuid4().hex[:12]}"
         actor = ray.remote(num_cpus=0, max_restarts=0)(ClaimRegistry).options(
             name=actor_name, namespace=NAMESPACE).remote()
-        _driver_registry.clear()  # one driver connection at a time: a handle of an earlier cluster is dead
-        _driver_registry[driver] = (actor_name, actor)
-    return f"{actor_name}#{registry_name(study)}", actor
+        _driver_registry = (driver, actor_name, actor)
+    return f"{actor_name}#{registry_name(study)}"
+
+
+def _parts(registry: str) -> tuple[str, str]:
+    """``(actor name, run)`` of a study run's ``ACTOR#RUN`` name."""
+    actor, _, run = registry.partition("#")
+    return actor, run
 
 
 def _scoped(registry: str, key: str) -> tuple[str, str]:
-    """``(actor name, RUN/key)`` of ``key`` in the study run ``registry`` names (``ACTOR#RUN``)."""
-    actor, _, run = registry.partition("#")
+    """``(actor name, RUN/key)`` of ``key`` in the study run ``registry`` names."""
+    actor, run = _parts(registry)
     return actor, f"{run}/{key}"
+
+
+def end_run(registry: str) -> None:
+    """The study run ``registry`` names has ended (every trial with it): its released keys are dropped."""
+    import ray
+
+    actor, run = _parts(registry)
+    ray.get_actor(actor, namespace=NAMESPACE).forget.remote(run)
 
 
 def claim_point(registry: str | None, key: str, trial: str) -> dict:
@@ -141,4 +156,4 @@ def release_point(registry: str | None, key: str, trial: str, status: str | None
     ray.get(ray.get_actor(name, namespace=NAMESPACE).release.remote(key, trial, status))
 
 
-__all__ = ["ClaimRegistry", "claim_point", "registry_name", "release_point", "start_registry"]
+__all__ = ["ClaimRegistry", "claim_point", "end_run", "registry_name", "release_point", "start_registry"]

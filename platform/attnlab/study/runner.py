@@ -31,7 +31,7 @@ from attnlab.errors import UserError
 from attnlab.location import runs_location, store_location
 from attnlab.states import TrialState
 from attnlab.study.space import SearchPoint
-from attnlab.study.claims import start_registry
+from attnlab.study.claims import end_run, start_registry
 from attnlab.study.spec import StudySpec
 from attnlab.study.stages import stage_of
 from attnlab.study.state import StudyState
@@ -314,7 +314,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
         atexit.register(_record_cluster_stopped, state)
     trained_before = state.trainings_started()
     # one trial per point: this run's claims in the driver's claim registry (attnlab.study.claims)
-    ctx.claims, registry = start_registry(spec.name)
+    ctx.claims = start_registry(spec.name)
 
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")  # training reports lack the objective
     trainable = tune.with_resources(tune.with_parameters(study_trial, context=ctx),
@@ -348,7 +348,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     print(f"attnlab: TensorBoard: tensorboard --logdir {exp.uri}", flush=True)
     with LiveView(state) if quiet else contextlib.nullcontext():
         grid = tuner.fit()
-    registry.forget.remote(ctx.claims.partition("#")[2])  # every trial has ended: the run's claims go
+    end_run(ctx.claims)  # every trial has ended: the run's claims go
     _record_pruned(spec, state, grid)
     lost = _record_died(state, grid)
     summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri,
