@@ -26,18 +26,14 @@ def _free_port() -> int:
 
 S3_PORT = int(os.environ.get("ATTNLAB_TEST_S3_PORT") or _free_port())
 
+from attnlab.ray_runtime import LOCAL_ENV  # noqa: E402
+
 _ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    **LOCAL_ENV,  # what attnlab's own local Ray sets (attnlab.ray_runtime imports neither Ray nor torch)
     "RAY_TRAIN_METRICS_ENABLED": "0",
-    "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
-    "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS": "0",
     "RAY_DEDUP_LOGS": "0",
-    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",  # as attnlab.ray_runtime.LOCAL_ENV: the log folder globbed every 0.5 s
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",
     # The moto S3 server of the ``s3`` fixture (credentials are moto's dummies, never real ones).
