@@ -124,13 +124,16 @@ def _forward(model: GPT, ids: torch.Tensor, rope: str, p) -> torch.Tensor:
         return model(ids, rope_scaling=rope, attention=model.cfg.attention_spec(p=p))[0]
 
 
-def _greedy(model: GPT, prompt: list[int], rope: str, n: int) -> list[int]:
-    """attnlab's own greedy continuation: the whole sequence again at every step."""
-    seq = torch.tensor([prompt])
+def _greedy(model: GPT, prompt: list[int], rope: str, n: int) -> tuple[list[int], list[float]]:
+    """attnlab's own greedy continuation (the whole sequence again at every step), and at each step the gap between
+    its two largest logits."""
+    seq, gaps = torch.tensor([prompt]), []
     for _ in range(n):
-        nxt = _forward(model, seq, rope, model.cfg.attention_spec().p)[:, -1].argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt], dim=1)
-    return seq[0, len(prompt):].tolist()
+        last = _forward(model, seq, rope, model.cfg.attention_spec().p)[0, -1]
+        top = last.topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        seq = torch.cat([seq, last.argmax().view(1, 1)], dim=1)
+    return seq[0, len(prompt):].tolist(), gaps
 
 
 def _sharpenable(model: GPT) -> bool:
@@ -338,11 +341,15 @@ def test_a_trained_scaling_without_original_len_is_refused_when_loaded(report):
 
 
 def test_generate_gives_attnlabs_greedy_tokens_with_or_without_use_cache(exported, report):
-    for name, want in exported["greedy"].items():
+    # The exported model's logits are attnlab's within TOLERANCE, not bit for bit (another process, its own threads):
+    # the tokens must agree up to the first step whose two best logits are closer than that, where either may win.
+    for name, (want, gaps) in exported["greedy"].items():
         assert len(want) == NEW_TOKENS
+        clear = next((i for i, gap in enumerate(gaps) if gap <= 10 * TOLERANCE), NEW_TOKENS)
+        assert clear >= NEW_TOKENS // 2, (name, gaps)  # most of the continuation is compared
         got = report["generate"][name]
-        assert got["use_cache=False"] == want, name
-        assert got["use_cache=True"] == want, name  # no cache is kept: the whole sequence each step
+        assert got["use_cache=False"][:clear] == want[:clear], name
+        assert got["use_cache=True"][:clear] == want[:clear], name  # no cache is kept: the whole sequence each step
 
 
 def test_a_plugin_changed_after_export_is_refused_when_loaded(report):
