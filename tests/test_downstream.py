@@ -17,6 +17,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnlab.errors import UserError
 from attnlab.evaluate import EvalConfig, evaluate_checkpoint
@@ -60,16 +61,17 @@ DECIDED = 1e-4
 def _logprob(model, context_tokens: list[int], continuation_tokens: list[int]) -> tuple[float, bool, float]:
     """Sum of log p(continuation | context), whether every continuation token is the argmax, and the smallest
     distance between a continuation token's logit and the best other logit, from the model's logits on the one full
-    sequence (no batching, no padding, no truncation)."""
+    sequence (no batching, no padding, no truncation): one forward, its losses computed as ``token_stats`` does."""
     seq = torch.tensor([context_tokens + continuation_tokens])
-    loss, correct = model.token_stats(seq[:, :-1], seq[:, 1:])
-    n = len(continuation_tokens)
+    n, target = len(continuation_tokens), torch.tensor(continuation_tokens)
     with torch.no_grad():
-        logits = model(seq[:, :-1])[0][0, -n:].double()
-    target = torch.tensor(continuation_tokens)
+        logits = model(seq[:, :-1])[0][0, -n:].float()
+    loss = F.cross_entropy(logits, target, reduction="none")
+    logits = logits.double()
     chosen = logits.gather(1, target[:, None])[:, 0]
     others = logits.scatter(1, target[:, None], float("-inf")).max(-1).values
-    return -float(loss[0, -n:].double().sum()), bool(correct[0, -n:].all()), float((chosen - others).abs().min())
+    return (-float(loss.double().sum()), bool((logits.argmax(-1) == target).all()),
+            float((chosen - others).abs().min()))
 
 
 def _decided(values) -> float:
