@@ -16,7 +16,7 @@ from attnlab.location import Location
 from attnlab.results import ResultsStore
 from attnlab.study.spec import StudySpec
 from attnlab.study.state import StudyState
-from attnlab.study.claims import claim_point, release_point, start_registry
+from attnlab.study.claims import _parts, claim_point, release_point, start_registry
 from attnlab.study.trial import StudyContext, StudyData, plan_trial
 
 
@@ -109,7 +109,7 @@ def test_every_study_run_of_a_driver_has_its_own_claims_in_one_registry(registry
     """A driver that runs several studies (run_study from Python) starts one registry actor, a process, not one per
     study run; a key claimed in one run is free in the next."""
     later = start_registry("twins")
-    assert later.split("#")[0] == registry.split("#")[0] and later != registry  # the same actor, another run
+    assert _parts(later)[0] == _parts(registry)[0] and later != registry  # the same actor, another run
     k1 = _key()
     claim_point(registry, k1, "trial_a")  # held in the first run, never released
     found, order = {}, []
