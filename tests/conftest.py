@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -43,6 +44,10 @@ _ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
+# Without a GPU, Triton's interpreter runs attnlab's Triton kernels on CPU tensors (tests/test_attention_triton.py); it is
+# chosen when Triton is imported, so here, before anything imports it.
+if shutil.which("nvidia-smi") is None:
+    _ENV["TRITON_INTERPRET"] = "1"
 for _k, _v in _ENV.items():
     os.environ.setdefault(_k, _v)
 # Each test process its own moto server: pytest-xdist's workers inherit the controller's environment, and two workers

@@ -17,6 +17,7 @@ from attnlab.attention import Backend, attend, get_variant, resolve_backend, var
 from attnlab.attention import flex
 from attnlab.attention.dense import attend_dense
 from attnlab.attention.flex import is_fusable
+from attnlab.attention.kernels import unsupported_reason as kernels_unsupported_reason
 from attnlab.attention.sdpa import attend_sdpa, is_sdpa_exact, sdpa_unsupported_reason
 from attnlab.errors import UserError
 from attnlab.model import GPT, preset
@@ -48,13 +49,13 @@ def _ids(value):
 # --- the names -----------------------------------------------------------------------------------------------
 
 def test_backend_names_and_parsing():
-    assert Backend.names() == ("auto", "dense", "flex", "sdpa")
+    assert Backend.names() == ("auto", "dense", "flex", "sdpa", "triton")
     assert [b.value for b in Backend] == list(Backend.names())
     for member in Backend:
         assert Backend.parse(member) is member and Backend.parse(member.value) is member
         assert member == member.value and f"{member}" == member.value
     for bad in ("fused", "SDPA", None, 3):
-        with pytest.raises(ValueError, match=rf"impl={bad!r} is not allowed: use one of auto, dense, flex, sdpa"):
+        with pytest.raises(ValueError, match=rf"impl={bad!r} is not allowed: use one of auto, dense, flex, sdpa, triton"):
             Backend.parse(bad)
     with pytest.raises(ValueError, match="model.attn_impl='x'"):
         Backend.parse("x", field="model.attn_impl")
@@ -108,12 +109,14 @@ def test_auto_on_cuda_picks_the_fastest_exact_path(monkeypatch):
         warnings.simplefilter("error")  # no fallback warning for the fused choices
         for overrides in (*SCALES, dict(qk_norm=True, scale="logd_logn"), dict(bias="neg_log_n")):
             assert resolve_backend(get_variant("softmax", **overrides), cuda) is Backend.SDPA, overrides
-        for name, overrides in (("lssa", {}), ("lssar", {}), ("softmax", dict(p=3)), ("relu_l1", {}),
-                                ("sigmoid_l1", dict(p=15)), ("sigmoid_ramapuram_b_l1", {})):
+        for name, overrides in (("lssa", {}), ("lssar", {}), ("softmax", dict(p=3)), ("sigmoid_l1", dict(p=15))):
+            assert resolve_backend(get_variant(name, **overrides), cuda) is Backend.TRITON, name
+        for name, overrides in (("relu_l1", {}), ("sigmoid_ramapuram_b_l1", {}), ("lssar", dict(position_bias="alibi"))):
             assert resolve_backend(get_variant(name, **overrides), cuda) is Backend.FLEX, name
     for name in variant_names():
         spec = get_variant(name)
-        expected = Backend.SDPA if is_sdpa_exact(spec) else Backend.FLEX if is_fusable(spec) else Backend.DENSE
+        expected = (Backend.SDPA if is_sdpa_exact(spec) else Backend.TRITON if kernels_unsupported_reason(spec) is None
+                    else Backend.FLEX if is_fusable(spec) else Backend.DENSE)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert resolve_backend(spec, cuda) is expected, name

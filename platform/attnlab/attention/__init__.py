@@ -7,7 +7,7 @@ Public API (a contract: tests and docs rely on it):
 - :func:`attention_weights` ``(q, k, spec, qk_gain=None, state=None) -> (B, H, T, T)`` dense causal weights
   (float32 or better); :func:`weights_for_rows` the same for a block of query rows (diagnostics).
 - :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None, state=None, p=None) -> (B, H, T, D)``; ``impl`` is
-  a :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``), resolved per call by
+  a :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``, ``triton``), resolved per call by
   :func:`resolve_backend`. ``qk_gain``: for a spec with ``qk_norm_gain='learned'`` (``softmax_qknorm``,
   ``softmax_qknorm_logn``) the model's learned QK-norm gains ``(gain_q, gain_k)``, each ``(D,)`` or ``(H, D)``
   (docs/attention.md#modern-softmax-baselines); None for every other spec. ``state``: for a plugin variant, the
@@ -17,7 +17,8 @@ Public API (a contract: tests and docs rely on it):
 
 ``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
 reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``);
-the softmax path through ``scaled_dot_product_attention`` is ``sdpa.py``; which one runs is ``backends.py``;
+the softmax path through ``scaled_dot_product_attention`` is ``sdpa.py``; the Triton kernels of LSSA, LSSAR and
+sharpened softmax are ``kernels/`` (imported on first use); which one runs is ``backends.py``;
 variants from plugins run through ``plugin.py`` (the public plugin API). No Ray imports anywhere in this package.
 """
 
@@ -29,6 +30,7 @@ from attnlab.attention import dense
 from attnlab.attention.backends import Backend, resolve_backend
 from attnlab.attention.dense import attend_dense, check_power
 from attnlab.attention.flex import attend_flex
+from attnlab.attention.kernels import attend_triton
 from attnlab.attention.plugin import PluginState, attend_plugin, load_plugin, reference_weights
 from attnlab.attention.sdpa import attend_sdpa
 from attnlab.attention.spec import AttentionSpec, PluginSpec, parse_scale
@@ -91,8 +93,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     ``impl`` (a :class:`Backend` or its value): ``dense`` (the reference, chunked over query rows for long
     sequences), ``flex`` (FlexAttention in O(T) memory on CUDA; variants without a fused form use the dense
     reference after a one-time warning), ``sdpa`` (``scaled_dot_product_attention``, softmax variants only:
-    ValueError for the others) or ``auto``: on CUDA the fastest exact one of these for ``spec``, elsewhere
-    ``dense`` (see :mod:`attnlab.attention.backends`). ``qk_gain``: the model's ``(gain_q, gain_k)`` for a
+    ValueError for the others), ``triton`` (attnlab's Triton kernels: LSSA, LSSAR, sharpened softmax; on CUDA, or
+    on CPU under ``TRITON_INTERPRET=1``; ValueError for the others) or ``auto``: on CUDA the fastest exact one of
+    these for ``spec``, elsewhere ``dense`` (see :mod:`attnlab.attention.backends`). ``qk_gain``: the model's ``(gain_q, gain_k)`` for a
     spec with ``qk_norm_gain='learned'``, else None (ValueError, one line, when it does not fit the spec).
     ``state``: a plugin variant's layer state (:class:`PluginState`); a plugin's ``flex`` is its fused form.
     ``p``: for a sharpened spec, the power to use instead of ``spec.p``: a number >= 1 or a 0-d tensor (a
@@ -102,11 +105,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     check_qkv(q, k, v)
     _check_spec(spec, qk_gain, state)
     check_power(spec, p)
-    backend = resolve_backend(spec, q.device, impl)
+    backend = resolve_backend(spec, q.device, impl, q.dtype)
     if isinstance(spec, PluginSpec):
         return attend_plugin(q, k, v, spec, backend.value, state, p=p)
     if backend is Backend.SDPA:
         return attend_sdpa(q, k, v, spec, qk_gain=qk_gain)
+    if backend is Backend.TRITON:
+        return attend_triton(q, k, v, spec, p=p)
     if backend is Backend.FLEX:
         return attend_flex(q, k, v, spec, qk_gain=qk_gain, p=p)
     return attend_dense(q, k, v, spec, qk_gain=qk_gain, p=p)

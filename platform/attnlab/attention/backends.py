@@ -1,25 +1,25 @@
 """Which implementation computes an attention call: the :class:`Backend` names and the one rule that picks one.
 
-This module owns the names (``auto``, ``dense``, ``flex``, ``sdpa``): the model config and the training config
-validate against :class:`Backend`, so a new backend is added here once. :func:`resolve_backend` turns a
-requested backend, a spec and a device into the concrete one (``dense``, ``flex`` or ``sdpa``), once per call:
+This module owns the names (``auto``, ``dense``, ``flex``, ``sdpa``, ``triton``): the model config and the
+training config validate against :class:`Backend`, so a new backend is added here once. :func:`choose_backend`
+turns a requested backend, a spec, a device and a dtype into the concrete one, with no side effect (the memory plan
+asks it for a GPU it is not on); :func:`resolve_backend` is that, warning once per variant when a fallback is taken:
 
-- ``auto`` on CUDA: the fastest exact path. SDPA (FlashAttention) for softmax with any scale override,
-  QK-norm (with or without a learned gain) or row bias, i.e. also ``softmax_logn``, ``softmax_qknorm`` and
-  ``softmax_qknorm_logn``; the compiled FlexAttention calls for every other registered variant (LSSA, LSSAR,
-  the l1 variants, sharpened softmax, the unnormalised Table 4 rows, the sign-changing ``f`` of Tables 1-3,
-  negate, recentre and recentre_l1: see :func:`attnlab.attention.flex.unfusable_reason`) and for every spec
-  with ALiBi (``position_bias='alibi'``, softmax included: SDPA would need a materialised ``(H, T, T)`` float
-  mask, FlexAttention adds the bias in its score_mod); the dense
-  reference, after one warning per variant, for what has no fused form (only overrides: sharpening of rows
-  that are not normalised and non-negative, recentre_l1 of them).
+- ``auto`` on CUDA: the fastest exact path. SDPA (FlashAttention) for softmax with any scale override, QK-norm
+  (with or without a learned gain) or row bias; the Triton kernels (``kernels/``) for the l1-normalised exp,
+  softplus and sigmoid first stages sharpened or not, without bias, ALiBi or post-processing (LSSA, LSSAR,
+  sharpened softmax and sigmoid_l1, softplus: :func:`attnlab.attention.kernels.unsupported_reason`; float64
+  inputs excepted); the compiled FlexAttention calls for every other variant with a fused form
+  (:func:`attnlab.attention.flex.unfusable_reason`); the dense reference, after one warning per variant, for what
+  has none (only overrides).
 - ``auto`` anywhere else (CPU): the dense reference, so CPU results never depend on this choice.
-- ``sdpa``: on any device; a spec SDPA cannot compute exactly is refused (ValueError naming why).
+- ``sdpa``, ``triton``: on any device they can run on; a spec they cannot compute is refused (ValueError naming
+  why). The Triton kernels run on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
 - ``flex``: FlexAttention (its unfused form on CPU, for tests); a variant without a fused form falls back to
   the dense reference after one warning, as :func:`attnlab.attention.flex.attend_flex` does.
 - ``dense``: the reference.
 
-No tensors are computed here; no Ray, no model code.
+No tensors are computed here; no Ray, no model code; Triton is not imported.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import enum
 
 import torch
 
+from attnlab.attention.kernels import device_refusal, unsupported_reason
 from attnlab.attention.flex import unfusable_reason, warn_fallback
 from attnlab.attention.sdpa import sdpa_unsupported_reason
 from attnlab.attention.spec import AttentionSpec
@@ -43,13 +44,14 @@ class Backend(str, enum.Enum):
     DENSE = "dense"  # the reference: materialises the weights, chunked over query rows
     FLEX = "flex"    # FlexAttention: O(T) memory on CUDA, every variant with a fused form
     SDPA = "sdpa"    # scaled_dot_product_attention: softmax variants only, exactly
+    TRITON = "triton"  # attnlab's Triton kernels: LSSA, LSSAR, sharpened softmax (attention/kernels/)
 
     def __str__(self) -> str:
         return self.value
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        """The allowed values, in order: ``("auto", "dense", "flex", "sdpa")``."""
+        """The allowed values, in order: ``("auto", "dense", "flex", "sdpa", "triton")``."""
         return tuple(member.value for member in cls)
 
     @classmethod
@@ -65,29 +67,47 @@ class Backend(str, enum.Enum):
         raise ValueError(f"{field}={value!r} is not allowed: use one of {', '.join(cls.names())}")
 
 
-def resolve_backend(spec: AttentionSpec, device: torch.device | str, impl: Backend | str = Backend.AUTO) -> Backend:
-    """The concrete backend (``DENSE``, ``FLEX`` or ``SDPA``) that computes ``spec`` on ``device``.
+def choose_backend(spec: AttentionSpec, device: torch.device | str, impl: Backend | str = Backend.AUTO,
+                   dtype: torch.dtype | None = None) -> tuple[Backend, str | None]:
+    """``(backend, fallback)``: the concrete backend (``DENSE``, ``FLEX``, ``SDPA`` or ``TRITON``) that computes
+    ``spec`` on ``device`` for inputs of ``dtype`` (None: any floating dtype but float64), and, when ``flex`` (asked
+    for, or chosen by ``auto`` on CUDA) has no fused form for the variant, why it falls back to ``DENSE``.
 
-    ``impl="sdpa"`` for a spec SDPA cannot compute exactly raises ValueError; ``flex`` (asked for, or chosen
-    by ``auto`` on CUDA) for a variant without a fused form warns once per variant and gives ``DENSE``.
+    ``impl="sdpa"`` or ``"triton"`` for a spec (or a device) they cannot serve raises ValueError naming why.
     """
     backend = Backend.parse(impl)
     device = torch.device(device)
     if backend is Backend.DENSE:
-        return Backend.DENSE
+        return Backend.DENSE, None
     if backend is Backend.SDPA:
         reason = sdpa_unsupported_reason(spec)
         if reason is not None:
             raise ValueError(f"impl='sdpa' cannot compute attention {spec.name!r} exactly: {reason}; "
                              "use impl='auto', 'flex' or 'dense'")
-        return Backend.SDPA
+        return Backend.SDPA, None
+    if backend is Backend.TRITON:
+        reason = unsupported_reason(spec) or device_refusal(device)
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot compute attention {spec.name!r}: {reason}; use impl='auto', "
+                             "'flex' or 'dense'")
+        return Backend.TRITON, None
     if backend is Backend.AUTO:
         if device.type != "cuda":
-            return Backend.DENSE
+            return Backend.DENSE, None
         if sdpa_unsupported_reason(spec) is None:
-            return Backend.SDPA
+            return Backend.SDPA, None
+        if unsupported_reason(spec) is None and dtype != torch.float64:
+            return Backend.TRITON, None
     reason = unfusable_reason(spec)
     if reason is not None:
-        warn_fallback(spec, reason, stacklevel=4)
-        return Backend.DENSE
-    return Backend.FLEX
+        return Backend.DENSE, reason
+    return Backend.FLEX, None
+
+
+def resolve_backend(spec: AttentionSpec, device: torch.device | str, impl: Backend | str = Backend.AUTO,
+                    dtype: torch.dtype | None = None) -> Backend:
+    """:func:`choose_backend`'s backend; a fallback from ``flex`` to ``DENSE`` warns once per variant."""
+    backend, fallback = choose_backend(spec, device, impl, dtype)
+    if fallback is not None:
+        warn_fallback(spec, fallback, stacklevel=4)
+    return backend

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from attnlab.attention import Backend, get_variant
+from attnlab.attention.kernels import unsupported_reason as kernels_unsupported_reason
 from attnlab.attention.sdpa import sdpa_unsupported_reason
 from attnlab.attention.spec import P_TRAIN_DEFAULT, AttentionSpec, PluginSpec, parse_p_train
 from attnlab.errors import UserError
@@ -58,7 +59,7 @@ class GPTConfig:
     scale: str | float | None = None  # None: the variant's own scale
     bias: bool = True
     init_std: float = 0.02
-    attn_impl: str = "auto"  # a Backend value: auto, dense, flex, sdpa (stored as the string)
+    attn_impl: str = "auto"  # a Backend value: auto, dense, flex, sdpa, triton (stored as the string)
     position: str = "rope"  # rope | nope | alibi (POSITIONS)
     block: str = "gpt2"  # gpt2 | llama (BLOCKS)
     # A context-extension stage (docs/stages.md): the length its lineage was first trained at (None: train_len),
@@ -103,6 +104,9 @@ class GPTConfig:
         if impl is Backend.SDPA and sdpa_unsupported_reason(spec) is not None:
             raise UserError(f"model.attn_impl='sdpa' cannot compute attention {spec.name!r} exactly: "
                             f"{sdpa_unsupported_reason(spec)}; use auto, flex or dense")
+        if impl is Backend.TRITON and kernels_unsupported_reason(spec) is not None:
+            raise UserError(f"model.attn_impl='triton' cannot compute attention {spec.name!r}: "
+                            f"{kernels_unsupported_reason(spec)}; use auto, flex or dense")
 
     def _check_extension(self) -> None:
         from attnlab.names import ROPE_SCALINGS

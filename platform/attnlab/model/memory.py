@@ -36,10 +36,10 @@ Stable API (bench/gpu.py and the cluster check call it):
 - ``largest_micro_batch(gpt_cfg, seq_len, budget_bytes, *, precision, compiled, backend, ddp, divisor_of)
   -> int`` (0 when not even one sequence fits)
 - ``largest_eval_batch(gpt_cfg, length, budget_bytes, *, precision, backend) -> int``
-- ``resolve_backend_name(gpt_cfg, backend)``: the concrete backend (``dense``/``flex``/``sdpa``) on a GPU.
+- ``resolve_backend_name(gpt_cfg, backend)``: the concrete backend (``dense``/``flex``/``sdpa``/``triton``) on a GPU.
 
 ``precision``: ``bf16`` (CUDA autocast) or ``fp32``; ``backend``: ``auto`` (what CUDA would pick for the
-variant), ``sdpa``, ``flex`` (both O(T) memory) or ``dense`` (O(T^2)). No Ray, no cluster code, no GPU.
+variant), ``sdpa``, ``flex``, ``triton`` (O(T) memory) or ``dense`` (O(T^2)). No Ray, no cluster code, no GPU.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ CUDA_CONTEXT_BYTES = 1536 * 1024**2
 # Reserved-but-unused memory of the caching allocator (fragmentation), as a fraction of the tensor peak.
 ALLOCATOR_OVERHEAD = 0.10
 PRECISIONS = ("bf16", "fp32")
-BACKENDS = ("auto", "sdpa", "flex", "dense")
 # Positions per chunk of the evaluation LM head (GPT.token_stats(chunk=...)).
 EVAL_HEAD_CHUNK = 1024
 
@@ -81,8 +80,9 @@ class MemoryEstimate:
 def _check(precision: str, backend: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not allowed: use one of {', '.join(PRECISIONS)}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
+    from attnlab.attention.backends import Backend
+
+    Backend.parse(backend, field="backend")
 
 
 def _positive(value, name: str) -> int:
@@ -117,18 +117,14 @@ def _matrix_params(cfg: GPTConfig) -> int:
 
 
 def resolve_backend_name(cfg: GPTConfig, backend: str = "auto") -> str:
-    """The backend a CUDA worker would use: ``auto`` -> sdpa (softmax family), flex (fusable variants) or dense."""
-    from attnlab.attention.flex import unfusable_reason
-    from attnlab.attention.sdpa import sdpa_unsupported_reason
+    """The backend a CUDA worker would use (``attention.backends.choose_backend``, the one dispatch rule): ``auto``
+    is the config's ``attn_impl``, and that on CUDA sdpa (softmax family), triton (LSSA, LSSAR, sharpened softmax),
+    flex (other fusable variants) or dense."""
+    from attnlab.attention.backends import choose_backend
 
     if backend == "auto":
         backend = cfg.attn_impl
-    if backend in ("dense", "sdpa"):
-        return backend
-    spec = cfg.attention_spec()
-    if backend == "auto" and sdpa_unsupported_reason(spec) is None:
-        return "sdpa"
-    return "dense" if unfusable_reason(spec) is not None else "flex"
+    return choose_backend(cfg.attention_spec(), "cuda", backend)[0].value
 
 
 def _plugin(cfg: GPTConfig) -> PluginSpec | None:
@@ -276,6 +272,9 @@ def _layer_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool, backe
         saved["q, k, v"] = 3 * 4 * C
     else:  # the fused kernels save q and k after RoPE, v as a view of the qkv projection, output + logsumexp
         saved["q, k, v"] = 5 * a * C + a * C + 4 * cfg.n_head
+    if backend == "triton":  # attention/kernels/ops.py: five float32 row statistics, and U when sharpened
+        saved["row statistics"] = 4 * 4 * cfg.n_head
+        saved["U"] = a * C * int(cfg.attention_spec().p is not None)
     if backend == "flex":  # FlexAttention calls beyond the first (attention/flex.py): each saves its output + LSE;
         # a plugin's one call is in its trace, its sharpening's extra pass and LSE gradient direction are not
         from attnlab.attention.flex import parts_of
@@ -398,6 +397,6 @@ def largest_eval_batch(cfg: GPTConfig, length: int, budget_bytes: int, *, precis
     return best
 
 
-__all__ = ["ALLOCATOR_OVERHEAD", "BACKENDS", "CUDA_CONTEXT_BYTES", "MemoryEstimate", "PRECISIONS",
+__all__ = ["ALLOCATOR_OVERHEAD", "CUDA_CONTEXT_BYTES", "MemoryEstimate", "PRECISIONS",
            "dense_saved_factor", "estimate_eval", "plugin_attention_bytes", "plugin_layer_params", "estimate_train_step", "largest_eval_batch",
            "largest_micro_batch", "num_params", "resolve_backend_name"]

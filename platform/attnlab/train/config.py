@@ -206,7 +206,7 @@ class TrainConfig(BaseModel):
     worker_resources: dict[str, float] = Field(default_factory=dict)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     compile: bool | None = None  # torch.compile the model; None: on for CUDA workers, off on CPU
-    attn_impl: str = "auto"  # the attention backend: attnlab.attention.Backend (auto, dense, flex, sdpa)
+    attn_impl: str = "auto"  # the attention backend: attnlab.attention.Backend (auto, dense, flex, sdpa, triton)
     threads_per_worker: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")

@@ -1,0 +1,485 @@
+"""The Triton kernels of the ``triton`` backend, in pure ``tl`` (Triton's interpreter runs them on CPU tensors).
+
+Five kernels per layer for a sharpened first stage (docs/attention.md#the-triton-kernels has the derivation):
+
+- ``stats_kernel`` (K1): one pass over the keys without V: each row's normaliser and the largest weight, hence
+  the row's sharpening scale ``1 / m_i`` (0 for a row without mass).
+- ``sharpened_fwd_kernel`` (K2): with the row statistics known, the sharpened weights ``(relu(N_i A_ij - O_i) /
+  m_i)^p`` need no online rescale; the same loop sums ``U_i`` (weights ``P_ij / r_ij``) for the backward.
+- ``plain_fwd_kernel``: the first stage alone (LSSA, softmax): one pass, online rescale only for ``exp``.
+- ``preprocess_kernel`` (K3): ``delta_i = dO_i . O_i`` and the gradient of the normaliser, ``G_i``, from ``U_i``.
+- ``dq_kernel`` (K4) and ``dkdv_kernel`` (K5): each owns its rows or its columns and sums over the other
+  axis: no atomics, so the same step gives the same gradients bit for bit.
+
+Every kernel reads q, k, v raw, through strides: QK-norm multiplies the scores by ``1/|q_i|`` and ``1/|k_j|`` in
+float32 inside the kernel, and the gradients of q and k have their radial component removed there. Nothing here
+imports torch or attnlab; the launches, the operators and the autograd are ``ops.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# log2(1 + e) for e below this is the series e (1 - e / 2) / ln 2 (relative error < e^2 / 3): log2 of 1 + e loses
+# the digits of a small e.
+SMALL_E = tl.constexpr(1.0 / 1024)
+# QK-norm divides by max(|x|, eps), as F.normalize does.
+NORM_EPS = tl.constexpr(1e-12)
+# attention.spec.SHARPEN_EXEMPT_ROWS: rows 0-2 have no offset O_i.
+EXEMPT_ROWS = tl.constexpr(3)
+# attention.dense.sharpen_tolerance(float32): a row whose largest N_i A_ij - O_i is no more has no mass.
+MASS_TOL = tl.constexpr(256 * 1.1920928955078125e-07)
+
+PHI_EXP = 0
+PHI_SOFTPLUS = 1
+PHI_SIGMOID = 2
+
+
+@triton.jit
+def _phi(x, PHI: tl.constexpr):
+    """``(f(x), f'(x))`` in float32: exp (x already less the row maximum), softplus or sigmoid, in base 2."""
+    if PHI == 0:
+        f = tl.exp2(x * LOG2E)
+        fp = f
+    elif PHI == 1:
+        t = x * LOG2E
+        e = tl.exp2(-tl.abs(t))
+        lp = tl.where(e < SMALL_E, e * (1.0 - 0.5 * e) * LOG2E, tl.log2(1.0 + e))
+        f = LN2 * (tl.maximum(t, 0.0) + lp)
+        r = 1.0 / (1.0 + e)
+        fp = tl.where(t >= 0.0, r, e * r)
+    else:
+        e = tl.exp2(-tl.abs(x) * LOG2E)
+        r = 1.0 / (1.0 + e)
+        f = tl.where(x >= 0.0, r, e * r)
+        fp = f * (1.0 - f)
+    return f, fp
+
+
+@triton.jit
+def _power(t, e_float, e_int, use_int):
+    """``t ** e`` for ``t >= 0``: by multiplication when ``use_int`` (``e_int`` < 64), else ``exp2(e log2 t)``."""
+    if use_int:
+        result = t * 0.0 + 1.0
+        base = t
+        for bit in tl.static_range(6):
+            result = tl.where(((e_int >> bit) & 1) != 0, result * base, result)
+            base = base * base
+    else:
+        result = tl.exp2(e_float * tl.log2(tl.maximum(t, 1e-30)))  # callers mask t = 0
+    return result
+
+
+@triton.jit
+def _load_power(p_ptr):
+    """The power ``p`` (a float32 scalar in memory, so a new ``p`` compiles nothing) and its integer form."""
+    p = tl.load(p_ptr)
+    p_int = p.to(tl.int32)
+    use_int = (p_int.to(tl.float32) == p) & (p_int < 64)
+    return p, p_int, use_int
+
+
+@triton.jit
+def _inverse_norm(x, axis: tl.constexpr):
+    """``1 / max(|x|, eps)`` along ``axis`` of a float32 tile."""
+    return 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis)), NORM_EPS)
+
+
+@triton.jit
+def _row_factor(q, rows, scale_mul, SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr):
+    """``scale_i`` (times ``1/|q_i|`` with QK-norm) for a ``(BM, BD)`` tile of q: ``scale_mul * ln N_i`` or
+    ``scale_mul``."""
+    n = (rows + 1).to(tl.float32)
+    if SCALE_LOG:
+        fac = scale_mul * tl.log(n)
+    else:
+        fac = n * 0.0 + scale_mul
+    if QK_NORM:
+        fac = fac * _inverse_norm(q.to(tl.float32), 1)
+    return fac
+
+
+@triton.jit
+def _col_factor(k_t, cols, QK_NORM: tl.constexpr):
+    """``1/|k_j|`` for a ``(BD, BN)`` tile of k transposed (1 without QK-norm)."""
+    if QK_NORM:
+        fac = _inverse_norm(k_t.to(tl.float32), 0)
+    else:
+        fac = cols.to(tl.float32) * 0.0 + 1.0
+    return fac
+
+
+@triton.jit
+def _scores(q, k_t, row_fac, col_fac, rows, cols, T, PRECISION: tl.constexpr):
+    """``(s, visible)``: the scaled scores of a tile, ``-inf`` where key ``j`` is not visible to row ``i``."""
+    z = tl.dot(q, k_t, input_precision=PRECISION)
+    s = z * row_fac[:, None] * col_fac[None, :]
+    visible = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & (rows[:, None] < T)
+    return tl.where(visible, s, float("-inf")), visible
+
+
+@triton.jit
+def _weights(s, visible, ref, inv_den, n, offset, inv_m, W, p, p_int, use_int, PHI: tl.constexpr,
+             SHARPEN: tl.constexpr):
+    """``(P, P / r, A, f' / Z)`` of a tile: the output weights, the sharpened ``P_ij / r_ij`` (0 where ``r_ij =
+    0``, and on rows without mass), the first stage's ``A_ij`` and ``f'(s_ij) / Z_i``."""
+    if PHI == 0:
+        f, fp = _phi(s - ref[:, None], PHI)
+    else:
+        f, fp = _phi(s, PHI)
+    a = tl.where(visible, f * inv_den[:, None], 0.0)
+    d_over = tl.where(visible, fp * inv_den[:, None], 0.0)
+    if SHARPEN:
+        mass = inv_m > 0.0
+        r = tl.maximum(n[:, None] * a - offset[:, None], 0.0)
+        t = r * inv_m[:, None]
+        t_pm1 = _power(t, p - 1.0, p_int - 1, use_int)
+        live = mass[:, None] & (r > 0.0) & visible
+        pr = tl.where(live, t_pm1 * (inv_m / W)[:, None], 0.0)
+        prob = tl.where(mass[:, None], tl.where(live, t_pm1 * t, 0.0) / W[:, None], a)
+    else:
+        pr = a * 0.0
+        prob = a
+    return prob, pr, a, d_over
+
+
+@triton.jit
+def stats_kernel(Q, K, STATS, sqb, sqh, sqt, sqd, skb, skh, skt, skd, H, T, D, scale_mul,
+                 SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, PRECISION: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """K1: per row, the first stage's reference (the row maximum for ``exp``, else 0), ``1 / Z_i`` and the
+    sharpening scale ``1 / m_i`` (0 without mass): ``STATS[0..2, bh, i]``."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BM + tl.arange(0, BM)
+    dims = tl.arange(0, BD)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd,
+                mask=(rows[:, None] < T) & (dims[None, :] < D), other=0.0)
+    row_fac = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM)
+    m = tl.zeros([BM], dtype=tl.float32) - float("inf")
+    z = tl.zeros([BM], dtype=tl.float32)
+    hi = (pid_m + 1) * BM  # keys past T are masked
+    for start in range(0, hi, BN):
+        cols = start + tl.arange(0, BN)
+        k_t = tl.load(K + b * skb + h * skh + cols[None, :] * skt + dims[:, None] * skd,
+                      mask=(cols[None, :] < T) & (dims[:, None] < D), other=0.0)
+        col_fac = _col_factor(k_t, cols, QK_NORM)
+        s, visible = _scores(q, k_t, row_fac, col_fac, rows, cols, T, PRECISION)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        if PHI == 0:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            z = z * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.exp2((s - m_safe[:, None]) * LOG2E), 1)
+        else:
+            f, _ = _phi(s, PHI)
+            z += tl.sum(tl.where(visible, f, 0.0), 1)
+        m = m_new
+    keep = rows < T
+    z = tl.where(keep, z, 1.0)
+    n = (rows + 1).to(tl.float32)
+    offset = tl.where(rows >= EXEMPT_ROWS, 1.0, 0.0)
+    if PHI == 0:
+        ref = m
+        max_a = 1.0 / z
+    else:
+        ref = tl.zeros([BM], dtype=tl.float32)
+        f_max, _ = _phi(m, PHI)
+        max_a = f_max / z
+    excess = n * max_a - offset
+    inv_m = tl.where(excess > MASS_TOL, 1.0 / tl.maximum(excess, MASS_TOL), 0.0)
+    base = STATS + bh * T + rows
+    stride = tl.num_programs(1) * T
+    tl.store(base, ref, mask=keep)
+    tl.store(base + stride, 1.0 / z, mask=keep)
+    tl.store(base + 2 * stride, inv_m, mask=keep)
+
+
+@triton.jit
+def sharpened_fwd_kernel(Q, K, V, O, U, STATS, P_PTR, sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+                         sob, soh, sot, sod, H, T, D, DV, scale_mul,
+                         SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr,
+                         PRECISION: tl.constexpr, WITH_U: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+    """K2: ``O_i = sum_j P_ij v_j`` with the statistics of K1; ``U_i = sum_j (P_ij / r_ij) v_j`` (``WITH_U``, for
+    the backward) and the row's ``W_i`` and ``S_i = sum_j P_ij / r_ij`` into ``STATS[3..4]``."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BM + tl.arange(0, BM)
+    dims = tl.arange(0, BD)
+    vdims = tl.arange(0, BDV)
+    keep = rows < T
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd,
+                mask=keep[:, None] & (dims[None, :] < D), other=0.0)
+    row_fac = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM)
+    stride = tl.num_programs(1) * T
+    base = STATS + bh * T + rows
+    ref = tl.load(base, mask=keep, other=0.0)
+    inv_den = tl.load(base + stride, mask=keep, other=0.0)
+    inv_m = tl.load(base + 2 * stride, mask=keep, other=0.0)
+    p, p_int, use_int = _load_power(P_PTR)
+    n = (rows + 1).to(tl.float32)
+    offset = tl.where(rows >= EXEMPT_ROWS, 1.0, 0.0)
+    ones = n * 0.0 + 1.0
+    acc = tl.zeros([BM, BDV], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BDV], dtype=tl.float32)
+    w_sum = tl.zeros([BM], dtype=tl.float32)
+    s_sum = tl.zeros([BM], dtype=tl.float32)
+    hi = (pid_m + 1) * BM  # keys past T are masked
+    for start in range(0, hi, BN):
+        cols = start + tl.arange(0, BN)
+        k_t = tl.load(K + b * skb + h * skh + cols[None, :] * skt + dims[:, None] * skd,
+                      mask=(cols[None, :] < T) & (dims[:, None] < D), other=0.0)
+        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + vdims[None, :] * svd,
+                    mask=(cols[:, None] < T) & (vdims[None, :] < DV), other=0.0)
+        col_fac = _col_factor(k_t, cols, QK_NORM)
+        s, visible = _scores(q, k_t, row_fac, col_fac, rows, cols, T, PRECISION)
+        # W = 1 here: the weights before the row's division by their sum
+        w, pr, a, _ = _weights(s, visible, ref, inv_den, n, offset, inv_m, ones, p, p_int, use_int, PHI, True)
+        acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+        w_sum += tl.sum(w, 1)
+        if WITH_U:
+            acc_u += tl.dot(pr.to(v.dtype), v, input_precision=PRECISION)
+            s_sum += tl.sum(pr, 1)
+    mass = inv_m > 0.0
+    W = tl.where(mass, w_sum, 1.0)
+    out = acc / W[:, None]
+    o_ptrs = O + b * sob + h * soh + rows[:, None] * sot + vdims[None, :] * sod
+    o_mask = keep[:, None] & (vdims[None, :] < DV)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+    tl.store(base + 3 * stride, W, mask=keep)
+    if WITH_U:
+        u_ptrs = U + b * sob + h * soh + rows[:, None] * sot + vdims[None, :] * sod
+        tl.store(u_ptrs, (acc_u / W[:, None]).to(U.dtype.element_ty), mask=o_mask)
+        tl.store(base + 4 * stride, s_sum / W, mask=keep)
+
+
+@triton.jit
+def plain_fwd_kernel(Q, K, V, O, STATS, sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+                     sob, soh, sot, sod, H, T, D, DV, scale_mul,
+                     SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, PRECISION: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+    """The first stage alone, ``O_i = sum_j A_ij v_j``, in one pass (an online rescale for ``exp`` only:
+    softplus and sigmoid of bounded scores need none); the reference and ``1 / Z_i`` into ``STATS[0..1]``."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BM + tl.arange(0, BM)
+    dims = tl.arange(0, BD)
+    vdims = tl.arange(0, BDV)
+    keep = rows < T
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd,
+                mask=keep[:, None] & (dims[None, :] < D), other=0.0)
+    row_fac = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM)
+    m = tl.zeros([BM], dtype=tl.float32) - float("inf")
+    z = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BDV], dtype=tl.float32)
+    hi = (pid_m + 1) * BM  # keys past T are masked
+    for start in range(0, hi, BN):
+        cols = start + tl.arange(0, BN)
+        k_t = tl.load(K + b * skb + h * skh + cols[None, :] * skt + dims[:, None] * skd,
+                      mask=(cols[None, :] < T) & (dims[:, None] < D), other=0.0)
+        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + vdims[None, :] * svd,
+                    mask=(cols[:, None] < T) & (vdims[None, :] < DV), other=0.0)
+        col_fac = _col_factor(k_t, cols, QK_NORM)
+        s, visible = _scores(q, k_t, row_fac, col_fac, rows, cols, T, PRECISION)
+        if PHI == 0:
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2((m - m_safe) * LOG2E)
+            f = tl.exp2((s - m_safe[:, None]) * LOG2E)
+            z = z * alpha
+            acc = acc * alpha[:, None]
+            m = m_new
+        else:
+            f, _ = _phi(s, PHI)
+            f = tl.where(visible, f, 0.0)
+        z += tl.sum(f, 1)
+        acc += tl.dot(f.to(v.dtype), v, input_precision=PRECISION)
+    z = tl.where(keep, z, 1.0)
+    out = acc / z[:, None]
+    tl.store(O + b * sob + h * soh + rows[:, None] * sot + vdims[None, :] * sod, out.to(O.dtype.element_ty),
+             mask=keep[:, None] & (vdims[None, :] < DV))
+    base = STATS + bh * T + rows
+    stride = tl.num_programs(1) * T
+    if PHI == 0:
+        tl.store(base, m, mask=keep)
+    else:
+        tl.store(base, tl.zeros([BM], dtype=tl.float32), mask=keep)
+    tl.store(base + stride, 1.0 / z, mask=keep)
+
+
+@triton.jit
+def preprocess_kernel(O, U, DO, DELTA, G, STATS, P_PTR, sob, soh, sot, sod, sdb, sdh, sdt, sdd, H, T, DV,
+                      SHARPEN: tl.constexpr, BM: tl.constexpr, BDV: tl.constexpr):
+    """K3: ``delta_i = dO_i . O_i`` and, sharpened, ``G_i = p O_i (dO_i . U_i - delta_i S_i)``: the part of every
+    ``dL/dA_ij`` that the row's normaliser ``Z_i`` shares (docs/attention.md#the-triton-kernels)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BM + tl.arange(0, BM)
+    vdims = tl.arange(0, BDV)
+    keep = rows < T
+    mask = keep[:, None] & (vdims[None, :] < DV)
+    o = tl.load(O + b * sob + h * soh + rows[:, None] * sot + vdims[None, :] * sod, mask=mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + vdims[None, :] * sdd, mask=mask, other=0.0)
+    do = do.to(tl.float32)
+    delta = tl.sum(do * o.to(tl.float32), 1)
+    tl.store(DELTA + bh * T + rows, delta, mask=keep)
+    if SHARPEN:
+        u = tl.load(U + b * sob + h * soh + rows[:, None] * sot + vdims[None, :] * sod, mask=mask, other=0.0)
+        stride = tl.num_programs(1) * T
+        s_row = tl.load(STATS + 4 * stride + bh * T + rows, mask=keep, other=0.0)
+        p = tl.load(P_PTR)
+        offset = tl.where(rows >= EXEMPT_ROWS, 1.0, 0.0)
+        g = p * offset * (tl.sum(do * u.to(tl.float32), 1) - delta * s_row)
+        tl.store(G + bh * T + rows, g, mask=keep)
+
+
+@triton.jit
+def _grad_scores(s, visible, dp, delta, g, ref, inv_den, n, offset, inv_m, W, p, p_int, use_int,
+                 PHI: tl.constexpr, SHARPEN: tl.constexpr):
+    """``(dL/ds, P)`` of a tile: ``f'/Z (N p (dP - delta) P / r - G)`` on rows with mass, ``f'/Z (dP - delta)``
+    elsewhere (docs/attention.md#the-triton-kernels)."""
+    prob, pr, a, d_over = _weights(s, visible, ref, inv_den, n, offset, inv_m, W, p, p_int, use_int, PHI, SHARPEN)
+    diff = dp - delta[:, None]
+    if SHARPEN:
+        mass = inv_m > 0.0
+        term = tl.where(mass[:, None], n[:, None] * p * diff * pr - g[:, None], diff)
+    else:
+        term = diff
+    return d_over * term, prob
+
+
+@triton.jit
+def dq_kernel(Q, K, V, DO, DQ, STATS, DELTA, G, P_PTR, sqb, sqh, sqt, sqd, skb, skh, skt, skd,
+              svb, svh, svt, svd, sdb, sdh, sdt, sdd, sgb, sgh, sgt, sgd, H, T, D, DV, scale_mul,
+              SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, SHARPEN: tl.constexpr,
+              PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+    """K4: ``dq_i = scale_i / |q_i| sum_j dL/ds_ij k_j / |k_j|`` over the keys row ``i`` sees, then (QK-norm) its
+    component along ``q_i`` removed: the gradient through the normalisation."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BM + tl.arange(0, BM)
+    dims = tl.arange(0, BD)
+    vdims = tl.arange(0, BDV)
+    keep = rows < T
+    q_mask = keep[:, None] & (dims[None, :] < D)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd, mask=q_mask, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + vdims[None, :] * sdd,
+                 mask=keep[:, None] & (vdims[None, :] < DV), other=0.0)
+    row_fac = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM)
+    stride = tl.num_programs(1) * T
+    base = STATS + bh * T + rows
+    ref = tl.load(base, mask=keep, other=0.0)
+    inv_den = tl.load(base + stride, mask=keep, other=0.0)
+    delta = tl.load(DELTA + bh * T + rows, mask=keep, other=0.0)
+    p, p_int, use_int = _load_power(P_PTR)
+    if SHARPEN:
+        inv_m = tl.load(base + 2 * stride, mask=keep, other=0.0)
+        W = tl.load(base + 3 * stride, mask=keep, other=1.0)
+        g = tl.load(G + bh * T + rows, mask=keep, other=0.0)
+    else:
+        inv_m = delta * 0.0
+        W = delta * 0.0 + 1.0
+        g = delta * 0.0
+    n = (rows + 1).to(tl.float32)
+    offset = tl.where(rows >= EXEMPT_ROWS, 1.0, 0.0)
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
+    hi = (pid_m + 1) * BM  # keys past T are masked
+    for start in range(0, hi, BN):
+        cols = start + tl.arange(0, BN)
+        k_t = tl.load(K + b * skb + h * skh + cols[None, :] * skt + dims[:, None] * skd,
+                      mask=(cols[None, :] < T) & (dims[:, None] < D), other=0.0)
+        v_t = tl.load(V + b * svb + h * svh + cols[None, :] * svt + vdims[:, None] * svd,
+                      mask=(cols[None, :] < T) & (vdims[:, None] < DV), other=0.0)
+        col_fac = _col_factor(k_t, cols, QK_NORM)
+        s, visible = _scores(q, k_t, row_fac, col_fac, rows, cols, T, PRECISION)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        ds, _ = _grad_scores(s, visible, dp, delta, g, ref, inv_den, n, offset, inv_m, W, p, p_int, use_int,
+                             PHI, SHARPEN)
+        ds = ds * col_fac[None, :]
+        acc += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=PRECISION)
+    dq = acc * row_fac[:, None]
+    if QK_NORM:
+        qf = q.to(tl.float32)
+        radial = tl.sum(qf * dq, 1) / tl.maximum(tl.sum(qf * qf, 1), NORM_EPS * NORM_EPS)
+        dq = dq - radial[:, None] * qf
+    tl.store(DQ + b * sgb + h * sgh + rows[:, None] * sgt + dims[None, :] * sgd, dq.to(DQ.dtype.element_ty),
+             mask=q_mask)
+
+
+@triton.jit
+def dkdv_kernel(Q, K, V, DO, DK, DV_, STATS, DELTA, G, P_PTR, sqb, sqh, sqt, sqd, skb, skh, skt, skd,
+                svb, svh, svt, svd, sdb, sdh, sdt, sdd, s1b, s1h, s1t, s1d, s2b, s2h, s2t, s2d, H, T, D, DV, scale_mul,
+                SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, SHARPEN: tl.constexpr,
+                PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                BDV: tl.constexpr):
+    """K5: for the keys ``j`` of one block, ``dv_j = sum_i P_ij dO_i`` and ``dk_j = 1/|k_j| sum_i dL/ds_ij
+    scale_i q_i / |q_i|`` over the rows that see them, then (QK-norm) its component along ``k_j`` removed."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    cols = pid_n * BN + tl.arange(0, BN)
+    dims = tl.arange(0, BD)
+    vdims = tl.arange(0, BDV)
+    col_keep = cols < T
+    k_mask = (cols[None, :] < T) & (dims[:, None] < D)
+    k_t = tl.load(K + b * skb + h * skh + cols[None, :] * skt + dims[:, None] * skd, mask=k_mask, other=0.0)
+    v_t = tl.load(V + b * svb + h * svh + cols[None, :] * svt + vdims[:, None] * svd,
+                  mask=(cols[None, :] < T) & (vdims[:, None] < DV), other=0.0)
+    col_fac = _col_factor(k_t, cols, QK_NORM)
+    p, p_int, use_int = _load_power(P_PTR)
+    stride = tl.num_programs(1) * T
+    acc_k = tl.zeros([BD, BN], dtype=tl.float32)
+    acc_v = tl.zeros([BDV, BN], dtype=tl.float32)
+    lo = (pid_n * BN // BM) * BM
+    for start in range(lo, T, BM):
+        rows = start + tl.arange(0, BM)
+        keep = rows < T
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd,
+                    mask=keep[:, None] & (dims[None, :] < D), other=0.0)
+        do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + vdims[None, :] * sdd,
+                     mask=keep[:, None] & (vdims[None, :] < DV), other=0.0)
+        row_fac = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM)
+        base = STATS + bh * T + rows
+        ref = tl.load(base, mask=keep, other=0.0)
+        inv_den = tl.load(base + stride, mask=keep, other=0.0)
+        delta = tl.load(DELTA + bh * T + rows, mask=keep, other=0.0)
+        if SHARPEN:
+            inv_m = tl.load(base + 2 * stride, mask=keep, other=0.0)
+            W = tl.load(base + 3 * stride, mask=keep, other=1.0)
+            g = tl.load(G + bh * T + rows, mask=keep, other=0.0)
+        else:
+            inv_m = delta * 0.0
+            W = delta * 0.0 + 1.0
+            g = delta * 0.0
+        n = (rows + 1).to(tl.float32)
+        offset = tl.where(rows >= EXEMPT_ROWS, 1.0, 0.0)
+        s, visible = _scores(q, k_t, row_fac, col_fac, rows, cols, T, PRECISION)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        ds, prob = _grad_scores(s, visible, dp, delta, g, ref, inv_den, n, offset, inv_m, W, p, p_int, use_int,
+                                PHI, SHARPEN)
+        # (BDV, BM) @ (BM, BN) and (BD, BM) @ (BM, BN): the key axis stays last, as k and v are held
+        acc_v += tl.dot(tl.trans(do), prob.to(do.dtype), input_precision=PRECISION)
+        ds = ds * row_fac[:, None]
+        acc_k += tl.dot(tl.trans(q), ds.to(q.dtype), input_precision=PRECISION)
+    dk = acc_k * col_fac[None, :]
+    if QK_NORM:
+        kf = k_t.to(tl.float32)
+        radial = tl.sum(kf * dk, 0) / tl.maximum(tl.sum(kf * kf, 0), NORM_EPS * NORM_EPS)
+        dk = dk - radial[None, :] * kf
+    tl.store(DK + b * s1b + h * s1h + cols[None, :] * s1t + dims[:, None] * s1d, dk.to(DK.dtype.element_ty),
+             mask=k_mask)
+    tl.store(DV_ + b * s2b + h * s2h + cols[None, :] * s2t + vdims[:, None] * s2d, acc_v.to(DV_.dtype.element_ty),
+             mask=(cols[None, :] < T) & (vdims[:, None] < DV))
