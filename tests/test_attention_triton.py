@@ -193,3 +193,14 @@ def test_the_model_config_refuses_triton_for_other_variants():
     with pytest.raises(UserError, match=r"model.attn_impl='triton' cannot compute attention 'relu_l1'"):
         preset("tiny", attention="relu_l1", attn_impl="triton")
     assert preset("tiny", attention="lssar", attn_impl="triton").attn_impl == "triton"
+
+
+def test_attention_list_shows_the_gpu_path_of_every_variant(capsys):
+    from attnlab.cli import main
+
+    assert main(["attention", "list"]) == 0
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(lines) == set(variant_names())
+    assert lines["lssar"][1:] == ["15", "triton", "triton"]
+    assert lines["lssa"][2] == "triton" and lines["relu_l1"][2] == "flex"
+    assert lines["softmax"][2:] == ["sdpa", "triton"]  # sharpened softmax: Table 4's p = 3 and p = 15 rows
