@@ -204,3 +204,29 @@ def test_attention_list_shows_the_gpu_path_of_every_variant(capsys):
     assert lines["lssar"][1:] == ["15", "triton", "triton"]
     assert lines["lssa"][2] == "triton" and lines["relu_l1"][2] == "flex"
     assert lines["softmax"][2:] == ["sdpa", "triton"]  # sharpened softmax: Table 4's p = 3 and p = 15 rows
+
+
+# --- the kernels a GPU runs, compiled here -------------------------------------------------------------------------
+
+@pytest.mark.cuda_proxy
+@pytest.mark.parametrize("name", ["lssar", "lssa"])
+def test_the_kernels_compile_for_an_h100_without_spilling(name):
+    """The FAST twin (lg2.approx) compiled for sm_90 by Triton and its ptxas, as a GPU node would, for GPT-2's head
+    dimension in bf16: every kernel builds, and none spills registers to local memory at its block sizes. In a process
+    of its own: this one runs Triton's interpreter, which interprets Triton's language too."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "attnlab.attention.kernels.aot", "--variant", name, "--arch", "90",
+                           "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = [json.loads(line) for line in done.stdout.splitlines()]
+    expected = (["stats_kernel", "sharpened_fwd_kernel"] if name == "lssar" else ["plain_fwd_kernel"]) + \
+        ["preprocess_kernel", "dq_kernel", "dkdv_kernel"]
+    assert [b["kernel"] for b in builds] == expected
+    for build in builds:
+        assert build["spill_bytes"] == 0, build
+        assert build["shared_bytes"] <= 227 * 1024, build  # an H100's shared memory per block

@@ -18,15 +18,18 @@ import triton
 
 import attnlab.attention.kernels.jit as jit  # the module itself: the package's __init__ imports this one
 
-# Rows and keys per program: (BM, BN, warps, stages) for each kernel on a GPU; the interpreter runs 32 x 32 tiles
-# (it executes each program in numpy: smaller tiles mean more of them).
+# Rows and keys per program: (BM, BN, warps, stages) of each kernel on a GPU, chosen from the kernels compiled for
+# sm_90 on CPU (aot.py; bench/kernel_profile.py prints the figures): no spilled registers, the fewest instructions per
+# score element. dkdv's BN is the keys a program owns, its BM the rows it takes per step. Not yet timed on a GPU.
 GPU_BLOCKS = {
-    "stats": (128, 64, 4, 3),
-    "fwd": (128, 64, 8, 3),
-    "plain": (128, 64, 4, 3),
+    "stats": (128, 64, 4, 2),
+    "fwd": (128, 32, 8, 2),
+    "plain": (128, 64, 4, 2),
     "pre": (128, 0, 4, 1),
-    "dq": (64, 64, 8, 2),
-    "dkdv": (64, 64, 8, 2),
+    "dq": (128, 32, 8, 2),
+    "dkdv": (128, 32, 8, 2),
+    "dq_plain": (128, 64, 8, 2),
+    "dkdv_plain": (128, 32, 8, 2),
 }
 INTERPRETER_BLOCKS = {name: (32, 32 if bn else 0, 1, 1) for name, (_, bn, _, _) in GPU_BLOCKS.items()}
 
@@ -45,7 +48,7 @@ class Form:
 
 def interpreting() -> bool:
     """True when Triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when Triton was imported)."""
-    return isinstance(jit.stats_kernel, triton.runtime.interpreter.InterpretedFunction)
+    return not isinstance(jit.stats_kernel, triton.runtime.JITFunction)
 
 
 def _interpreter_index_fix() -> None:
@@ -94,15 +97,57 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(t.stride())
 
 
-def _grid(name: str, T: int, bh: int, rows: bool = True):
-    bm, bn, _, _ = blocks(name)
-    return (triton.cdiv(T, bm if rows else bn), bh)
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the kernel, its block-size entry (``GPU_BLOCKS``), its grid (in tiles of that entry's
+    rows, or keys for ``dkdv``), its arguments and its compile-time constants (the block sizes excepted)."""
+
+    kernel: object
+    name: str
+    tiles: int
+    bh: int
+    args: tuple
+    constexprs: dict
+
+    def run(self) -> None:
+        bm, bn, warps, stages = blocks(self.name)
+        sizes = {"BM": bm} if not bn else {"BM": bm, "BN": bn}
+        grid = (triton.cdiv(self.tiles, bn if self.name.startswith("dkdv") else bm), self.bh)
+        self.kernel[grid](*self.args, **self.constexprs, **sizes, num_warps=warps, num_stages=stages)
 
 
-def _launch(kernel, name: str, grid, *args, **constexprs):
-    bm, bn, warps, stages = blocks(name)
-    sizes = {"BM": bm} if not bn else {"BM": bm, "BN": bn}
-    kernel[grid](*args, **constexprs, **sizes, num_warps=warps, num_stages=stages)
+def forward_launches(q, k, v, p, form: Form, out, u, stats) -> list[Launch]:
+    """The forward's launches into ``out``, ``u`` (empty: no U) and ``stats`` (any device: meta tensors plan a
+    compile without a GPU, ``aot.py``)."""
+    B, H, T, D = q.shape
+    DV = v.shape[-1]
+    common = dict(SCALE_LOG=form.scale_log, QK_NORM=form.qk_norm, PHI=form.phi, PRECISION=_precision(q.dtype),
+                  FAST=not interpreting(), BD=_pow2(D))
+    qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
+    if not form.sharpen:
+        return [Launch(jit.plain_fwd_kernel, "plain", T, B * H, (q, k, v, out, stats, *qs, *ks, *vs, *os_, H, T, D, DV,
+                                                                   form.scale_mul), dict(common, BDV=_pow2(DV)))]
+    keep_u = u.numel() > 0
+    return [Launch(jit.stats_kernel, "stats", T, B * H, (q, k, stats, *qs, *ks, H, T, D, form.scale_mul), common),
+            Launch(jit.sharpened_fwd_kernel, "fwd", T, B * H,
+                   (q, k, v, out, u if keep_u else out, stats, p, *qs, *ks, *vs, *os_, H, T, D, DV, form.scale_mul),
+                   dict(common, WITH_U=keep_u, BDV=_pow2(DV)))]
+
+
+def backward_launches(dout, q, k, v, out, u, stats, p, form: Form, delta, g, dq, dk, dv) -> list[Launch]:
+    """The backward's launches into ``delta``, ``g`` (row statistics) and ``dq``, ``dk``, ``dv``."""
+    B, H, T, D = q.shape
+    DV = v.shape[-1]
+    common = dict(SCALE_LOG=form.scale_log, QK_NORM=form.qk_norm, PHI=form.phi, SHARPEN=form.sharpen,
+                  PRECISION=_precision(q.dtype), FAST=not interpreting(), BD=_pow2(D), BDV=_pow2(DV))
+    args = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    return [Launch(jit.preprocess_kernel, "pre", T, B * H, (out, u if form.sharpen else out, dout, delta, g, stats, p,
+                                                             *_strides(out), *_strides(dout), H, T, DV),
+                   dict(SHARPEN=form.sharpen, BDV=_pow2(DV))),
+            Launch(jit.dq_kernel, "dq" if form.sharpen else "dq_plain", T, B * H, (q, k, v, dout, dq, stats, delta, g, p, *args, *_strides(dq), H, T, D,
+                                                    DV, form.scale_mul), common),
+            Launch(jit.dkdv_kernel, "dkdv" if form.sharpen else "dkdv_plain", T, B * H, (q, k, v, dout, dk, dv, stats, delta, g, p, *args, *_strides(dk),
+                                                        *_strides(dv), H, T, D, DV, form.scale_mul), common)]
 
 
 def forward(q, k, v, p, form: Form, with_grad: bool):
@@ -113,40 +158,22 @@ def forward(q, k, v, p, form: Form, with_grad: bool):
     DV = v.shape[-1]
     out = torch.empty((B, H, T, DV), dtype=v.dtype, device=q.device)
     stats = torch.zeros((5, B * H, T), dtype=torch.float32, device=q.device)
-    keep_u = form.sharpen and with_grad
-    u = torch.empty((B, H, T, DV) if keep_u else (0,), dtype=v.dtype, device=q.device)
-    common = dict(SCALE_LOG=form.scale_log, QK_NORM=form.qk_norm, PHI=form.phi, PRECISION=_precision(q.dtype),
-                  BD=_pow2(D))
-    qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
-    if form.sharpen:
-        _launch(jit.stats_kernel, "stats", _grid("stats", T, B * H), q, k, stats, *qs, *ks, H, T, D, form.scale_mul,
-                **common)
-        _launch(jit.sharpened_fwd_kernel, "fwd", _grid("fwd", T, B * H), q, k, v, out, u if keep_u else out, stats,
-                p, *qs, *ks, *vs, *os_, H, T, D, DV, form.scale_mul, WITH_U=keep_u, BDV=_pow2(DV), **common)
-    else:
-        _launch(jit.plain_fwd_kernel, "plain", _grid("plain", T, B * H), q, k, v, out, stats, *qs, *ks, *vs, *os_,
-                H, T, D, DV, form.scale_mul, BDV=_pow2(DV), **common)
+    u = torch.empty((B, H, T, DV) if form.sharpen and with_grad else (0,), dtype=v.dtype, device=q.device)
+    for launch in forward_launches(q, k, v, p, form, out, u, stats):
+        launch.run()
     return out, u, stats
 
 
 def backward(dout, q, k, v, out, u, stats, p, form: Form):
     """``(dq, dk, dv)`` for the output gradient ``dout``, in q's, k's and v's dtypes."""
     B, H, T, D = q.shape
-    DV = v.shape[-1]
     delta = torch.empty((B * H, T), dtype=torch.float32, device=q.device)
     g = torch.zeros((B * H, T), dtype=torch.float32, device=q.device)
-    _launch(jit.preprocess_kernel, "pre", _grid("pre", T, B * H), out, u if form.sharpen else out, dout, delta, g,
-            stats, p, *_strides(out), *_strides(dout), H, T, DV, SHARPEN=form.sharpen, BDV=_pow2(DV))
-    dq = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H, T, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, H, T, DV), dtype=v.dtype, device=q.device)
-    common = dict(SCALE_LOG=form.scale_log, QK_NORM=form.qk_norm, PHI=form.phi, SHARPEN=form.sharpen,
-                  PRECISION=_precision(q.dtype), BD=_pow2(D), BDV=_pow2(DV))
-    args = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
-    _launch(jit.dq_kernel, "dq", _grid("dq", T, B * H), q, k, v, dout, dq, stats, delta, g, p, *args,
-            *_strides(dq), H, T, D, DV, form.scale_mul, **common)
-    _launch(jit.dkdv_kernel, "dkdv", _grid("dkdv", T, B * H, rows=False), q, k, v, dout, dk, dv, stats, delta, g,
-            p, *args, *_strides(dk), *_strides(dv), H, T, D, DV, form.scale_mul, **common)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    for launch in backward_launches(dout, q, k, v, out, u, stats, p, form, delta, g, dq, dk, dv):
+        launch.run()
     return dq, dk, dv
 
 
