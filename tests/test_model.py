@@ -171,3 +171,26 @@ def test_bad_model_config(bad, match):
     name = bad.pop("name")
     with pytest.raises(UserError, match=match):
         preset(name, **bad)
+
+
+def test_the_token_embedding_is_an_operator_with_nn_embeddings_gradient():
+    """Compiled, nn.Embedding's backward became an atomic index_put (two identical GPU steps differed in the last
+    bits); as attnlab::embedding it stays one operator whose backward is aten's sorted, deterministic one."""
+    from attnlab.model.gpt import embedding
+
+    weight = torch.randn(50, 8, dtype=torch.float64, requires_grad=True)
+    reference = weight.detach().clone().requires_grad_()
+    idx = torch.randint(0, 50, (3, 40), generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(3, 40, 8, dtype=torch.float64)
+    embedding(weight, idx).backward(grad)
+    torch.nn.functional.embedding(idx, reference).backward(grad)
+    assert torch.equal(weight.grad, reference.grad)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm
+
+    model = GPT(preset("tiny", attention="softmax", vocab_size=50))
+    torch.compile(model.embed, backend=capture, fullgraph=True)(idx)
+    assert "attnlab.embedding" in graphs[0] and "aten.embedding" not in graphs[0]

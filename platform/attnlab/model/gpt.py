@@ -41,6 +41,45 @@ AttentionObserver = Callable[..., None]
 LayerObserver = Callable[[torch.Tensor, torch.Tensor, "tuple | None"], None]
 
 
+# The token embedding as an operator of its own: compiled, inductor lowers nn.Embedding's backward to an accumulating
+# index_put whose atomic adds make two identical training steps differ in the last bits (bench/RESULTS.md, an H200).
+# As an operator its backward is aten's embedding_dense_backward (sorted indices, summed in order: deterministic on
+# CUDA and CPU), in the compiled model as in the eager one, without use_deterministic_algorithms for the whole model.
+@torch.library.custom_op("attnlab::embedding", mutates_args=())
+def embedding(weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``weight[idx]``: token ids ``(B, T)`` -> vectors ``(B, T, C)``, with a deterministic weight gradient."""
+    return F.embedding(idx, weight)
+
+
+@embedding.register_fake
+def _(weight, idx):
+    return weight.new_empty((*idx.shape, weight.shape[1]))
+
+
+@torch.library.custom_op("attnlab::embedding_backward", mutates_args=())
+def embedding_backward(grad: torch.Tensor, idx: torch.Tensor, num_weights: int) -> torch.Tensor:
+    return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, -1, False)
+
+
+@embedding_backward.register_fake
+def _(grad, idx, num_weights):
+    return grad.new_empty((num_weights, grad.shape[-1]))
+
+
+def _embedding_setup(ctx, inputs, output):
+    weight, idx = inputs
+    ctx.save_for_backward(idx)
+    ctx.num_weights = weight.shape[0]
+
+
+def _embedding_grad(ctx, grad):
+    (idx,) = ctx.saved_tensors
+    return embedding_backward(grad, idx, ctx.num_weights), None
+
+
+embedding.register_autograd(_embedding_grad, setup_context=_embedding_setup)
+
+
 # The power every sharpened spec carries into the blocks: the power itself goes as a 0-d tensor beside it
 # (:func:`power_as_tensor`), so the graph a compiled block builds for one p_eval serves every other.
 GRAPH_POWER = 1.0
@@ -182,8 +221,8 @@ class GPT(nn.Module):
         return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * c.head_dim * T
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(B, T)`` -> input vectors ``(B, T, C)``."""
-        return self.wte(idx)
+        """Token ids ``(B, T)`` -> input vectors ``(B, T, C)`` (:func:`embedding`: a deterministic backward)."""
+        return embedding(self.wte.weight, idx)
 
     def hidden_states(self, idx: torch.Tensor, *, rope_scaling: str = "none", attention: AttentionSpec | None = None,
                       impl: str | None = None, on_attention: AttentionObserver | None = None) -> torch.Tensor:
