@@ -3,8 +3,8 @@
 Without a GPU, Triton's interpreter runs the same kernels on CPU tensors (conftest sets ``TRITON_INTERPRET=1``
 before Triton is imported; ``make test`` installs Triton where torch's build lacks it); on a GPU node they run
 compiled on CUDA. The interpreter has no bfloat16 (NumPy has none): bf16 is checked on a GPU only
-(``test_cuda_bf16_matches_dense``). Each case is small (T <= 256) because the interpreter runs every program of
-the grid in NumPy, one after another.
+(``test_cuda_bf16_matches_dense_and_repeats_bit_for_bit``). Each case is small (T <= 256) because the interpreter
+runs every program of the grid in NumPy, one after another.
 """
 
 from __future__ import annotations
@@ -230,3 +230,21 @@ def test_the_kernels_compile_for_an_h100_without_spilling(name):
     for build in builds:
         assert build["spill_bytes"] == 0, build
         assert build["shared_bytes"] <= 227 * 1024, build  # an H100's shared memory per block
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name, overrides", [("lssar", {}), ("lssa", {}), ("softmax", {"p": 15})])
+def test_cuda_bf16_matches_dense_and_repeats_bit_for_bit(name, overrides):
+    """On a GPU: bf16 at 1,024 tokens within the quick check's bf16 tolerance, and the same call twice giving the same
+    gradients bit for bit (no atomics)."""
+    spec = get_variant(name, **overrides)
+    q, k, v = _inputs(1, 4, 1024, D=64)
+    q, k, v = (t.to(torch.bfloat16).double() for t in (q, k, v))
+    ref_out, ref_grads, weight = _run(spec, q, k, v, "dense", torch.float64, "cpu")
+    runs = [_run(spec, q, k, v, "triton", torch.bfloat16, "cuda", weight=weight) for _ in range(2)]
+    out, grads, _ = runs[0]
+    assert (out - ref_out).abs().max() <= 5e-2 * ref_out.abs().max()
+    for g, ref in zip(grads, ref_grads):
+        assert (g - ref).abs().max() <= 5e-2 * ref.abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

@@ -248,9 +248,10 @@ def test_smoke_run_end_to_end(bench, gc, tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     data = json.loads(out_json.read_text())
-    # attention: each variant at each length, with a time and its ratio to SDPA
-    assert [(r["T"], r["variant"]) for r in data["attention"]] == [
-        (T, v) for T in gc.sizes.SMOKE.att_lengths for v in ("softmax", "lssa", "lssar")]
+    # attention: each variant and backend at each length (the Triton kernels under Triton's interpreter here, as the
+    # test session runs it), with a time and its ratio to SDPA
+    assert [(r["T"], r["variant"], r["backend"]) for r in data["attention"]] == [
+        (T, v, b) for T in gc.sizes.SMOKE.att_lengths for v, _, b in gc.kernels.KERNEL_METHODS]
     assert all(r["ms"] > 0 and r["x_time"] > 0 for r in data["attention"])
     # the memory plan: a training and an evaluation estimate per variant, growing with the evaluation length
     plan = data["plan"]
@@ -301,7 +302,8 @@ def test_smoke_does_not_append_unless_asked(bench, tmp_path, capsys):
 
 def test_an_expired_clock_skips_every_item(gc):
     rows = gc.kernels.bench_attention(gc.sizes.SMOKE, torch.device("cpu"), gc.harness.Clock(total_s=0))
-    assert len(rows) == 3 and all(r["skipped"] == "time budget" and r["ms"] is None for r in rows)
+    assert len(rows) == len(gc.kernels.KERNEL_METHODS)
+    assert all(r["skipped"] == "time budget" and r["ms"] is None for r in rows)
     assert gc.report.targets({"attention": rows}, torch.device("cpu"))[1]["met"] is None
 
 
@@ -362,8 +364,10 @@ def test_summary_names_what_failed(gc):
 
 def test_targets_are_judged_from_the_figures(gc):
     results = {
-        "attention": [{"T": 16384, "variant": "softmax", "x_time": 1.0, "x_mem": 1.0},
-                      {"T": 16384, "variant": "lssar", "x_time": 2.0, "x_mem": 1.5}],
+        "attention": [{"T": 16384, "variant": "softmax", "backend": "sdpa", "x_time": 1.0, "x_mem": 1.0},
+                      {"T": 16384, "variant": "lssar", "backend": "triton", "x_time": 2.0, "x_mem": 1.5},
+                      # the FlexAttention path, timed beside the kernels that replaced it, is not judged
+                      {"T": 16384, "variant": "lssar", "backend": "flex", "x_time": 70.0, "x_mem": 2.0}],
         "train": [{"variant": "softmax", "tokens_per_s": 100.0}, {"variant": "lssar", "tokens_per_s": 80.0}],
     }
     rows = gc.report.targets(results, torch.device("cpu"))

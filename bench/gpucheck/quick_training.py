@@ -1,6 +1,7 @@
-"""d. Training: GPT-2 small, softmax and LSSAR, compiled, bf16, through the production step
-(``ModelAndOptimizer.step``, ``accum`` micro-batches a step): tokens/s, MFU, the measured peak against the memory
-plan, and the first steps run twice from the same state (identical losses?). When they differ, two probes say
+"""d. Training: GPT-2 small, softmax and LSSAR (on attnlab's Triton kernels: what ``auto`` picks on a GPU),
+compiled, bf16, through the production step (``ModelAndOptimizer.step``, ``accum`` micro-batches a step): tokens/s,
+MFU, the measured peak against the memory plan, LSSAR's step against softmax's, its MFU and first (compiling) step
+against the targets, and the first steps run twice from the same state (identical losses?). When they differ, two probes say
 whether an embedding's backward is bit-identical twice, eager and compiled; LSSAR's step is profiled (its costliest
 CUDA kernels)."""
 
@@ -13,7 +14,7 @@ import torch
 
 from gpucheck.harness import (FAIL, PASS, Context, Outcome, fmt, free_memory, one_line, reset_dynamo, say, sync,
                               wait_for_warmers)
-from gpucheck.sizes import gib, peak_vs_estimate
+from gpucheck.sizes import TARGETS, gib, peak_vs_estimate
 from gpucheck.training import LR, precision_of, production_step, random_steps, run_steps
 
 QUICK_VARIANTS = (("softmax", None), ("lssar", 15.0))
@@ -162,7 +163,13 @@ def training(ctx: Context) -> Outcome:
     bits = [f"{v} {r['tokens_per_s']:,.0f} tok/s (MFU {fmt(r['mfu'], '.0%', 'unknown')}, peak/plan "
             f"{fmt(r['peak_vs_estimate'])})" for v, r in done.items()]
     if "softmax" in done and "lssar" in done:
-        bits.append(f"lssar step {done['softmax']['tokens_per_s'] / done['lssar']['tokens_per_s']:.2f}x softmax's")
+        ratio = done["softmax"]["tokens_per_s"] / done["lssar"]["tokens_per_s"]
+        lssar = done["lssar"]
+        bits.append(f"lssar step {ratio:.2f}x softmax's (<= {TARGETS['lssar_train_step']}: "
+                    f"{'met' if ratio <= TARGETS['lssar_train_step'] else 'NOT met'}), MFU "
+                    f"{fmt(lssar['mfu'], '.0%', 'unknown')} (>= {TARGETS['lssar_mfu']:.0%}: "
+                    f"{'not measured' if lssar['mfu'] is None else 'met' if lssar['mfu'] >= TARGETS['lssar_mfu'] else 'NOT met'})"
+                    f", first step {lssar['first_step_s']:.0f} s{' ' + lssar['compiled'] if lssar['compiled'] else ''}")
     probes = {}
     if device.type == "cuda" and any(r.get("identical") is False for r in done.values()):
         for compiled in (False, True):  # where the difference comes from: the embedding's backward?

@@ -11,7 +11,7 @@ from gpucheck.sizes import TARGETS, variant_label
 def targets(results: dict, device: torch.device) -> list[dict]:
     """The issue's four targets, measured: each with its figure, the threshold and met / not met / not measured."""
     out = []
-    att = [r for r in results.get("attention", []) if r.get("variant") == "lssar"]
+    att = [r for r in results.get("attention", []) if r.get("variant") == "lssar" and r.get("backend") == "triton"]
     att_long = max(att, key=lambda r: r["T"]) if att else None
     mem = att_long.get("x_mem") if att_long else None
     out.append({"target": f"lssar peak memory at T = {att_long['T'] if att_long else '?'} <= "
