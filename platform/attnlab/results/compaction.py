@@ -2,9 +2,8 @@
 what it took, then exactly the merged files deleted. Every step leaves a store that reads every row once; a crash
 leaves a readable store and running compaction again completes it.
 
-The tests kill a compaction at each step through :func:`crash_point`, the seam called at every step (and after
-each item of a step): it does nothing here; a test replaces it (``compaction.crash_point = ...``) with one that
-ends the process at the point it wants."""
+The tests kill a compaction at each step through :func:`attnlab.faults.compaction_step`, the seam called at every
+step (and after each item of a step)."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import attnlab.faults as faults
 from attnlab.results.layout import (
     _COMPACTED_DIR,
     _COMPACTED_SCHEMA,
@@ -30,11 +30,6 @@ from attnlab.results.plan import _resolve
 from attnlab.results.schema import STORED_NAMES
 
 _COMPACTED_ROW_GROUP = 16_384
-
-
-def crash_point(step: int, items: int | None = None) -> None:
-    """Called just before step ``step`` of a compaction (the steps of :meth:`_Compaction.compact`), and with
-    ``items`` after each item of a step done one file at a time. A seam for the crash tests: does nothing."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +61,7 @@ class _Compaction:
             for i, item in enumerate(items):
                 out.append(function(item))
                 if step is not None:
-                    crash_point(step, i + 1)
+                    faults.compaction_step(step, i + 1)
             return out
         done = [0]
 
@@ -74,7 +69,7 @@ class _Compaction:
             result = function(item)
             if step is not None:
                 done[0] += 1
-                crash_point(step, done[0])
+                faults.compaction_step(step, done[0])
             return result
 
         with concurrent.futures.ThreadPoolExecutor(_REMOTE_THREADS) as pool:
@@ -83,7 +78,7 @@ class _Compaction:
     def compact(self, study: str) -> Compaction:
         """Merge a study's files into one compacted file; returns what was done.
 
-        Steps (each numbered step is a :func:`crash_point`, for the tests):
+        Steps (before each numbered step it calls :func:`attnlab.faults.compaction_step`, for the tests):
 
         1. list the study (written files, layout-1 files, indexes; then compacted files);
         2. read the newest version of every write, once (with its write and version);
@@ -103,9 +98,9 @@ class _Compaction:
         return self._retrying(f"compacting study {study!r}", lambda: self._compact_once(study))
 
     def _compact_once(self, study: str) -> Compaction:
-        crash_point(1)
+        faults.compaction_step(1)
         listing = self._list_study(study)
-        crash_point(2)
+        faults.compaction_step(2)
         if not listing.written and not listing.layout_1 and (
                 (not listing.compacted and not listing.indexes) or
                 (len(listing.compacted) == 1 and all(i.name == listing.compacted[0].name for i in listing.indexes))):
@@ -123,21 +118,21 @@ class _Compaction:
                                      schema=_COMPACTED_SCHEMA)
         compaction_id = _new_version(max((c.name for c in listing.compacted), default=None))
         target = f"{self.study_dir(study)}/{_COMPACTED_DIR}/{compaction_id}.parquet"
-        crash_point(3)
-        size = self._put_table(target, table, before_rename=lambda: crash_point(3, 1),
+        faults.compaction_step(3)
+        size = self._put_table(target, table, before_rename=lambda: faults.compaction_step(3, 1),
                                row_group_size=_COMPACTED_ROW_GROUP)
-        crash_point(4)
+        faults.compaction_step(4)
         indexes = self._index_documents(table, f"{compaction_id}.parquet", size)
         self._each(lambda item: self._put(f"{self.study_dir(study)}/{item[0]}/_compacted.{compaction_id}.json",
                                           item[1]), sorted(indexes.items()), step=4)
-        crash_point(5)
+        faults.compaction_step(5)
         merged = [f.path for f in listing.written] + [f.path for f in listing.layout_1] + listing.stale
         removed = sum(self._each(self._delete, merged, step=5))
-        crash_point(6)
+        faults.compaction_step(6)
         removed += sum(self._each(self._delete, [f.path for f in listing.indexes], step=6))
-        crash_point(7)
+        faults.compaction_step(7)
         removed += sum(self._each(self._delete, [f.path for f in listing.compacted], step=7))
-        crash_point(8)
+        faults.compaction_step(8)
         self._mark_if_free(study)
         merged_count = len(listing.written) + len(listing.layout_1) + len(listing.compacted)
         return Compaction(study, merged_count, table.num_rows, target, removed)
