@@ -13,6 +13,10 @@ is installed:
   attnlab forwards every ``ATTNLAB_*`` variable to its workers (Ray Train's ``worker_runtime_env``, a study's
   trial context);
 - a subprocess whose script calls :func:`install` (it puts this folder on ``sys.path`` first).
+
+The seams that need no variable are set directly by the test that wants them: :func:`slowed` starts a script with
+data preparation slowed down (the kill-and-resume tests); the compaction crash tests set
+:func:`attnlab.faults.compaction_step` in the child process they kill.
 """
 
 from __future__ import annotations
@@ -45,6 +49,23 @@ def install() -> None:
     import attnlab.faults
 
     attnlab.faults.before_train_step = fail_at_step
+
+
+def slow_data_items(seconds: float) -> None:
+    """Make data preparation in this process sleep ``seconds`` after each work item
+    (:func:`attnlab.faults.after_data_item`)."""
+    import time
+
+    import attnlab.faults
+
+    attnlab.faults.after_data_item = lambda: time.sleep(seconds)
+
+
+def slowed(code: str, seconds: float) -> str:
+    """``code`` (a Python script) run after :func:`slow_data_items`: each work item of data preparation then takes
+    ``seconds`` more, so a test can kill the script midway."""
+    install_here = f"import sys; sys.path.insert(0, {HERE!r}); import fault_injection"
+    return f"{install_here}; fault_injection.slow_data_items({seconds!r})\n{code}"
 
 
 def ray_setup_hook():

@@ -19,6 +19,7 @@ import pytest
 from attnlab.data import EOT_ID, TokenShards, get_encoding, prepare, verify
 from attnlab.errors import UserError
 from conftest_data import small_text_corpus  # noqa: F401  (fixture)
+from fault_injection import slowed
 
 DEMO_KW = dict(shard_tokens=300_000, val_tokens=150_000, seed=7)
 
@@ -87,8 +88,7 @@ def _spawn(out, log):
         f"prepare('demo', out={str(out)!r}, workers=1, progress=False, shard_tokens={DEMO_KW['shard_tokens']}, "
         f"val_tokens={DEMO_KW['val_tokens']}, seed={DEMO_KW['seed']})\n"
     )
-    env = dict(os.environ, ATTNLAB_DATA_THROTTLE_S="0.3")
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log)
+    return subprocess.Popen([sys.executable, "-c", slowed(code, 0.3)], stdout=log, stderr=log)
 
 
 def _kill_when(proc, condition, timeout=90.0):

@@ -142,6 +142,7 @@ def test_prepare_into_a_bucket_reads_no_intermediate_file_back_and_resumes(s3_bu
     from attnlab.data import prepare, verify
     from attnlab.data.pipeline.prepare import local_work_dir
     from conftest import s3_keys
+    from fault_injection import slowed
 
     kw = dict(shard_tokens=300_000, val_tokens=150_000, seed=7)
     ref = tmp_path / "ref"
@@ -150,7 +151,7 @@ def test_prepare_into_a_bucket_reads_no_intermediate_file_back_and_resumes(s3_bu
     mark = proxy.mark()
     code = ("import sys; from attnlab.data import prepare; "
             f"prepare('demo', out={out!r}, workers=1, progress=False, **{kw!r})")
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "ATTNLAB_DATA_THROTTLE_S": "0.3"})
+    proc = subprocess.Popen([sys.executable, "-c", slowed(code, 0.3)])
     try:
         deadline = time.time() + 120
         while "demo/train-00001.arrow" not in s3_keys(s3_bucket):

@@ -17,11 +17,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
+import attnlab.faults as faults
 from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.results import ResultsStore, key_stem, reports
 from attnlab.results.schema import SCHEMA_VERSION_METADATA_KEY, rows_to_table
-from attnlab.results import compaction
 
 STUDY = "st"
 LENGTHS = (64, 128, 256)
@@ -115,13 +115,14 @@ CRASH_EXIT_CODE = 71
 
 def _compact_child(root: str, crash_at: str | None) -> None:
     """Compact in this (child) process; ``crash_at``: ``<step>`` ends the process (os._exit: no clean-up runs) just
-    before step <step> of the compaction, ``<step>:<n>`` after n items of it (through its crash_point seam)."""
+    before step <step> of the compaction, ``<step>:<n>`` after n items of it (through its seam,
+    ``attnlab.faults.compaction_step``)."""
     if crash_at is not None:
         def crash(step: int, items: int | None = None) -> None:
             if crash_at == (str(step) if items is None else f"{step}:{items}"):
                 os._exit(CRASH_EXIT_CODE)
 
-        compaction.crash_point = crash
+        faults.compaction_step = crash
     ResultsStore(root).compact(STUDY)
 
 

@@ -1,11 +1,23 @@
-"""Seams for fault injection: the points where a test makes production code fail, each a function that does
-nothing here. Production code calls them and never sets them; a test replaces one (``monkeypatch.setattr`` in its
-own process; in Ray workers and subprocesses the test plugin ``tests/fault_injection.py``, which a test session's
-Ray cluster runs as every worker's setup hook). Nothing here reads the environment, and this module imports
-nothing, so a worker installs a fault without importing torch.
+"""Seams for fault injection, all of them: the points where a test makes production code fail or slow down, each a
+function that does nothing here. Production code calls them (``faults.<seam>(...)``, looked up at each call) and
+never sets them; a test replaces one: ``monkeypatch.setattr`` in its own process; in Ray workers the test plugin
+``tests/fault_injection.py``, which a test session's Ray cluster runs as every worker's setup hook; in a subprocess,
+the script it runs. Nothing here reads the environment, and this module imports nothing, so a worker installs a
+fault without importing torch.
 """
 
 from __future__ import annotations
+
+
+def after_data_item() -> None:
+    """Called by data preparation (:mod:`attnlab.data.pipeline.prepare`) after each work item it finishes (a
+    partition tokenised, a shard written). Sleeping here slows preparation down, so a test can kill it midway."""
+
+
+def compaction_step(step: int, items: int | None = None) -> None:
+    """Called by a results compaction (:meth:`attnlab.results.compaction.Compactor.compact`) just before its step
+    ``step``, and with ``items`` after each item of a step done one file at a time. Ending the process here is a
+    compaction crashing at that point."""
 
 
 def before_train_step(step: int, rank: int) -> None:
@@ -13,4 +25,4 @@ def before_train_step(step: int, rank: int) -> None:
     step ``step`` (0-based: ``step`` steps are done). Raising here is that worker crashing at that step."""
 
 
-__all__ = ["before_train_step"]
+__all__ = ["after_data_item", "before_train_step", "compaction_step"]

@@ -1,40 +1,27 @@
-"""Compaction (``attnlab results compact``): a study's files merged into one compacted file, each run's index of
+"""The compactor (``attnlab results compact``): a study's files merged into one compacted file, each run's index of
 what it took, then exactly the merged files deleted. Every step leaves a store that reads every row once; a crash
 leaves a readable store and running compaction again completes it.
 
-The tests kill a compaction at each step through :func:`crash_point`, the seam called at every step (and after
-each item of a step): it does nothing here; a test replaces it (``compaction.crash_point = ...``) with one that
-ends the process at the point it wants."""
+It never deletes a file it did not list and merge, so writes made meanwhile stay. The crash tests stop it at each
+step through the seam :func:`attnlab.faults.compaction_step`. The steps and why each is safe:
+docs/results-store.md#compaction."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime as _dt
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from attnlab.results.layout import (
-    _COMPACTED_DIR,
-    _COMPACTED_SCHEMA,
-    _REMOTE_THREADS,
-    VERSION_COLUMN,
-    WRITE_COLUMN,
-    _new_version,
-    check_study,
-)
-from attnlab.results.plan import _resolve
+import attnlab.faults as faults
+from attnlab.results.layout import COMPACTED_SCHEMA, VERSION_COLUMN, WRITE_COLUMN, Layout, check_study, new_version
+from attnlab.results.legacy import LegacyReader
+from attnlab.results.plan import Planner, resolve
+from attnlab.results.reads import Reader
 from attnlab.results.schema import STORED_NAMES
 
 _COMPACTED_ROW_GROUP = 16_384
-
-
-def crash_point(step: int, items: int | None = None) -> None:
-    """Called just before step ``step`` of a compaction (the steps of :meth:`_Compaction.compact`), and with
-    ``items`` after each item of a step done one file at a time. A seam for the crash tests: does nothing."""
 
 
 @dataclass(frozen=True)
@@ -55,35 +42,19 @@ class Compaction:
                 f"removed {self.removed} files")
 
 
-class _Compaction:
-    """Compacting a study (a mixin of ResultsStore)."""
+class Compactor:
+    """Compacting a study of the store of ``layout``: listed by it, planned by ``planner``, read by ``reader``, and
+    marked free of layout-1 files by ``legacy``."""
 
-    def _each(self, function: Callable, items: list, step: int | None = None) -> list:
-        """``function`` over ``items``: in order on a local disk, on threads on object storage (each item is a
-        request or three). ``step``: a compaction step (its crash points count the items done)."""
-        if self._local or len(items) < 2:
-            out = []
-            for i, item in enumerate(items):
-                out.append(function(item))
-                if step is not None:
-                    crash_point(step, i + 1)
-            return out
-        done = [0]
+    def __init__(self, layout: Layout, planner: Planner, reader: Reader, legacy: LegacyReader):
+        self._layout, self._planner, self._reader, self._legacy = layout, planner, reader, legacy
 
-        def counted(item):
-            result = function(item)
-            if step is not None:
-                done[0] += 1
-                crash_point(step, done[0])
-            return result
-
-        with concurrent.futures.ThreadPoolExecutor(_REMOTE_THREADS) as pool:
-            return list(pool.map(counted, items))
+    def _each(self, function, items: list, step: int) -> list:
+        """``function`` over ``items`` (:meth:`Layout.each`), the crash seam called after each item of ``step``."""
+        return self._layout.each(function, items, done=lambda n: faults.compaction_step(step, n))
 
     def compact(self, study: str) -> Compaction:
-        """Merge a study's files into one compacted file; returns what was done.
-
-        Steps (each numbered step is a :func:`crash_point`, for the tests):
+        """Steps (before each numbered step it calls :func:`attnlab.faults.compaction_step`, for the tests):
 
         1. list the study (written files, layout-1 files, indexes; then compacted files);
         2. read the newest version of every write, once (with its write and version);
@@ -100,45 +71,45 @@ class _Compaction:
         merged; a write held twice is read once).
         """
         check_study(study)
-        return self._retrying(f"compacting study {study!r}", lambda: self._compact_once(study))
+        return self._layout.retrying(f"compacting study {study!r}", lambda: self._compact_once(study))
 
     def _compact_once(self, study: str) -> Compaction:
-        crash_point(1)
-        listing = self._list_study(study)
-        crash_point(2)
+        faults.compaction_step(1)
+        listing = self._layout.list_study(study)
+        faults.compaction_step(2)
         if not listing.written and not listing.layout_1 and (
                 (not listing.compacted and not listing.indexes) or
                 (len(listing.compacted) == 1 and all(i.name == listing.compacted[0].name for i in listing.indexes))):
             for path in listing.stale:
-                self._delete(path)
-            self._mark_if_free(study)
+                self._layout.delete(path)
+            self._legacy.mark_if_free(study)
             rows = 0
             if listing.compacted:
-                rows = pq.read_metadata(listing.compacted[0].path, filesystem=self.filesystem).num_rows
+                rows = self._layout.num_rows(listing.compacted[0].path)
             return Compaction(study, 0, rows, None, len(listing.stale))
-        plan = _resolve(listing, self._compacted_writes(listing.compacted))
-        table = self._read_plan(plan, list(STORED_NAMES), {}, versions=True)
+        plan = resolve(listing, self._planner.compacted_writes(listing.compacted))
+        table = self._reader.read_plan(plan, list(STORED_NAMES), {}, versions=True)
         table = table.sort_by([("train_key", "ascending"), (WRITE_COLUMN, "ascending")])
-        table = pa.Table.from_arrays([table.column(f.name) for f in _COMPACTED_SCHEMA],
-                                     schema=_COMPACTED_SCHEMA)
-        compaction_id = _new_version(max((c.name for c in listing.compacted), default=None))
-        target = f"{self.study_dir(study)}/{_COMPACTED_DIR}/{compaction_id}.parquet"
-        crash_point(3)
-        size = self._put_table(target, table, before_rename=lambda: crash_point(3, 1),
+        table = pa.Table.from_arrays([table.column(f.name) for f in COMPACTED_SCHEMA],
+                                     schema=COMPACTED_SCHEMA)
+        compaction_id = new_version(max((c.name for c in listing.compacted), default=None))
+        target = self._layout.compacted_path(study, f"{compaction_id}.parquet")
+        faults.compaction_step(3)
+        size = self._layout.put_table(target, table, before_rename=lambda: faults.compaction_step(3, 1),
                                row_group_size=_COMPACTED_ROW_GROUP)
-        crash_point(4)
+        faults.compaction_step(4)
         indexes = self._index_documents(table, f"{compaction_id}.parquet", size)
-        self._each(lambda item: self._put(f"{self.study_dir(study)}/{item[0]}/_compacted.{compaction_id}.json",
-                                          item[1]), sorted(indexes.items()), step=4)
-        crash_point(5)
+        self._each(lambda item: self._layout.put(self._layout.index_path(study, item[0], compaction_id), item[1]),
+                   sorted(indexes.items()), step=4)
+        faults.compaction_step(5)
         merged = [f.path for f in listing.written] + [f.path for f in listing.layout_1] + listing.stale
-        removed = sum(self._each(self._delete, merged, step=5))
-        crash_point(6)
-        removed += sum(self._each(self._delete, [f.path for f in listing.indexes], step=6))
-        crash_point(7)
-        removed += sum(self._each(self._delete, [f.path for f in listing.compacted], step=7))
-        crash_point(8)
-        self._mark_if_free(study)
+        removed = sum(self._each(self._layout.delete, merged, step=5))
+        faults.compaction_step(6)
+        removed += sum(self._each(self._layout.delete, [f.path for f in listing.indexes], step=6))
+        faults.compaction_step(7)
+        removed += sum(self._each(self._layout.delete, [f.path for f in listing.compacted], step=7))
+        faults.compaction_step(8)
+        self._legacy.mark_if_free(study)
         merged_count = len(listing.written) + len(listing.layout_1) + len(listing.compacted)
         return Compaction(study, merged_count, table.num_rows, target, removed)
 

@@ -1,7 +1,9 @@
-"""Layout 1 (the store as schema 1-5 wrote it): one flat folder per study, files named by their write key's stem,
-``train_key`` still called ``config_hash``. Such files read as they are (their rows yield to any layout-2 copy of
-their write) until compaction rewrites them; ``_layout.json`` marks a study that has none left, so a run's reads
-need not look for them."""
+"""The legacy reader: layout 1, the store as schema 1-5 wrote it (one flat folder per study, files named by their
+write key's stem, ``train_key`` still called ``config_hash``), and ``_layout.json``, the marker of a study that has
+no layout-1 file left (so a run's reads need not look for them).
+
+It reads layout-1 rows as today's rows and writes only the marker; it never writes or deletes a layout-1 file
+(compaction merges them away). Details: docs/results-store.md#stores-written-before-schema-6."""
 
 from __future__ import annotations
 
@@ -9,66 +11,64 @@ import json
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 
-from attnlab.results.layout import _MARKER, VERSION_COLUMN, WRITE_COLUMN, _File, run_folder
-from attnlab.results.reads import _filter_expression
+from attnlab.results.filters import filter_expression
+from attnlab.results.layout import VERSION_COLUMN, WRITE_COLUMN, File, Layout, run_folder
 from attnlab.results.schema import ARROW_SCHEMA, INPUT_ALIASES
 
 LAYOUT_1_VERSION = "0" * 17 + "-00000000"  # the version of every layout-1 file: older than any write
 # Layout-1 files: train_key may be missing (schema 1-5 called it config_hash).
 _LAYOUT_1_SCHEMA = pa.schema([f.with_nullable(True) if f.name == "train_key" else f for f in ARROW_SCHEMA]
                              + [pa.field(old, pa.string()) for old in INPUT_ALIASES])
+_TRAIN_KEY = pc.coalesce(pc.field("train_key"), pc.field("config_hash"))  # what a train_key filter compares
 
 
-class _Legacy:
-    """Layout-1 files and the marker of a study free of them (a mixin of ResultsStore)."""
+class LegacyReader:
+    """Layout-1 files and the marker of a study free of them, in the store of ``layout``."""
 
-    _marked: set[str]  # studies seen with their layout marker (it is never removed)
+    def __init__(self, layout: Layout):
+        self._layout = layout
+        self._marked: set[str] = set()  # studies seen with their layout marker (it is never removed)
 
-    def _layout_1_files(self, study: str) -> list[_File]:
-        out = []
-        for info in self._list(self.study_dir(study), recursive=False):
-            name = info.base_name
-            if info.type == pafs.FileType.File and name.endswith(".parquet") and name[0] not in "._":
-                out.append(_File(info.path, info.size, name[: -len(".parquet")]))
-        return out
+    def __getstate__(self):  # a pickled store (handed to Ray workers) checks the markers afresh
+        return {**self.__dict__, "_marked": set()}
 
-    def _ensure_marker(self, study: str, new_write: bool = False) -> bool:
-        """Whether the study's layout marker is there (no layout-1 files); a write creates it for a study without
-        layout-1 files. Known markers are remembered (a marker is never removed)."""
+    def files(self, study: str) -> list[File]:
+        return self._layout.list_layout_1(study)
+
+    def marked(self, study: str, new_write: bool = False) -> bool:
+        """Whether the study's layout marker is there (no layout-1 files); a write (``new_write``) creates it for a
+        study without layout-1 files. Known markers are remembered (a marker is never removed)."""
         if study in self._marked:
             return True
-        marker = f"{self.study_dir(study)}/{_MARKER}"
-        if self.filesystem.get_file_info(marker).type == pafs.FileType.File:
+        if self._layout.is_file(self._layout.marker_path(study)):
             self._marked.add(study)
             return True
         if not new_write:
             return False
-        if self._layout_1_files(study):
+        if self.files(study):
             return False
         self._write_marker(study)
         return True
 
-    def _mark_if_free(self, study: str) -> None:
-        if not self._ensure_marker(study) and not self._layout_1_files(study):
+    def mark_if_free(self, study: str) -> None:
+        if not self.marked(study) and not self.files(study):
             self._write_marker(study)
 
     def _write_marker(self, study: str) -> None:
-        self._put(f"{self.study_dir(study)}/{_MARKER}", json.dumps({"layout": 2, "layout_1_files": False}).encode()
-                  + b"\n")
+        self._layout.put(self._layout.marker_path(study),
+                         json.dumps({"layout": 2, "layout_1_files": False}).encode() + b"\n")
         self._marked.add(study)
 
-    def _read_layout_1(self, files: list[_File], layout_2_writes: set[str], scanned: list[str], filters: dict,
-                       versions: bool) -> pa.Table:
+    def read(self, files: list[File], layout_2_writes: set[str], scanned: list[str], filters: dict,
+             versions: bool) -> pa.Table:
         """The rows of layout-1 ``files`` matching ``filters``: train_key from config_hash; rows of writes that
         layout 2 holds (``layout_2_writes``) yield to it. ``versions`` (compaction): each row gets its exact write
         and :data:`LAYOUT_1_VERSION`; otherwise its ``_write`` is ``<stem>/`` (its file, whose rows keep their
         order)."""
         legacy = [c for c in scanned if c != "train_key"] + ["train_key", *INPUT_ALIASES]
-        expr_1 = _filter_expression(filters, layout_1=True) if filters else None
-        table = self._guard(lambda: self._read_small(files, _LAYOUT_1_SCHEMA, legacy, expr_1,
-                                                     {"_stem": lambda f: f.name}), files)
+        expr = filter_expression(filters, train_key=_TRAIN_KEY) if filters else None
+        table = self._layout.read_whole(files, _LAYOUT_1_SCHEMA, legacy, expr, {"_stem": lambda f: f.name})
         keys = pc.coalesce(table.column("train_key"), table.column("config_hash"))
         table = table.set_column(table.column_names.index("train_key"), "train_key", keys)
         # each row's write: its file's stem and its run's folder (worked out once per stem and run)

@@ -1,7 +1,10 @@
-"""Incremental refresh: a reader that refreshes (``attnlab serve``'s study page) hands back the :class:`StudyRows` of
-its last read, and :meth:`_Refresh.read_since` opens only the files that read did not (a run's new written files, a
+"""The refresher: a reader that refreshes (``attnlab serve``'s study page) hands back the :class:`StudyRows` of its
+last read, and :meth:`Refresher.read_since` opens only the files that read did not (a run's new written files, a
 new compacted file): written and compacted files are named by their version or id and never rewritten, so a name
-seen before holds the same rows. Nothing changed: no file opened (:meth:`_Refresh.signature` names the files)."""
+seen before holds the same rows. Nothing changed: no file opened (:meth:`Refresher.signature` names the files).
+
+It never writes, and its rows are always the rows a fresh read returns, in the same order
+(docs/results-store.md#reading)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ import hashlib
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from attnlab.results.layout import VERSION_COLUMN, WRITE_COLUMN, _Listing, _Written, check_study
-from attnlab.results.plan import _Plan, _resolve, only_writes, writes_held
-from attnlab.results.reads import _check_schema_version, _to_frame
+from attnlab.results.layout import VERSION_COLUMN, WRITE_COLUMN, Layout, Listing, Written, check_study
+from attnlab.results.plan import Plan, only_writes, resolve, writes_held
+from attnlab.results.reads import Reader, check_schema_version, to_frame
 from attnlab.results.schema import ARROW_SCHEMA, STORED_NAMES
 
 
@@ -46,15 +49,14 @@ class StudyRows:
     def frame(self):
         """The rows as a pandas DataFrame, sorted as :meth:`ResultsStore.read` sorts them (built once per read)."""
         if self._frame is None:
-            self._frame = _to_frame(self._table)
+            self._frame = to_frame(self._table)
         return self._frame
 
     def __repr__(self) -> str:
         return f"StudyRows({self.study!r}, {self.rows} rows, {self.files_read} files read)"
 
 
-
-def _listing_signature(listing: _Listing) -> str:
+def _listing_signature(listing: Listing) -> str:
     """A short hash of a study listing's files (paths and sizes): written files, compacted files and indexes are
     named by their version or id and never rewritten, so a new name is a change; a layout-1 file also by size."""
     blob = "\n".join(sorted(f"{f.path}:{f.size}" for group in (listing.written, listing.layout_1, listing.compacted,
@@ -72,34 +74,25 @@ def _empty_rows(columns: list[str]) -> pa.Table:
     return pa.schema([*(ARROW_SCHEMA.field(c) for c in columns), pa.field(WRITE_COLUMN, pa.string())]).empty_table()
 
 
+class Refresher:
+    """Reading a study of the store of ``layout`` again, opening only what changed (layout-1 files: through
+    ``reader``)."""
 
-class _Refresh:
-    """Reading a study again, opening only what changed (a mixin of ResultsStore)."""
+    def __init__(self, layout: Layout, reader: Reader):
+        self._layout, self._reader = layout, reader
 
     def signature(self, study: str) -> str:
-        """A short hash naming the study's files (listed, none read): it changes whenever rows are written,
-        replaced or compacted; "" for a study with no files. :attr:`StudyRows.signature` is the same hash."""
         check_study(study)
-        return _listing_signature(self._list_study(study))
+        return _listing_signature(self._layout.list_study(study))
 
     def read_since(self, study: str, previous: StudyRows | None = None) -> StudyRows:
-        """Every row of ``study`` (all columns), re-reading only what changed since ``previous`` (an earlier
-        :class:`StudyRows` of this store and study; None reads everything).
-
-        It lists the study as :meth:`read` does (written files, then compacted files): with the same files as
-        ``previous`` it opens none. Otherwise it opens only the files ``previous`` did not read: a run's new
-        written files (the rows of that run's files that are still the newest version of their write are kept,
-        those of a replaced or merged write dropped), and a compacted file a compaction made since (read whole,
-        once; the files it merged are gone from the listing, so no row is counted twice or lost). Layout-1 files
-        (a study not compacted since schema 5) are read again whenever anything changed. The rows are the rows
-        :meth:`read` returns, in the same order (:meth:`StudyRows.frame`)."""
         check_study(study)
         if previous is not None and previous.study != study:
             previous = None
-        return self._retrying(f"reading study {study!r}", lambda: self._read_since_once(study, previous))
+        return self._layout.retrying(f"reading study {study!r}", lambda: self._read_since_once(study, previous))
 
     def _read_since_once(self, study: str, previous: StudyRows | None) -> StudyRows:
-        listing = self._list_study(study)
+        listing = self._layout.list_study(study)
         signature = _listing_signature(listing)
         if previous is not None and previous.signature == signature:
             return previous.unchanged()
@@ -112,19 +105,19 @@ class _Refresh:
             if c.path in before:
                 compacted[c.path] = before[c.path]
                 continue
-            table = self._read_compacted(c, [*columns, WRITE_COLUMN, VERSION_COLUMN])
+            table = self._layout.read_compacted(c, [*columns, WRITE_COLUMN, VERSION_COLUMN])
             files_read += 1
             compacted[c.path] = (table, writes_held(table))
-        plan = _resolve(listing, {path: writes for path, (_, writes) in compacted.items()})
+        plan = resolve(listing, {path: writes for path, (_, writes) in compacted.items()})
         # written files, by run: a run whose winning files are the same keeps its rows; a changed run keeps the
         # rows of its files still winning and reads only its new ones
-        by_run: dict[str, list[_Written]] = {}
+        by_run: dict[str, list[Written]] = {}
         for w in plan.written:
             by_run.setdefault(w.folder, []).append(w)
         old_runs = previous._runs if previous is not None else {}
         runs: dict[str, tuple] = {}
         kept: dict[str, tuple[frozenset, pa.Table | None]] = {}
-        new_files: list[_Written] = []
+        new_files: list[Written] = []
         for folder, files in by_run.items():
             paths = frozenset(f.path for f in files)
             old = old_runs.get(folder)
@@ -140,11 +133,10 @@ class _Refresh:
             new_files.extend(f for f in files if f.path not in still)
         if new_files:
             new_files.sort(key=lambda f: (f.folder, f.path))
-            table = self._guard(lambda: self._read_small(new_files, ARROW_SCHEMA, columns, None,
-                                                         {WRITE_COLUMN: lambda f: f.write}), new_files)
+            table = self._layout.read_whole(new_files, ARROW_SCHEMA, columns, None, {WRITE_COLUMN: lambda f: f.write})
             table = table.combine_chunks()  # one chunk (per file, thousands of chunks make sorting slow)
             files_read += len(new_files)
-            _check_schema_version(table, self.uri)
+            check_schema_version(table, self._layout.uri)
             # the rows come in file order, grouped by run: slice each run's rows off (no copy)
             counts: dict[str, int] = {}
             for write, n in zip(*_value_counts(table.column(WRITE_COLUMN))):
@@ -166,7 +158,7 @@ class _Refresh:
             if previous is not None and previous._layout_1 is not None and previous._layout_1[0] == key:
                 layout_1 = previous._layout_1
             else:
-                table = self._read_plan(_Plan([], [], plan.layout_1, plan.layout_2_writes, {}), columns, {})
+                table = self._reader.read_plan(Plan([], [], plan.layout_1, plan.layout_2_writes, {}), columns, {})
                 files_read += len(plan.layout_1)
                 layout_1 = (key, table)
         pieces = [table for _, table in runs.values() if table.num_rows]

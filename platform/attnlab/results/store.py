@@ -1,59 +1,15 @@
-"""The results store: Parquet files of long-format rows under a store URI, kept per training run so that a run's
-reads touch only its own files, and merged per study by compaction.
+"""The results store: Parquet files of long-format rows under a store URI (a local folder or any pyarrow filesystem
+URI: ``file://``, ``s3://``, ``gs://``), kept per training run so that a run's reads touch only its own files, and
+merged per study by compaction. The layout, and why no crash or concurrent writer loses or doubles a row:
+docs/results-store.md.
 
-Layout 2 (``ROOT`` is a local folder or any pyarrow filesystem URI: ``file://``, ``s3://``, ``gs://``)::
-
-    ROOT/study=<study>/train_key=<key>/<stem>.v<version>.parquet   a written file: one write key's rows of one run
-    ROOT/study=<study>/train_key=<key>/_compacted.<id>.json       what compaction <id> took from this run's files
-    ROOT/study=<study>/_compacted/<id>.parquet                    compaction <id>'s rows (every run of the study)
-    ROOT/study=<study>/_layout.json                               present once the study has no layout-1 files
-    ROOT/study=<study>/<stem>.parquet                             layout 1 (schema 1-5 writers): read, compacted away
-
-- **Writes.** Every writer writes its own files: no lock, no single writer, no shared index. A write's ``key``
-  (e.g. ``("eval", train_key, length, digest)``) names its *stem*; the rows go to their run's folder
-  (``train_key=<key>``; a write with rows of several runs writes one file per run), under a new *version*
-  (the writer's clock in microseconds, after any version of the key the folder already holds, plus 8 random hex
-  digits). The newest version of a ``(stem, run)`` is the one read: writing a key again replaces its rows. The
-  writer then deletes the older versions it listed. Local disks: a temporary ``.``-name renamed into place;
-  object stores: a direct put (an object appears whole). Readers skip ``.``-names.
-- **Per-run reads** (:meth:`ResultsStore.stored_eval_keys`, the skip-done check every trial makes, and any read
-  filtered to one ``train_key``) list only the run's folder: its written files, and the index each compaction
-  left there (the run's writes it merged: stem, version, evaluation keys, in which compacted file). The cost
-  does not grow with the study.
-- **Study-wide reads** list the study once (written and layout-1 files), then its ``_compacted/`` folder, and
-  read only the columns asked for with the filters pushed into the Parquet scan (row-group statistics prune
-  compacted files).
-- **Refreshing reads** (:meth:`ResultsStore.read_since`, the study page's refresh) list the study as a study-wide
-  read does and hand back a :class:`StudyRows`; given the previous one, they open only the files it did not read
-  (a run's new written files, a new compacted file): written files and compacted files are named by their
-  version or id and never rewritten, so a name seen before holds the same rows. Nothing changed: no file opened.
-- **Which copy is read.** Every write is identified by ``(stem, run)`` and ordered by its version; a compacted
-  file keeps each row's write and version (columns ``_write``, ``_version``). For each write the newest version
-  is read, from exactly one place (a compacted copy before a written file of the same version, a later
-  compacted file before an earlier one); a layout-1 file's rows yield to any layout-2 copy of their write. So
-  a write of a compacted key wins at read time and at the next compaction, and a copy left twice by a crash
-  or by two compactions at once is read once.
-- **Compaction** (:meth:`ResultsStore.compact`, ``attnlab results compact``) merges everything it lists into
-  one compacted file, then writes each run's index, then deletes exactly the files it merged, then the older
-  indexes and compacted files. It never deletes a file it did not list and read, so writes made meanwhile
-  stay; at every point between the steps the store reads every row once (readers list written files before
-  compacted files, and re-list when a file they listed has gone). A crash leaves a readable store; running
-  compaction again completes it.
-- "Done": an evaluation cell is done once rows with its ``eval_key`` are stored (a file appears whole, so
-  rows of a cell are all there or none).
-
-Layout-1 stores (one flat folder per study, files named by the key, schema versions 1-5) read as they are; their
-``config_hash`` column is read as ``train_key``. Until ``attnlab results compact`` rewrites them, a run's
-skip-done check in such a study lists the study folder. Writers of schema 1-5 must not write to a study once
-layout 2 has written to it (their files would be seen by study-wide reads but not by per-run reads).
-
-Never deletes or rewrites a file outside those two cases (older versions of the key being written; files a
-compaction merged). No Ray here.
-
-:class:`ResultsStore` is put together from one module per job: :mod:`~attnlab.results.layout` (naming and the file
-primitives), :mod:`~attnlab.results.writes`, :mod:`~attnlab.results.plan` (listing and which copy is read),
-:mod:`~attnlab.results.reads`, :mod:`~attnlab.results.refresh` (``read_since``, ``signature``),
-:mod:`~attnlab.results.compaction` and :mod:`~attnlab.results.legacy` (layout 1).
+:class:`ResultsStore` is a facade over parts, each built with the parts it needs: the layout
+(:mod:`~attnlab.results.layout`: names, listings and the file primitives), the legacy reader
+(:mod:`~attnlab.results.legacy`: layout 1 and its marker), the planner (:mod:`~attnlab.results.plan`) and the
+reader (:mod:`~attnlab.results.reads`), the writer (:mod:`~attnlab.results.writes`), the refresher
+(:mod:`~attnlab.results.refresh`) and the compactor (:mod:`~attnlab.results.compaction`). Only the layout touches
+files. The store deletes or rewrites a file only as a write (older versions of its key) or a compaction (the files
+it merged) does. No Ray here.
 """
 
 from __future__ import annotations
@@ -61,19 +17,19 @@ from __future__ import annotations
 import os
 
 from attnlab.location import DEFAULT_STORE, Location
-from attnlab.results.compaction import Compaction, _Compaction
-from attnlab.results.layout import VERSION_COLUMN, WRITE_COLUMN, _Files, key_stem, run_folder
-from attnlab.results.legacy import LAYOUT_1_VERSION, _Legacy
-from attnlab.results.plan import _Planning
-from attnlab.results.reads import _Reads
-from attnlab.results.refresh import StudyRows, _Refresh
-from attnlab.results.writes import _Writes
+from attnlab.results.compaction import Compaction, Compactor
+from attnlab.results.layout import VERSION_COLUMN, WRITE_COLUMN, Layout, key_stem, run_folder
+from attnlab.results.legacy import LAYOUT_1_VERSION, LegacyReader
+from attnlab.results.plan import Planner
+from attnlab.results.reads import Reader
+from attnlab.results.refresh import Refresher, StudyRows
+from attnlab.results.writes import Writer
 
 __all__ = ["LAYOUT_1_VERSION", "VERSION_COLUMN", "WRITE_COLUMN", "Compaction", "ResultsStore", "StudyRows", "key_stem",
            "run_folder"]
 
 
-class ResultsStore(_Writes, _Reads, _Refresh, _Compaction, _Planning, _Legacy, _Files):
+class ResultsStore:
     """A results store at ``uri`` (a local folder by default, or any pyarrow filesystem URI).
 
     >>> store = ResultsStore("results")
@@ -86,12 +42,92 @@ class ResultsStore(_Writes, _Reads, _Refresh, _Compaction, _Planning, _Legacy, _
     def __init__(self, uri: str | os.PathLike | Location = DEFAULT_STORE):
         self.location = Location.parse(uri, field="store")
         self.uri = self.location.uri
-        self.filesystem, self.root = self.location.fs, self.location.path.rstrip("/") or "/"
-        self._local = self.location.is_local
-        self._marked: set[str] = set()  # studies seen with their layout marker (it is never removed)
+        self._layout = layout = Layout(self.location)
+        legacy = LegacyReader(layout)
+        planner = Planner(layout, legacy)
+        self._reader = Reader(layout, planner, legacy)
+        self._writer = Writer(layout, legacy)
+        self._refresher = Refresher(layout, self._reader)
+        self._compactor = Compactor(layout, planner, self._reader, legacy)
 
     def __repr__(self) -> str:
         return f"ResultsStore({self.uri!r})"
 
-    def __getstate__(self):  # a pickled store (handed to Ray workers) checks the markers afresh
-        return {**self.__dict__, "_marked": set()}
+    @property
+    def filesystem(self):
+        """The pyarrow filesystem every part reads and writes through (a test may wrap it)."""
+        return self._layout.filesystem
+
+    @filesystem.setter
+    def filesystem(self, filesystem) -> None:
+        self._layout.filesystem = filesystem
+
+    @property
+    def root(self) -> str:
+        return self._layout.root
+
+    def write(self, rows, key: str | tuple) -> str:
+        """Validate ``rows`` (a list of dicts or a pandas DataFrame) and write them as a new version of ``key``.
+
+        All rows must belong to one study. Writing again with the same ``key`` in the same study replaces its rows
+        (a retry never duplicates), compacted or not. Rows of several runs (``train_key``) are written to each
+        run's folder, one file per run; writing the key again replaces the rows of the runs it writes. Rows may
+        still name ``train_key`` by its old name ``config_hash``. Returns the path of the file written (of the
+        first run's, for several).
+        """
+        return self._writer.write(rows, key)
+
+    def read(self, study: str | list[str] | None = None, columns: list[str] | None = None, **filters):
+        """Read rows as a pandas DataFrame. ``filters``: ``column=value`` (equality), ``column=[...]``
+        (any of; ``None`` in the list matches null) or ``column=None`` (is null); ``config_hash`` names
+        ``train_key``. A filter on one ``train_key`` (with a study) reads only that run's files.
+
+        Rows come back sorted by study, trial, step, metric, eval_len, p_eval, layer, bucket, task, then as
+        they were written (by write key, then each write's row order). A store that does not exist yet reads
+        as empty.
+        """
+        return self._reader.read(study, columns, **filters)
+
+    def read_table(self, study: str | list[str] | None = None, columns: list[str] | None = None, **filters):
+        """Like :meth:`read`, as an Arrow table (rows in no particular order)."""
+        return self._reader.read_table(study, columns, **filters)
+
+    def stored_eval_keys(self, study: str, train_key: str | None = None, *, config_hash: str | None = None) -> set[str]:
+        """The evaluation cells (``eval_key``) stored for one training run of a study: lists the run's folder and
+        reads its files and indexes only, so it costs the same in a study of 10 runs or 10,000. ``config_hash``
+        is the old name of ``train_key``."""
+        return self._reader.stored_eval_keys(study, train_key, config_hash=config_hash)
+
+    def signature(self, study: str) -> str:
+        """A short hash naming the study's files (listed, none read): it changes whenever rows are written,
+        replaced or compacted; "" for a study with no files. :attr:`StudyRows.signature` is the same hash."""
+        return self._refresher.signature(study)
+
+    def read_since(self, study: str, previous: StudyRows | None = None) -> StudyRows:
+        """Every row of ``study`` (all columns), re-reading only what changed since ``previous`` (an earlier
+        :class:`StudyRows` of this store and study; None reads everything).
+
+        It lists the study as :meth:`read` does (written files, then compacted files): with the same files as
+        ``previous`` it opens none. Otherwise it opens only the files ``previous`` did not read: a run's new
+        written files (the rows of that run's files that are still the newest version of their write are kept,
+        those of a replaced or merged write dropped), and a compacted file a compaction made since (read whole,
+        once; the files it merged are gone from the listing, so no row is counted twice or lost). Layout-1 files
+        (a study not compacted since schema 5) are read again whenever anything changed. The rows are the rows
+        :meth:`read` returns, in the same order (:meth:`StudyRows.frame`)."""
+        return self._refresher.read_since(study, previous)
+
+    def compact(self, study: str) -> Compaction:
+        """Merge a study's files into one compacted file; returns what was done (safe while others write and read,
+        and after a crash: :meth:`attnlab.results.compaction.Compactor.compact` lists its steps)."""
+        return self._compactor.compact(study)
+
+    def exists(self) -> bool:
+        return self._layout.exists()
+
+    def has_study(self, study: str) -> bool:
+        """Whether the store has a folder of rows for ``study`` (one listing; no file is read)."""
+        return self._layout.has_study(study)
+
+    def studies(self) -> list[str]:
+        """Names of the studies in the store (one listing of the store's top folder)."""
+        return self._layout.studies()

@@ -1,6 +1,9 @@
-"""Versioned writes: every writer writes its own files (no lock, no shared index). A write's key names its stem;
-its rows go to their run's folder under a new version (after any version of the key the folder holds), and the
-writer then deletes the older versions it listed, so the newest version of a ``(stem, run)`` is the one read."""
+"""The writer: every writer writes its own files (no lock, no shared index). A write's key names its stem; its rows
+go to their run's folder under a new version (after any version of the key the folder holds), and the writer then
+deletes the older versions it listed, so the newest version of a ``(stem, run)`` is the one read.
+
+It never deletes anything but older versions of the key it writes, and never writes to a layout-1 file
+(docs/results-store.md#writing)."""
 
 from __future__ import annotations
 
@@ -8,25 +11,20 @@ from collections.abc import Iterable, Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 
 from attnlab.errors import UserError
-from attnlab.results.layout import _WRITTEN_NAME, _new_version, _Written, key_stem, run_folder
+from attnlab.results.layout import Layout, key_stem, new_version
+from attnlab.results.legacy import LegacyReader
 from attnlab.results.schema import rows_to_table
 
 
-class _Writes:
-    """Writing rows (a mixin of ResultsStore)."""
+class Writer:
+    """Writing rows to the store of ``layout`` (``legacy``: the marker a first write leaves in a new study)."""
+
+    def __init__(self, layout: Layout, legacy: LegacyReader):
+        self._layout, self._legacy = layout, legacy
 
     def write(self, rows, key: str | tuple) -> str:
-        """Validate ``rows`` (a list of dicts or a pandas DataFrame) and write them as a new version of ``key``.
-
-        All rows must belong to one study. Writing again with the same ``key`` in the same study replaces its rows
-        (a retry never duplicates), compacted or not. Rows of several runs (``train_key``) are written to each
-        run's folder, one file per run; writing the key again replaces the rows of the runs it writes. Rows may
-        still name ``train_key`` by its old name ``config_hash``. Returns the path of the file written (of the
-        first run's, for several).
-        """
         records = self._records(rows)
         if not records:
             raise UserError(f"results write for key {key!r}: no rows to write")
@@ -37,7 +35,7 @@ class _Writes:
                 f"results write for key {key!r}: rows of one write must share one study, got {studies}"
             )
         study, stem = studies[0], key_stem(key)
-        self._ensure_marker(study, new_write=True)
+        self._legacy.marked(study, new_write=True)
         keys = table.column("train_key")
         runs = list(dict.fromkeys(keys.to_pylist()))
         paths = []
@@ -47,24 +45,14 @@ class _Writes:
         return paths[0]
 
     def _write_version(self, study: str, train_key: str, stem: str, table: pa.Table) -> str:
-        folder = f"{self.study_dir(study)}/{run_folder(train_key)}"
-        older = [w for w in (self._written_in(folder)) if w.stem == stem]
-        version = _new_version(max((w.version for w in older), default=None))
-        path = f"{folder}/{stem}.v{version}.parquet"
+        older = [w for w in self._layout.list_run(study, train_key).written if w.stem == stem]
+        version = new_version(max((w.version for w in older), default=None))
+        path = self._layout.written_path(study, train_key, stem, version)
         # read whole, never pruned: no statistics, no dictionaries (20% cheaper to read, a quarter smaller)
-        self._put_table(path, table, use_dictionary=False, write_statistics=False)
+        self._layout.put_table(path, table, use_dictionary=False, write_statistics=False)
         for w in older:  # readers already prefer the new version; this only keeps one file per key
-            self._delete(w.path)
+            self._layout.delete(w.path)
         return path
-
-    def _written_in(self, folder: str) -> list[_Written]:
-        out = []
-        for info in self._list(folder, recursive=False):
-            match = _WRITTEN_NAME.match(info.base_name)
-            if info.type == pafs.FileType.File and match:
-                out.append(_Written(info.path, info.size, folder.rsplit("/", 1)[-1], match["stem"],
-                                    match["version"]))
-        return out
 
     @staticmethod
     def _records(rows) -> list[dict]:

@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 
+import attnlab.faults as faults
 from attnlab.data.shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -71,13 +72,6 @@ _IDENTITY_KEYS = ("tokenizer", "vocab_size", "eot_id", "source", "seed", "shard_
 
 def _part_name(index: int) -> str:
     return f"part-{index:05d}.arrow"
-
-
-def _throttle() -> None:
-    """Test hook: ``ATTNLAB_DATA_THROTTLE_S`` sleeps after each work item (kill-and-resume tests)."""
-    delay = float(os.environ.get("ATTNLAB_DATA_THROTTLE_S", "0") or 0)
-    if delay > 0:
-        time.sleep(delay)
 
 
 # ------------------------------------------------------------------------------------------ phase 1 items
@@ -123,7 +117,7 @@ def tokenize_partition(job: TokenizeJob) -> tuple[int, int]:
             if size >= _PART_BATCH_TOKENS:
                 flush()
         flush()
-    _throttle()
+    faults.after_data_item()
     return n_docs, n_tokens
 
 
@@ -192,7 +186,7 @@ def assemble_shard(job: ShardJob, parts: dict[int, _PartFile] | None = None) -> 
     assert pos == job.num_tokens, (pos, job.num_tokens)
     data = encode_shard(tokens, np.array(starts, dtype=np.int64), job.first_doc_continues)
     job.out.write_bytes(job.name, data)
-    _throttle()
+    faults.after_data_item()
     return _entry(job.name, sha256_hex(data), job.num_tokens, len(starts), job.first_doc_continues)
 
 
