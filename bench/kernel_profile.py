@@ -1,4 +1,6 @@
-"""The Triton kernels compiled for a GPU on a machine without one: a static profile (docs/gpu.md#the-kernels-without-a-gpu).
+"""The Triton kernels compiled for a GPU on a machine without one: a static profile.
+
+The figures and what they predict: docs/gpu.md#the-kernels-without-a-gpu.
 
 For each variant the kernels compute and each architecture, every kernel of the forward and the backward is
 compiled by Triton and the ptxas its wheel carries (``attnlab.attention.kernels.aot``), at GPT-2's head dimension in

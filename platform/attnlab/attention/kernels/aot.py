@@ -6,9 +6,9 @@ tensors, with Triton's own specialisation of the arguments: a pointer or an inte
 to 1). A kernel that does not compile for ``sm_90`` fails here on CPU; its registers, spilled bytes and shared memory
 are read off the binary, and its SASS counted: ``MUFU`` (the special-function unit: exp2, log2, reciprocals), the
 tensor-core instructions and the rest. That is a static profile (docs/gpu.md#the-kernels-without-a-gpu); only a GPU
-gives times. ``python -m attnlab.attention.kernels.aot --variant lssar --arch 90`` prints a line per kernel (``--json``: the
-figures); it must run in a process without Triton's interpreter (the test suite's has it: its test runs this in a
-subprocess). Used by ``tests/test_attention_triton.py`` (cuda_proxy) and ``bench/kernel_profile.py``.
+gives times. ``python -m attnlab.attention.kernels.aot --variant lssar --arch 90`` prints a line per kernel
+(``--json``: the figures); it must run in a process without Triton's interpreter (the test suite's has it: its test
+runs this in a subprocess). Used by ``tests/test_attention_triton.py`` (cuda_proxy) and ``bench/kernel_profile.py``.
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ class Build:
 
 def loops(sass: str) -> list[list[str]]:
     """The opcodes of each loop of a SASS listing (from a backward branch's target to the branch)."""
-    lines = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;\n]*;",
-                                                      sass)]
-    targets = [(int(a, 16), int(t, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/[^;\n]*\bBRA\b[^;\n]*?(0x[0-9a-f]+)",
-                                                                 sass)]
+    instruction = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;\n]*;"
+    branch = r"/\*([0-9a-f]{4,})\*/[^;\n]*\bBRA\b[^;\n]*?(0x[0-9a-f]+)"
+    lines = [(int(a, 16), op) for a, op in re.findall(instruction, sass)]
+    targets = [(int(a, 16), int(t, 16)) for a, t in re.findall(branch, sass)]
     return [[op for a, op in lines if target <= a <= branch] for branch, target in targets if target < branch]
 
 
@@ -144,10 +144,11 @@ def launches(form: ops.Form, dtype: torch.dtype = torch.bfloat16, head_dim: int 
     out = torch.empty_like(q)
     stats = torch.empty(5, batch * heads, seq_len, device="meta", dtype=torch.float32)
     u = torch.empty_like(q) if form.sharpen and with_grad else torch.empty(0, **meta)
-    plan = ops.forward_launches(q, k, v, p, form, out, u, stats)
+    factors = torch.empty(2, batch * heads, seq_len, device="meta", dtype=torch.float32)
+    plan = ops.forward_launches(q, k, v, p, form, factors, out, u, stats)
     if with_grad:
         rows = torch.empty(batch * heads, seq_len, device="meta", dtype=torch.float32)
-        plan += ops.backward_launches(torch.empty_like(q), q, k, v, out, u, stats, p, form, rows, rows,
+        plan += ops.backward_launches(torch.empty_like(q), q, k, v, out, u, stats, p, form, factors, rows, rows,
                                       torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     return plan
 

@@ -102,30 +102,45 @@ def _load_power(p_ptr):
 
 
 @triton.jit
-def _inverse_norm(x, axis: tl.constexpr):
-    """``1 / max(|x|, eps)`` along ``axis`` of a float32 tile."""
-    return 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, axis)), NORM_EPS)
+def _program(H):
+    """``(tile, bh, b, h)``: this program's tile along axis 0 and its (batch, head) pair along axis 1."""
+    bh = tl.program_id(1)
+    return tl.program_id(0), bh, bh // H, bh % H
 
 
 @triton.jit
-def _row_factor(q, rows, scale_mul, SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr):
-    """``scale_i`` (times ``1/|q_i|`` with QK-norm) for a ``(BM, BD)`` tile of q: ``scale_mul * ln N_i`` or
-    ``scale_mul``. The scores are ``z_ij * row_i * col_j`` with ``z = q . k``."""
-    n = (rows + 1).to(tl.float32)
-    if SCALE_LOG:
-        fac = scale_mul * tl.log(n)
+def _rows_tile(base, rows, dims, st, sd, T, D, MASK_T: tl.constexpr = True):
+    """A ``(rows, dims)`` tile of a ``(T, D)`` matrix at ``base`` with strides ``(st, sd)``, 0 outside it
+    (``MASK_T=False``: every row is below T)."""
+    if MASK_T:
+        mask = (rows[:, None] < T) & (dims[None, :] < D)
     else:
-        fac = tl.full(n.shape, 1.0, tl.float32) * scale_mul
-    if QK_NORM:
-        fac = fac * _inverse_norm(q.to(tl.float32), 1)
-    return fac
+        mask = dims[None, :] < D
+    return tl.load(base + rows[:, None] * st + dims[None, :] * sd, mask=mask, other=0.0)
 
 
 @triton.jit
-def _col_factor(k_t, BN: tl.constexpr, QK_NORM: tl.constexpr):
-    """``1/|k_j|`` for a ``(BD, BN)`` tile of k transposed (1 without QK-norm)."""
+def _cols_tile(base, cols, dims, st, sd, T, D, MASK_T: tl.constexpr = True):
+    """The same matrix's ``(dims, cols)`` tile: rows ``cols`` of it, transposed."""
+    if MASK_T:
+        mask = (cols[None, :] < T) & (dims[:, None] < D)
+    else:
+        mask = dims[:, None] < D
+    return tl.load(base + cols[None, :] * st + dims[:, None] * sd, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_factor(FACTORS, bh, rows, T):
+    """``scale_i`` (times ``1/|q_i|`` with QK-norm) of a tile's rows: ``FACTORS[0, bh, i]``, computed once per call
+    (``ops.factors``). The scores are ``z_ij * row_i * col_j`` with ``z = q . k``."""
+    return tl.load(FACTORS + bh * T + rows, mask=rows < T, other=0.0)
+
+
+@triton.jit
+def _col_factor(FACTORS, bh, cols, T, BN: tl.constexpr, QK_NORM: tl.constexpr):
+    """``1/|k_j|`` of a tile's keys (``FACTORS[1, bh, j]``), or 1 without QK-norm."""
     if QK_NORM:
-        fac = _inverse_norm(k_t.to(tl.float32), 0)
+        fac = tl.load(FACTORS + (tl.num_programs(1) + bh) * T + cols, mask=cols < T, other=0.0)
     else:
         fac = tl.full([BN], 1.0, tl.float32)
     return fac
@@ -180,36 +195,31 @@ def _stats_tile(q, k_t, row_t, col_fac, rows, cols, m, z, MASKED: tl.constexpr, 
 
 
 @triton.jit
-def stats_kernel(Q, K, STATS, sqb, sqh, sqt, sqd, skb, skh, skt, skd, H, T, D, scale_mul,
-                 SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, PRECISION: tl.constexpr,
+def stats_kernel(Q, K, STATS, sqb, sqh, sqt, sqd, skb, skh, skt, skd, H, T, D, FACTORS,
+                 QK_NORM: tl.constexpr, PHI: tl.constexpr, PRECISION: tl.constexpr,
                  FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     """K1: per row, the first stage's reference (the row maximum of ``t`` for ``exp``, else 0), ``1 / Z_i`` and the
     sharpening scale ``1 / m_i`` (0 without mass): ``STATS[0..2, bh, i]``."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    pid_m, bh, b, h = _program(H)
     rows = pid_m * BM + tl.arange(0, BM)
     dims = tl.arange(0, BD)
     keep = rows < T
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd,
-                mask=keep[:, None] & (dims[None, :] < D), other=0.0)
-    row_t = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM) * LOG2E
+    q = _rows_tile(Q + b * sqb + h * sqh, rows, dims, sqt, sqd, T, D)
+    row_t = _row_factor(FACTORS, bh, rows, T) * LOG2E
     m = tl.full([BM], float("-inf"), tl.float32)
     z = tl.zeros([BM], dtype=tl.float32)
     k_base = K + b * skb + h * skh
     diagonal = (pid_m * BM // BN) * BN
     for start in range(0, diagonal, BN):
         cols = start + tl.arange(0, BN)
-        k_t = tl.load(k_base + cols[None, :] * skt + dims[:, None] * skd, mask=dims[:, None] < D, other=0.0)
-        m, z = _stats_tile(q, k_t, row_t, _col_factor(k_t, BN, QK_NORM), rows, cols, m, z, False, PHI, PRECISION,
-                           FAST)
+        k_t = _cols_tile(k_base, cols, dims, skt, skd, T, D, False)
+        col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
+        m, z = _stats_tile(q, k_t, row_t, col_fac, rows, cols, m, z, False, PHI, PRECISION, FAST)
     for start in range(diagonal, (pid_m + 1) * BM, BN):
         cols = start + tl.arange(0, BN)
-        k_t = tl.load(k_base + cols[None, :] * skt + dims[:, None] * skd,
-                      mask=(cols[None, :] < T) & (dims[:, None] < D), other=0.0)
-        m, z = _stats_tile(q, k_t, row_t, _col_factor(k_t, BN, QK_NORM), rows, cols, m, z, True, PHI, PRECISION,
-                           FAST)
+        k_t = _cols_tile(k_base, cols, dims, skt, skd, T, D)
+        col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
+        m, z = _stats_tile(q, k_t, row_t, col_fac, rows, cols, m, z, True, PHI, PRECISION, FAST)
     z = tl.where(keep, z, 1.0)
     n = (rows + 1).to(tl.float32)
     offset = tl.where(rows >= EXEMPT_ROWS, 1.0, 0.0)
@@ -246,23 +256,19 @@ def _output_tile(q, k_t, v, row_t, col_fac, rows, cols, ref, inv_den, n, offset,
 
 @triton.jit
 def sharpened_fwd_kernel(Q, K, V, O, U, STATS, P_PTR, sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
-                         sob, soh, sot, sod, H, T, D, DV, scale_mul,
-                         SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr,
+                         sob, soh, sot, sod, H, T, D, DV, FACTORS,
+                         QK_NORM: tl.constexpr, PHI: tl.constexpr,
                          PRECISION: tl.constexpr, WITH_U: tl.constexpr, FAST: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     """K2: ``O_i = sum_j P_ij v_j`` with the statistics of K1; ``U_i = sum_j (P_ij / r_ij) v_j`` (``WITH_U``, for
     the backward) and the row's ``W_i`` and ``S_i = sum_j P_ij / r_ij`` into ``STATS[3..4]``."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    pid_m, bh, b, h = _program(H)
     rows = pid_m * BM + tl.arange(0, BM)
     dims = tl.arange(0, BD)
     vdims = tl.arange(0, BDV)
     keep = rows < T
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd,
-                mask=keep[:, None] & (dims[None, :] < D), other=0.0)
-    row_t = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM) * LOG2E
+    q = _rows_tile(Q + b * sqb + h * sqh, rows, dims, sqt, sqd, T, D)
+    row_t = _row_factor(FACTORS, bh, rows, T) * LOG2E
     stride = tl.num_programs(1) * T
     base = STATS + bh * T + rows
     ref = tl.load(base, mask=keep, other=0.0)
@@ -281,20 +287,20 @@ def sharpened_fwd_kernel(Q, K, V, O, U, STATS, P_PTR, sqb, sqh, sqt, sqd, skb, s
     diagonal = (pid_m * BM // BN) * BN
     for start in range(0, diagonal, BN):
         cols = start + tl.arange(0, BN)
-        k_t = tl.load(k_base + cols[None, :] * skt + dims[:, None] * skd, mask=dims[:, None] < D, other=0.0)
-        v = tl.load(v_base + cols[:, None] * svt + vdims[None, :] * svd, mask=vdims[None, :] < DV, other=0.0)
-        acc, acc_u, w_sum, s_sum = _output_tile(q, k_t, v, row_t, _col_factor(k_t, BN, QK_NORM), rows, cols, ref,
-                                                inv_den, n, offset, inv_m, ones, p, p_int, use_int, acc, acc_u,
-                                                w_sum, s_sum, False, PHI, PRECISION, WITH_U, FAST)
+        k_t = _cols_tile(k_base, cols, dims, skt, skd, T, D, False)
+        v = _rows_tile(v_base, cols, vdims, svt, svd, T, DV, False)
+        col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
+        acc, acc_u, w_sum, s_sum = _output_tile(q, k_t, v, row_t, col_fac, rows, cols, ref, inv_den, n, offset, inv_m,
+                                                ones, p, p_int, use_int, acc, acc_u, w_sum, s_sum, False, PHI,
+                                                PRECISION, WITH_U, FAST)
     for start in range(diagonal, (pid_m + 1) * BM, BN):
         cols = start + tl.arange(0, BN)
-        k_t = tl.load(k_base + cols[None, :] * skt + dims[:, None] * skd,
-                      mask=(cols[None, :] < T) & (dims[:, None] < D), other=0.0)
-        v = tl.load(v_base + cols[:, None] * svt + vdims[None, :] * svd,
-                    mask=(cols[:, None] < T) & (vdims[None, :] < DV), other=0.0)
-        acc, acc_u, w_sum, s_sum = _output_tile(q, k_t, v, row_t, _col_factor(k_t, BN, QK_NORM), rows, cols, ref,
-                                                inv_den, n, offset, inv_m, ones, p, p_int, use_int, acc, acc_u,
-                                                w_sum, s_sum, True, PHI, PRECISION, WITH_U, FAST)
+        k_t = _cols_tile(k_base, cols, dims, skt, skd, T, D)
+        v = _rows_tile(v_base, cols, vdims, svt, svd, T, DV)
+        col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
+        acc, acc_u, w_sum, s_sum = _output_tile(q, k_t, v, row_t, col_fac, rows, cols, ref, inv_den, n, offset, inv_m,
+                                                ones, p, p_int, use_int, acc, acc_u, w_sum, s_sum, True, PHI, PRECISION,
+                                                WITH_U, FAST)
     mass = inv_m > 0.0
     W = tl.where(mass, w_sum, 1.0)
     out = acc / W[:, None]
@@ -328,22 +334,18 @@ def _plain_tile(q, k_t, v, row_t, col_fac, rows, cols, m, z, acc, MASKED: tl.con
 
 @triton.jit
 def plain_fwd_kernel(Q, K, V, O, STATS, sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
-                     sob, soh, sot, sod, H, T, D, DV, scale_mul,
-                     SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, PRECISION: tl.constexpr,
+                     sob, soh, sot, sod, H, T, D, DV, FACTORS,
+                     QK_NORM: tl.constexpr, PHI: tl.constexpr, PRECISION: tl.constexpr,
                      FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     """The first stage alone, ``O_i = sum_j A_ij v_j``, in one pass (an online rescale for ``exp`` only:
     softplus and sigmoid of bounded scores need none); the reference and ``1 / Z_i`` into ``STATS[0..1]``."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    pid_m, bh, b, h = _program(H)
     rows = pid_m * BM + tl.arange(0, BM)
     dims = tl.arange(0, BD)
     vdims = tl.arange(0, BDV)
     keep = rows < T
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd,
-                mask=keep[:, None] & (dims[None, :] < D), other=0.0)
-    row_t = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM) * LOG2E
+    q = _rows_tile(Q + b * sqb + h * sqh, rows, dims, sqt, sqd, T, D)
+    row_t = _row_factor(FACTORS, bh, rows, T) * LOG2E
     m = tl.full([BM], float("-inf"), tl.float32)
     z = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BDV], dtype=tl.float32)
@@ -352,18 +354,16 @@ def plain_fwd_kernel(Q, K, V, O, STATS, sqb, sqh, sqt, sqd, skb, skh, skt, skd, 
     diagonal = (pid_m * BM // BN) * BN
     for start in range(0, diagonal, BN):
         cols = start + tl.arange(0, BN)
-        k_t = tl.load(k_base + cols[None, :] * skt + dims[:, None] * skd, mask=dims[:, None] < D, other=0.0)
-        v = tl.load(v_base + cols[:, None] * svt + vdims[None, :] * svd, mask=vdims[None, :] < DV, other=0.0)
-        m, z, acc = _plain_tile(q, k_t, v, row_t, _col_factor(k_t, BN, QK_NORM), rows, cols, m, z, acc, False, PHI,
-                                PRECISION, FAST)
+        k_t = _cols_tile(k_base, cols, dims, skt, skd, T, D, False)
+        v = _rows_tile(v_base, cols, vdims, svt, svd, T, DV, False)
+        col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
+        m, z, acc = _plain_tile(q, k_t, v, row_t, col_fac, rows, cols, m, z, acc, False, PHI, PRECISION, FAST)
     for start in range(diagonal, (pid_m + 1) * BM, BN):
         cols = start + tl.arange(0, BN)
-        k_t = tl.load(k_base + cols[None, :] * skt + dims[:, None] * skd,
-                      mask=(cols[None, :] < T) & (dims[:, None] < D), other=0.0)
-        v = tl.load(v_base + cols[:, None] * svt + vdims[None, :] * svd,
-                    mask=(cols[:, None] < T) & (vdims[None, :] < DV), other=0.0)
-        m, z, acc = _plain_tile(q, k_t, v, row_t, _col_factor(k_t, BN, QK_NORM), rows, cols, m, z, acc, True, PHI,
-                                PRECISION, FAST)
+        k_t = _cols_tile(k_base, cols, dims, skt, skd, T, D)
+        v = _rows_tile(v_base, cols, vdims, svt, svd, T, DV)
+        col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
+        m, z, acc = _plain_tile(q, k_t, v, row_t, col_fac, rows, cols, m, z, acc, True, PHI, PRECISION, FAST)
     z = tl.where(keep, z, 1.0)
     out = acc / z[:, None]
     tl.store(O + b * sob + h * soh + rows[:, None] * sot + vdims[None, :] * sod, out.to(O.dtype.element_ty),
@@ -382,21 +382,17 @@ def preprocess_kernel(O, U, DO, DELTA, G, STATS, P_PTR, sob, soh, sot, sod, sdb,
                       SHARPEN: tl.constexpr, BM: tl.constexpr, BDV: tl.constexpr):
     """K3: ``delta_i = dO_i . O_i`` and, sharpened, ``G_i = p O_i (dO_i . U_i - delta_i S_i)``: the part of every
     ``dL/dA_ij`` that the row's normaliser ``Z_i`` shares (docs/attention.md#the-triton-kernels)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    pid_m, bh, b, h = _program(H)
     rows = pid_m * BM + tl.arange(0, BM)
     vdims = tl.arange(0, BDV)
     keep = rows < T
-    mask = keep[:, None] & (vdims[None, :] < DV)
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * sot + vdims[None, :] * sod, mask=mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + vdims[None, :] * sdd, mask=mask, other=0.0)
+    o = _rows_tile(O + b * sob + h * soh, rows, vdims, sot, sod, T, DV)
+    do = _rows_tile(DO + b * sdb + h * sdh, rows, vdims, sdt, sdd, T, DV)
     do = do.to(tl.float32)
     delta = tl.sum(do * o.to(tl.float32), 1)
     tl.store(DELTA + bh * T + rows, delta, mask=keep)
     if SHARPEN:
-        u = tl.load(U + b * sob + h * soh + rows[:, None] * sot + vdims[None, :] * sod, mask=mask, other=0.0)
+        u = _rows_tile(U + b * sob + h * soh, rows, vdims, sot, sod, T, DV)
         stride = tl.num_programs(1) * T
         s_row = tl.load(STATS + 4 * stride + bh * T + rows, mask=keep, other=0.0)
         p = tl.load(P_PTR)
@@ -456,25 +452,21 @@ def _dq_tile(q, do, k_t, v_t, row_t, col_fac, rows, cols, ref, inv_den, d_scale,
 
 @triton.jit
 def dq_kernel(Q, K, V, DO, DQ, STATS, DELTA, G, P_PTR, sqb, sqh, sqt, sqd, skb, skh, skt, skd,
-              svb, svh, svt, svd, sdb, sdh, sdt, sdd, sgb, sgh, sgt, sgd, H, T, D, DV, scale_mul,
-              SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, SHARPEN: tl.constexpr,
+              svb, svh, svt, svd, sdb, sdh, sdt, sdd, sgb, sgh, sgt, sgd, H, T, D, DV, FACTORS,
+              QK_NORM: tl.constexpr, PHI: tl.constexpr, SHARPEN: tl.constexpr,
               PRECISION: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
               BDV: tl.constexpr):
     """K4: ``dq_i = scale_i / |q_i| sum_j dL/ds_ij k_j / |k_j|`` over the keys row ``i`` sees, then (QK-norm) its
     component along ``q_i`` removed: the gradient through the normalisation."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    pid_m, bh, b, h = _program(H)
     rows = pid_m * BM + tl.arange(0, BM)
     dims = tl.arange(0, BD)
     vdims = tl.arange(0, BDV)
     keep = rows < T
     q_mask = keep[:, None] & (dims[None, :] < D)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + dims[None, :] * sqd, mask=q_mask, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdt + vdims[None, :] * sdd,
-                 mask=keep[:, None] & (vdims[None, :] < DV), other=0.0)
-    row_s = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM)
+    q = _rows_tile(Q + b * sqb + h * sqh, rows, dims, sqt, sqd, T, D)
+    do = _rows_tile(DO + b * sdb + h * sdh, rows, vdims, sdt, sdd, T, DV)
+    row_s = _row_factor(FACTORS, bh, rows, T)
     row_t = row_s * LOG2E
     ref, inv_den, d_scale, delta, g, inv_m, W = _row_state(STATS, DELTA, G, bh, rows, keep, T,
                                                            tl.num_programs(1) * T, PHI, SHARPEN)
@@ -487,18 +479,18 @@ def dq_kernel(Q, K, V, DO, DQ, STATS, DELTA, G, P_PTR, sqb, sqh, sqt, sqd, skb, 
     diagonal = (pid_m * BM // BN) * BN
     for start in range(0, diagonal, BN):
         cols = start + tl.arange(0, BN)
-        k_t = tl.load(k_base + cols[None, :] * skt + dims[:, None] * skd, mask=dims[:, None] < D, other=0.0)
-        v_t = tl.load(v_base + cols[None, :] * svt + vdims[:, None] * svd, mask=vdims[:, None] < DV, other=0.0)
-        acc = _dq_tile(q, do, k_t, v_t, row_t, _col_factor(k_t, BN, QK_NORM), rows, cols, ref, inv_den, d_scale,
-                       delta, g, n, offset, inv_m, W, p, p_int, use_int, acc, False, PHI, SHARPEN, PRECISION, FAST)
+        k_t = _cols_tile(k_base, cols, dims, skt, skd, T, D, False)
+        v_t = _cols_tile(v_base, cols, vdims, svt, svd, T, DV, False)
+        col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
+        acc = _dq_tile(q, do, k_t, v_t, row_t, col_fac, rows, cols, ref, inv_den, d_scale, delta, g, n, offset, inv_m,
+                       W, p, p_int, use_int, acc, False, PHI, SHARPEN, PRECISION, FAST)
     for start in range(diagonal, (pid_m + 1) * BM, BN):
         cols = start + tl.arange(0, BN)
-        k_t = tl.load(k_base + cols[None, :] * skt + dims[:, None] * skd,
-                      mask=(cols[None, :] < T) & (dims[:, None] < D), other=0.0)
-        v_t = tl.load(v_base + cols[None, :] * svt + vdims[:, None] * svd,
-                      mask=(cols[None, :] < T) & (vdims[:, None] < DV), other=0.0)
-        acc = _dq_tile(q, do, k_t, v_t, row_t, _col_factor(k_t, BN, QK_NORM), rows, cols, ref, inv_den, d_scale,
-                       delta, g, n, offset, inv_m, W, p, p_int, use_int, acc, True, PHI, SHARPEN, PRECISION, FAST)
+        k_t = _cols_tile(k_base, cols, dims, skt, skd, T, D)
+        v_t = _cols_tile(v_base, cols, vdims, svt, svd, T, DV)
+        col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
+        acc = _dq_tile(q, do, k_t, v_t, row_t, col_fac, rows, cols, ref, inv_den, d_scale, delta, g, n, offset, inv_m,
+                       W, p, p_int, use_int, acc, True, PHI, SHARPEN, PRECISION, FAST)
     dq = acc * row_s[:, None]
     if QK_NORM:
         qf = q.to(tl.float32)
@@ -510,15 +502,13 @@ def dq_kernel(Q, K, V, DO, DQ, STATS, DELTA, G, P_PTR, sqb, sqh, sqt, sqd, skb, 
 
 @triton.jit
 def _dkdv_tile(STATS, DELTA, G, q_base, do_base, bh, rows, dims, vdims, k_t, v_t, col_fac, cols, T, D, DV,
-               sqt, sqd, sdt, sdd, stride, scale_mul, p, p_int, use_int, acc_k, acc_v, MASKED: tl.constexpr,
-               SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, SHARPEN: tl.constexpr,
+               sqt, sqd, sdt, sdd, stride, FACTORS, p, p_int, use_int, acc_k, acc_v, MASKED: tl.constexpr,
+               QK_NORM: tl.constexpr, PHI: tl.constexpr, SHARPEN: tl.constexpr,
                PRECISION: tl.constexpr, FAST: tl.constexpr):
     keep = rows < T
-    q = tl.load(q_base + rows[:, None] * sqt + dims[None, :] * sqd, mask=keep[:, None] & (dims[None, :] < D),
-                other=0.0)
-    do = tl.load(do_base + rows[:, None] * sdt + vdims[None, :] * sdd, mask=keep[:, None] & (vdims[None, :] < DV),
-                 other=0.0)
-    row_s = _row_factor(q, rows, scale_mul, SCALE_LOG, QK_NORM)
+    q = _rows_tile(q_base, rows, dims, sqt, sqd, T, D)
+    do = _rows_tile(do_base, rows, vdims, sdt, sdd, T, DV)
+    row_s = _row_factor(FACTORS, bh, rows, T)
     ref, inv_den, d_scale, delta, g, inv_m, W = _row_state(STATS, DELTA, G, bh, rows, keep, T, stride, PHI, SHARPEN)
     n = (rows + 1).to(tl.float32)
     offset = tl.where(rows >= EXEMPT_ROWS, 1.0, 0.0)
@@ -535,24 +525,20 @@ def _dkdv_tile(STATS, DELTA, G, q_base, do_base, bh, rows, dims, vdims, k_t, v_t
 
 @triton.jit
 def dkdv_kernel(Q, K, V, DO, DK, DV_, STATS, DELTA, G, P_PTR, sqb, sqh, sqt, sqd, skb, skh, skt, skd,
-                svb, svh, svt, svd, sdb, sdh, sdt, sdd, s1b, s1h, s1t, s1d, s2b, s2h, s2t, s2d, H, T, D, DV, scale_mul,
-                SCALE_LOG: tl.constexpr, QK_NORM: tl.constexpr, PHI: tl.constexpr, SHARPEN: tl.constexpr,
+                svb, svh, svt, svd, sdb, sdh, sdt, sdd, s1b, s1h, s1t, s1d, s2b, s2h, s2t, s2d, H, T, D, DV, FACTORS,
+                QK_NORM: tl.constexpr, PHI: tl.constexpr, SHARPEN: tl.constexpr,
                 PRECISION: tl.constexpr, FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                 BDV: tl.constexpr):
     """K5: for the keys ``j`` of one block, ``dv_j = sum_i P_ij dO_i`` and ``dk_j = 1/|k_j| sum_i dL/ds_ij
     scale_i q_i / |q_i|`` over the rows that see them, then (QK-norm) its component along ``k_j`` removed."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    pid_n, bh, b, h = _program(H)
     cols = pid_n * BN + tl.arange(0, BN)
     dims = tl.arange(0, BD)
     vdims = tl.arange(0, BDV)
     k_mask = (cols[None, :] < T) & (dims[:, None] < D)
-    k_t = tl.load(K + b * skb + h * skh + cols[None, :] * skt + dims[:, None] * skd, mask=k_mask, other=0.0)
-    v_t = tl.load(V + b * svb + h * svh + cols[None, :] * svt + vdims[:, None] * svd,
-                  mask=(cols[None, :] < T) & (vdims[:, None] < DV), other=0.0)
-    col_fac = _col_factor(k_t, BN, QK_NORM)
+    k_t = _cols_tile(K + b * skb + h * skh, cols, dims, skt, skd, T, D)
+    v_t = _cols_tile(V + b * svb + h * svh, cols, vdims, svt, svd, T, DV)
+    col_fac = _col_factor(FACTORS, bh, cols, T, BN, QK_NORM)
     p, p_int, use_int = _load_power(P_PTR)
     stride = tl.num_programs(1) * T
     acc_k = tl.zeros([BD, BN], dtype=tl.float32)
@@ -564,13 +550,13 @@ def dkdv_kernel(Q, K, V, DO, DK, DV_, STATS, DELTA, G, P_PTR, sqb, sqh, sqt, sqd
     below = ((pid_n + 1) * BN + BM - 1) // BM * BM
     for start in range(first, below, BM):
         acc_k, acc_v = _dkdv_tile(STATS, DELTA, G, q_base, do_base, bh, start + tl.arange(0, BM), dims,
-                                  vdims, k_t, v_t, col_fac, cols, T, D, DV, sqt, sqd, sdt, sdd, stride, scale_mul, p,
-                                  p_int, use_int, acc_k, acc_v, True, SCALE_LOG, QK_NORM, PHI, SHARPEN, PRECISION,
+                                  vdims, k_t, v_t, col_fac, cols, T, D, DV, sqt, sqd, sdt, sdd, stride, FACTORS, p,
+                                  p_int, use_int, acc_k, acc_v, True, QK_NORM, PHI, SHARPEN, PRECISION,
                                   FAST)
     for start in range(below, T, BM):
         acc_k, acc_v = _dkdv_tile(STATS, DELTA, G, q_base, do_base, bh, start + tl.arange(0, BM), dims,
-                                  vdims, k_t, v_t, col_fac, cols, T, D, DV, sqt, sqd, sdt, sdd, stride, scale_mul, p,
-                                  p_int, use_int, acc_k, acc_v, False, SCALE_LOG, QK_NORM, PHI, SHARPEN, PRECISION,
+                                  vdims, k_t, v_t, col_fac, cols, T, D, DV, sqt, sqd, sdt, sdd, stride, FACTORS, p,
+                                  p_int, use_int, acc_k, acc_v, False, QK_NORM, PHI, SHARPEN, PRECISION,
                                   FAST)
     dk = acc_k * col_fac[None, :]
     if QK_NORM:

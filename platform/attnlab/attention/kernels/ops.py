@@ -17,6 +17,7 @@ import torch
 import triton
 
 import attnlab.attention.kernels.jit as jit  # the module itself: the package's __init__ imports this one
+from attnlab.attention.flex import inverse_norm
 
 # Rows and keys per program: (BM, BN, warps, stages) of each kernel on a GPU, chosen from the kernels compiled for
 # sm_90 on CPU (aot.py; bench/kernel_profile.py prints the figures): no spilled registers, the fewest instructions per
@@ -116,38 +117,54 @@ class Launch:
         self.kernel[grid](*self.args, **self.constexprs, **sizes, num_warps=warps, num_stages=stages)
 
 
-def forward_launches(q, k, v, p, form: Form, out, u, stats) -> list[Launch]:
+def forward_launches(q, k, v, p, form: Form, factors, out, u, stats) -> list[Launch]:
     """The forward's launches into ``out``, ``u`` (empty: no U) and ``stats`` (any device: meta tensors plan a
     compile without a GPU, ``aot.py``)."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
-    common = dict(SCALE_LOG=form.scale_log, QK_NORM=form.qk_norm, PHI=form.phi, PRECISION=_precision(q.dtype),
-                  FAST=not interpreting(), BD=_pow2(D))
+    common = dict(QK_NORM=form.qk_norm, PHI=form.phi, PRECISION=_precision(q.dtype), FAST=not interpreting(),
+                  BD=_pow2(D))
     qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
     if not form.sharpen:
         return [Launch(jit.plain_fwd_kernel, "plain", T, B * H, (q, k, v, out, stats, *qs, *ks, *vs, *os_, H, T, D, DV,
-                                                                   form.scale_mul), dict(common, BDV=_pow2(DV)))]
+                                                                   factors), dict(common, BDV=_pow2(DV)))]
     keep_u = u.numel() > 0
-    return [Launch(jit.stats_kernel, "stats", T, B * H, (q, k, stats, *qs, *ks, H, T, D, form.scale_mul), common),
+    return [Launch(jit.stats_kernel, "stats", T, B * H, (q, k, stats, *qs, *ks, H, T, D, factors), common),
             Launch(jit.sharpened_fwd_kernel, "fwd", T, B * H,
-                   (q, k, v, out, u if keep_u else out, stats, p, *qs, *ks, *vs, *os_, H, T, D, DV, form.scale_mul),
+                   (q, k, v, out, u if keep_u else out, stats, p, *qs, *ks, *vs, *os_, H, T, D, DV, factors),
                    dict(common, WITH_U=keep_u, BDV=_pow2(DV)))]
 
 
-def backward_launches(dout, q, k, v, out, u, stats, p, form: Form, delta, g, dq, dk, dv) -> list[Launch]:
+def backward_launches(dout, q, k, v, out, u, stats, p, form: Form, factors, delta, g, dq, dk, dv) -> list[Launch]:
     """The backward's launches into ``delta``, ``g`` (row statistics) and ``dq``, ``dk``, ``dv``."""
     B, H, T, D = q.shape
     DV = v.shape[-1]
-    common = dict(SCALE_LOG=form.scale_log, QK_NORM=form.qk_norm, PHI=form.phi, SHARPEN=form.sharpen,
-                  PRECISION=_precision(q.dtype), FAST=not interpreting(), BD=_pow2(D), BDV=_pow2(DV))
+    common = dict(QK_NORM=form.qk_norm, PHI=form.phi, SHARPEN=form.sharpen, PRECISION=_precision(q.dtype),
+                  FAST=not interpreting(), BD=_pow2(D), BDV=_pow2(DV))
     args = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     return [Launch(jit.preprocess_kernel, "pre", T, B * H, (out, u if form.sharpen else out, dout, delta, g, stats, p,
                                                              *_strides(out), *_strides(dout), H, T, DV),
                    dict(SHARPEN=form.sharpen, BDV=_pow2(DV))),
-            Launch(jit.dq_kernel, "dq" if form.sharpen else "dq_plain", T, B * H, (q, k, v, dout, dq, stats, delta, g, p, *args, *_strides(dq), H, T, D,
-                                                    DV, form.scale_mul), common),
-            Launch(jit.dkdv_kernel, "dkdv" if form.sharpen else "dkdv_plain", T, B * H, (q, k, v, dout, dk, dv, stats, delta, g, p, *args, *_strides(dk),
-                                                        *_strides(dv), H, T, D, DV, form.scale_mul), common)]
+            Launch(jit.dq_kernel, "dq" if form.sharpen else "dq_plain", T, B * H,
+                   (q, k, v, dout, dq, stats, delta, g, p, *args, *_strides(dq), H, T, D, DV, factors), common),
+            Launch(jit.dkdv_kernel, "dkdv" if form.sharpen else "dkdv_plain", T, B * H,
+                   (q, k, v, dout, dk, dv, stats, delta, g, p, *args, *_strides(dk), *_strides(dv), H, T, D, DV,
+                    factors), common)]
+
+
+def factors(q: torch.Tensor, k: torch.Tensor, form: Form) -> torch.Tensor:
+    """``(2, B*H, T)`` float32: each row's ``scale_i`` (times ``1/|q_i|`` with QK-norm) and each key's ``1/|k_j|``
+    (1 without QK-norm): the scores are ``(q_i . k_j) * row_i * col_j``. Computed once a call, in float32 from the
+    inputs' own values, so no kernel recomputes a norm per tile."""
+    B, H, T, _ = q.shape
+    n = torch.arange(1, T + 1, device=q.device, dtype=torch.float32)
+    scale = form.scale_mul * torch.log(n) if form.scale_log else torch.full_like(n, form.scale_mul)
+    row = scale.expand(B, H, T)
+    col = torch.ones((B, H, T), device=q.device, dtype=torch.float32)
+    if form.qk_norm:
+        row = row * inverse_norm(q)
+        col = inverse_norm(k)
+    return torch.stack([row, col]).reshape(2, B * H, T).contiguous()
 
 
 def forward(q, k, v, p, form: Form, with_grad: bool):
@@ -159,7 +176,7 @@ def forward(q, k, v, p, form: Form, with_grad: bool):
     out = torch.empty((B, H, T, DV), dtype=v.dtype, device=q.device)
     stats = torch.zeros((5, B * H, T), dtype=torch.float32, device=q.device)
     u = torch.empty((B, H, T, DV) if form.sharpen and with_grad else (0,), dtype=v.dtype, device=q.device)
-    for launch in forward_launches(q, k, v, p, form, out, u, stats):
+    for launch in forward_launches(q, k, v, p, form, factors(q, k, form), out, u, stats):
         launch.run()
     return out, u, stats
 
@@ -172,7 +189,8 @@ def backward(dout, q, k, v, out, u, stats, p, form: Form):
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
-    for launch in backward_launches(dout, q, k, v, out, u, stats, p, form, delta, g, dq, dk, dv):
+    for launch in backward_launches(dout, q, k, v, out, u, stats, p, form, factors(q, k, form), delta, g, dq, dk,
+                                    dv):
         launch.run()
     return dq, dk, dv
 
