@@ -1,0 +1,37 @@
+"""bench/ as a whole: one machine header that every benchmark prints (``bench/machine.py``), ``bench/RESULTS.md`` as
+a list of one section per benchmark, each naming its script, a command and a date, and the GPU probe of
+evaluation's memory (``bench/eval_memory.py``) run on CPU so that it does not rot. The GPU check has its own file,
+tests/test_bench_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def _machine():
+    spec = importlib.util.spec_from_file_location("bench_machine", BENCH / "machine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_machine_header_names_the_date_the_machine_the_versions_and_the_commit():
+    machine = _machine()
+    info = machine.header("cpu", ("pyarrow", "no-such-distribution"))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", info["date"])
+    assert info["cores"] == os.cpu_count() and info["driver"] is None and info["device"].startswith("CPU: ")
+    assert info["versions"] == {"pyarrow": __import__("pyarrow").__version__, "no-such-distribution": None}
+    assert info["torch"] == __import__("torch").__version__ and len(info["git"]["sha"]) == 40
+    lines = machine.lines(info)
+    assert lines[0] == f"- date: {info['date']}"
+    assert lines[1].startswith(f"- machine: CPU: {info['cpu']}, {info['cores']} cores") and "load average" in lines[1]
+    assert f"torch {info['torch']}" in lines[2] and "no-such-distribution not installed" in lines[2]
+    assert lines[3] == f"- git: {info['git']['sha']}" + (" (dirty)" if info["git"]["dirty"] else "")
