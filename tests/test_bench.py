@@ -35,3 +35,16 @@ def test_the_machine_header_names_the_date_the_machine_the_versions_and_the_comm
     assert lines[1].startswith(f"- machine: CPU: {info['cpu']}, {info['cores']} cores") and "load average" in lines[1]
     assert f"torch {info['torch']}" in lines[2] and "no-such-distribution not installed" in lines[2]
     assert lines[3] == f"- git: {info['git']['sha']}" + (" (dirty)" if info["git"]["dirty"] else "")
+
+
+def test_every_benchmark_takes_its_header_from_bench_machine():
+    """A sixth copy of the header (a date, the CPU model, the versions written out again) fails here."""
+    scripts = sorted(BENCH.glob("*.py")) + sorted(BENCH.glob("*/*.py"))
+    own_header = {p.relative_to(ROOT).as_posix(): re.findall(r"/proc/cpuinfo|datetime|python_version\(\)|"
+                                                            r"platform\.platform\(\)|nvidia-smi",
+                                                            p.read_text())
+                  for p in scripts if p.name != "machine.py"}
+    assert not {k: v for k, v in own_header.items() if v}, own_header
+    # every benchmark script prints it (torch_floor.py checks API names and prints no figures of a machine)
+    printing = [p for p in BENCH.glob("*.py") if p.name not in ("machine.py", "torch_floor.py")]
+    assert printing and all(re.search(r"^import machine\b", p.read_text(), re.M) for p in printing), printing

@@ -132,7 +132,8 @@ def warm(ctx: Context) -> None:
                           attention=attention_spec_for(model, p))
 
 
-# The lowering failure torch 2.11's inductor raised on the compiled LSSAR evaluation graph (an H200, bench/RESULTS.md).
+# The lowering failure torch 2.11's inductor raised on the compiled LSSAR evaluation graph (an H200 and an H100:
+# bench/RESULTS.md, the quick GPU check's part e).
 # On CPU, torch 2.13 lowers such a graph up to the GPU (tests/test_cuda_proxy_attention.py), which cannot tell
 # whether 2.13 would lower it on a GPU.
 KNOWN_LOWERING_FAILURE = "convert FlexibleLayout to FixedLayout first"
