@@ -48,3 +48,23 @@ def test_every_benchmark_takes_its_header_from_bench_machine():
     # every benchmark script prints it (torch_floor.py checks API names and prints no figures of a machine)
     printing = [p for p in BENCH.glob("*.py") if p.name not in ("machine.py", "torch_floor.py")]
     assert printing and all(re.search(r"^import machine\b", p.read_text(), re.M) for p in printing), printing
+
+
+def test_the_evaluation_memory_probe_runs_on_cpu_without_ray(tmp_path):
+    script = str(BENCH / "eval_memory.py")
+    run = ("import runpy, sys\nsys.argv = [sys.argv[1], '--smoke', '--variants', 'lssar:15,softmax', '--cells', "
+           "'2x32,1x64']\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as exc:\n"
+           "    assert not exc.code, exc.code\nassert 'ray' not in sys.modules, 'the probe imported Ray'\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "platform"))
+    proc = subprocess.run([sys.executable, "-c", run, script], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("- date: ") and lines[1].startswith("- machine: CPU: ")
+    rows = [ln for ln in lines if ln.startswith("| lssar p=15 |") or ln.startswith("| softmax |")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| lssar p=15", "2 x 32"], ["| lssar p=15", "1 x 64"],
+                                                  ["| softmax", "2 x 32"], ["| softmax", "1 x 64"]]
+    assert all(float(r.split(" | ")[7]) >= 0 for r in rows)  # the plan, beside peaks only a GPU measures ("-")
+    no_gpu = subprocess.run([sys.executable, script], env=dict(env, CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                            text=True, timeout=300)
+    assert no_gpu.returncode == 2 and "needs a CUDA GPU" in no_gpu.stderr and no_gpu.stdout == ""
