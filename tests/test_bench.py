@@ -50,6 +50,29 @@ def test_every_benchmark_takes_its_header_from_bench_machine():
     assert printing and all(re.search(r"^import machine\b", p.read_text(), re.M) for p in printing), printing
 
 
+def _sections(text: str) -> dict[str, str]:
+    parts = re.split(r"^## ", text, flags=re.M)[1:]
+    return {part.splitlines()[0]: part for part in parts}
+
+
+def test_results_is_one_section_per_benchmark_with_its_script_command_and_date():
+    """bench/RESULTS.md holds the latest figures: each ``## <benchmark> (`bench/<script>`)`` section names a script
+    that exists, the command that measured its figures and their date (or says it has not run); earlier runs' logs
+    are dated files under bench/results/."""
+    sections = _sections((BENCH / "RESULTS.md").read_text(encoding="utf-8"))
+    assert len(sections) >= 10
+    for title, body in sections.items():
+        m = re.fullmatch(r".+ \(`bench/([\w/]+\.py)( [^`]*)?`\)", title)
+        assert m, f"section {title!r}: its title must end with the script, (`bench/<script>`)"
+        script = m.group(1)
+        assert (BENCH / script).is_file(), f"section {title!r}: bench/{script} does not exist"
+        assert re.search(rf"`(python3? |PYTHONPATH=\S+ python )?bench/{re.escape(script)}[^`]*`|`make [\w-]+`", body), \
+            f"section {title!r} gives no command"
+        assert re.search(r"20\d\d-\d\d-\d\d", body) or "has not run" in body, f"section {title!r} gives no date"
+    logs = sorted((BENCH / "results").glob("*.md"))
+    assert logs and all(re.fullmatch(r"20\d\d-\d\d-\d\d-[a-z0-9]+-[a-z0-9-]+\.md", p.name) for p in logs), logs
+
+
 def test_the_evaluation_memory_probe_runs_on_cpu_without_ray(tmp_path):
     script = str(BENCH / "eval_memory.py")
     run = ("import runpy, sys\nsys.argv = [sys.argv[1], '--smoke', '--variants', 'lssar:15,softmax', '--cells', "
