@@ -221,7 +221,8 @@ def test_a_case_over_its_tolerance_measures_the_dense_form_and_says_so(gc, monke
     """The plumbing of that rule, on CPU at 64 tokens with the float32 tolerance set to 0 (every error is over it):
     the dense float32 form runs on the same inputs, each tensor is at the floor or named in the failure with the
     dense form's figure. (The H100's case itself, relu_shen at 4,096 tokens, hangs on where float32 rounds two of
-    33.6M scores, which differs between CPUs: bench/RESULTS.md gives the command that measures it.)"""
+    33.6M scores, which differs between CPUs: bench/results/2026-11-26-h100-quick.md gives the command that
+    measures it.)"""
     import dataclasses
 
     monkeypatch.setitem(gc.agreement.TOLERANCE, torch.float32, 0.0)

@@ -205,7 +205,8 @@ def evaluation(ctx: Context) -> Outcome:
         problems.append(f"the compiled evaluation failed: {compile_error}{hint}")
         say(f"compiled evaluation failed: {compile_error}{hint}\nscoring again with the blocks eager:")
     # Scored again outside the except block: inside it, the exception's traceback keeps the frames of the failed
-    # call alive, the first model's weights with them (an H100 measured 0.55 GiB more at every eager cell).
+    # call alive, the first model's weights with them (an H100 measured 0.5 GiB more in every eager cell:
+    # bench/results/2026-11-27-h100-quick.md).
     del model
     reset_dynamo()
     if compile_error is not None:
