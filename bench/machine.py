@@ -2,8 +2,8 @@
 driver when one is measured), Python, torch and the packages the benchmark depends on, the platform, the git sha.
 
 :func:`header` gathers it as a dict (the GPU check writes it into its JSON); :func:`lines` gives the Markdown lines
-a section of ``bench/RESULTS.md`` starts with; :func:`print_header` prints them. ``python bench/machine.py [PACKAGE ...]`` prints them for this
-machine (its GPU too, when torch sees one).
+a section of ``bench/RESULTS.md`` starts with; :func:`print_header` prints them. ``python bench/machine.py
+[PACKAGE ...]`` prints them for this machine (its GPU too, when torch sees one).
 Standard library and ``attnlab.provenance`` only (its CPU model, core count and git sha), so that the GPU check on
 a bare node (no Ray, no set-up) can use it.
 """

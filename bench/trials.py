@@ -23,8 +23,8 @@ on ``PYTHONPATH``. Printed:
   APIs the page reads on load.
 
 The machine header (``bench/machine.py``: its load average is taken before the run) comes first (2 shared cores:
-the seconds are indicative; say whether the cores were shared). Run: ``python bench/trials.py [--trials 50] [--concurrent 1] [--code DIR]
-[--workdir DIR]`` (set PYTHONPATH=platform or install the project).
+the seconds are indicative; say whether the cores were shared). Run: ``python bench/trials.py [--trials 50]
+[--concurrent 1] [--code DIR] [--workdir DIR]`` (set PYTHONPATH=platform or install the project).
 """
 
 from __future__ import annotations

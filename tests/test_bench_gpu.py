@@ -278,7 +278,8 @@ def test_smoke_run_end_to_end(bench, gc, tmp_path, capsys):
     assert met[0] is None and met[2] is None  # CPU: no peak memory, no llm.c figure
     assert isinstance(met[1], bool) and isinstance(met[3], bool)  # the ratios are measured, whatever they are
     text = results_md.read_text()
-    assert text.startswith("# Benchmark results\n\n## The full GPU run (`bench/gpu.py --smoke`): CPU: ") and "### Targets" in text
+    assert text.startswith("# Benchmark results\n\n## The full GPU run (`bench/gpu.py --smoke`): CPU: ")
+    assert "### Targets" in text
     # LSSAR run twice: bit-identical attention gradients and training steps; the p_eval sweep's graphs counted
     assert [(r["check"], r["identical"]) for r in data["determinism"]] == [("attention", True), ("training", True)]
     (sweep,) = data["recompiles"]

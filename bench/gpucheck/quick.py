@@ -20,7 +20,8 @@ f. ``checkpoint``: save and resume on the GPU; the RNG streams continue.
 Part b's cases run in worker processes, and the compiles of c, d and e in warmers, all started as the check begins
 (:mod:`gpucheck.background`; ``--no-workers``: everything in this process, one after another). Each part prints one
 line, PASS, FAIL or SKIP with its figures, written at once to the JSON file and to the lines file (the run's
-section, which ``--append`` adds to its dated log under ``bench/results/``). ``--smoke``: tiny shapes on CPU, no budgets (CI runs it, Ray hidden).
+section, which ``--append`` adds to its dated log under ``bench/results/``). ``--smoke``: tiny shapes on CPU, no
+budgets (CI runs it, Ray hidden).
 """
 
 from __future__ import annotations
