@@ -77,14 +77,15 @@ bench: setup
 
 # On one CUDA GPU, the first thing to run on a GPU node: the CPU tests of the CUDA paths (pytest -m cuda_proxy),
 # the memory plan, the CUDA tests, then attention, training and evaluation figures with the measured peak memory
-# beside the plan's estimate, and one line per part saying what passed and what did not; appended to
-# bench/RESULTS.md (bench/gpu.py; under 25 minutes on one H100; `python bench/gpu.py --smoke` on CPU). For a short
-# session on a bare node, `make gpu-check` (below) first.
+# beside the plan's estimate, and one line per part saying what passed and what did not; appended to the run's
+# dated log, bench/results/<date>-<gpu>-full.md (bench/gpu.py; meant to take under 25 minutes on one H100, not yet
+# run on a GPU; `python bench/gpu.py --smoke` on CPU). For a short session on a bare node, `make gpu-check` first.
 bench-gpu: setup-test
 	$(PY) bench/gpu.py
 
-# The quick check for a first GPU session (docs/gpu.md#the-quick-check): six parts, PASS/FAIL/SKIP each, at most
-# 6 minutes on one H100 from a cold start. It uses the machine's own python3 and its preinstalled torch and Triton
+# The quick check for a first GPU session (docs/gpu.md#the-quick-check): six parts, PASS/FAIL/SKIP each, none
+# started after 6 minutes (the goal for all six on one H100 from a cold start; bench/RESULTS.md says how far the
+# cold runs got). It uses the machine's own python3 and its preinstalled torch and Triton
 # (no set-up, no Ray, no network; pydantic from a folder of wheels: the docs say how), and writes gpu-check/quick.json
 # and gpu-check/quick.md as each part ends.
 gpu-check:

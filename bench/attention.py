@@ -1,71 +1,39 @@
-"""Benchmark: time and peak memory of the fused (FlexAttention) and dense forms of each fusable variant, as
-ratios to SDPA softmax (FlashAttention on GPU), forward and forward + backward (not a test; prints figures).
+"""Benchmark, on CPU: the peak memory (and the time) of the dense reference of LSSA and LSSAR against the fused
+forms that exist on CPU, forward and forward + backward (not a test; prints figures).
 
-GPU (``--device cuda``, the default when one is present): every fusable variant of the registry (plus
-``softmax`` and ``sigmoid_l1`` re-weighted with p = 15) at T = 1K, 2K, 4K, 8K, 16K, batch 1, 12 heads of 64,
-bf16. Time: CUDA events, median of ``--repeats`` calls after two warm-up calls (the compile is not timed).
-Memory: ``torch.cuda.max_memory_allocated`` during the call minus what was allocated before it (inputs and,
-for forward + backward, their gradients are counted alike for every method). Targets (issue 7): fused LSSAR
-peak memory at 16K within 1.2x of SDPA, fused LSSAR forward + backward time within 2.5x of SDPA.
+The fused forms on CPU are SDPA softmax (a fused CPU kernel) and compiled FlexAttention for the one-pass variants
+(``lssa``, inference only): compiled FlexAttention on CPU has no backward and no LSE, so LSSAR's fused path runs
+FlexAttention's unfused implementation there (``--unfused-flex`` measures it too). Memory: the peak resident set
+size during the call minus the resident set size just before it, sampled every 0.2 ms from ``/proc/self/statm`` in
+a fresh subprocess per measurement, with ``MALLOC_MMAP_THRESHOLD_`` set so that freed tensors leave the resident set
+(``tracemalloc`` does not see torch's allocations). The analytic size of one (B, H, T, T) float32 matrix is printed
+beside it. CPU times are printed but are only indicative on a shared machine (the load is in the header).
 
-CPU (``--device cpu``): compiled FlexAttention on CPU has no backward and no LSE, so the fused path runs
-FlexAttention's unfused implementation there; the figures that mean something are memory ratios of the dense
-reference against the fused forms that exist on CPU: SDPA softmax (a fused CPU kernel) and compiled
-FlexAttention for the one-pass variants (``lssa``, inference only). Memory: the peak resident set size during
-the call minus the resident set size just before it, sampled every 0.2 ms from ``/proc/self/statm`` in a fresh
-subprocess per measurement, with ``MALLOC_MMAP_THRESHOLD_`` set so that freed tensors leave the resident set
-(``tracemalloc`` does not see torch's allocations). The analytic size of one (B, H, T, T) float32 matrix is
-printed beside it. CPU times are printed but are only indicative on a shared machine (the load is printed).
+On a GPU, attention's time and memory against SDPA (FlashAttention), through attnlab's Triton kernels and
+FlexAttention, are the GPU check's: ``python bench/gpu.py --quick`` (part c) and ``python bench/gpu.py``.
 
-Run: ``python bench/attention.py [--device cuda|cpu] [--lengths 1024 2048 ...] [--variants lssar softmax ...]``.
-Hardware, versions and date are printed too.
+Run: ``python bench/attention.py [--lengths 1024 2048 4096] [--heads 4] [--unfused-flex]``. The machine header
+(``bench/machine.py``) is printed first.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform as _platform  # the stdlib module (this file is not inside the attnlab package)
-import statistics
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-GPU_LENGTHS = (1024, 2048, 4096, 8192, 16384)
-CPU_LENGTHS = (1024, 2048, 4096)
-EXTRA_SHARPENED = (("softmax", 15.0), ("sigmoid_l1", 15.0))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402  (puts platform/ on sys.path)
 
-
-def fusable_variants() -> list[tuple[str, float | None]]:
-    """One ``(name, p)`` per distinct fusable spec of the registry, plus the re-weighted baselines of Table 4."""
-    from attnlab.attention import get_variant, variant_names
-    from attnlab.attention.flex import is_fusable
-
-    seen, out = set(), []
-    for name in variant_names():
-        spec = get_variant(name)
-        key = spec.replace(name="", source="")
-        if is_fusable(spec) and key not in seen:
-            seen.add(key)
-            out.append((spec.name, spec.p))
-    return sorted(set(out)) + list(EXTRA_SHARPENED)
-
-
-def header(device: str) -> str:
-    lines = [f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-             f"python {_platform.python_version()}, torch {torch.__version__}, {_platform.platform()}"]
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        lines.append(f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    lines.append(f"CPU: {cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    return "\n".join(lines)
+LENGTHS = (1024, 2048, 4096)
 
 
 def _method(kind: str, name: str | None, p: float | None):
@@ -97,78 +65,6 @@ def _method(kind: str, name: str | None, p: float | None):
         return run
     raise ValueError(kind)
 
-
-# --- GPU ----------------------------------------------------------------------------------------------------
-
-def measure_cuda(fn, q, k, v, backward: bool, repeats: int) -> tuple[float, float]:
-    """(median milliseconds, peak MiB above the memory allocated before the call)."""
-    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
-    grad_out = torch.randn_like(v) if backward else None
-
-    def call():
-        out = fn(q, k, v)
-        if backward:
-            out.backward(grad_out)
-            q.grad = k.grad = v.grad = None
-
-    for _ in range(2):
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def bench_cuda(args) -> None:
-    torch._dynamo.config.recompile_limit = 1024
-    torch._dynamo.config.accumulated_recompile_limit = 4096
-    dtype = getattr(torch, args.dtype)
-    variants = [(n, p) for n, p in fusable_variants() if not args.variants or n in args.variants]
-    print(header("cuda"))
-    print(f"shape: B={args.batch}, H={args.heads}, D={args.head_dim}, {args.dtype}; repeats={args.repeats}\n")
-    for T in args.lengths:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(args.batch, args.heads, T, args.head_dim, device="cuda", dtype=dtype,
-                               generator=gen) for _ in range(3))
-        rows = [("sdpa softmax", "sdpa", None, None)]
-        for name, p in variants:
-            label = name if p is None or name == "lssar" else f"{name} p={p:g}"
-            rows += [(f"{label} fused", "fused", name, p), (f"{label} dense", "dense", name, p)]
-        results = {}
-        for label, kind, name, p in rows:
-            fn = _method(kind, name, p)
-            for backward in (False, True):
-                try:
-                    results[label, backward] = measure_cuda(fn, q, k, v, backward, args.repeats)
-                except torch.cuda.OutOfMemoryError:
-                    results[label, backward] = None
-                torch.cuda.empty_cache()
-        print(f"### T = {T}\n")
-        print("| method | fwd ms | x SDPA | fwd MiB | x SDPA | fwd+bwd ms | x SDPA | fwd+bwd MiB | x SDPA |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for label, *_ in rows:
-            cells = []
-            for backward in (False, True):
-                res, ref = results[label, backward], results["sdpa softmax", backward]
-                if res is None:
-                    cells += ["OOM", "", "OOM", ""]
-                else:
-                    cells += [f"{res[0]:.2f}", f"{res[0] / ref[0]:.2f}", f"{res[1]:.0f}",
-                              f"{res[1] / max(ref[1], 1e-9):.2f}"]
-            print(f"| {label} | " + " | ".join(cells) + " |")
-        print(flush=True)
-
-
-# --- CPU ----------------------------------------------------------------------------------------------------
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
@@ -228,7 +124,7 @@ def measure_cpu(spec: dict) -> dict | None:
 
 
 def bench_cpu(args) -> None:
-    print(header("cpu"))
+    machine.print_header()
     B, H, D = args.batch, args.heads, args.head_dim
     print(f"shape: B={B}, H={H}, D={D}, float32; one call per measurement, each in a fresh process\n")
     rows = [("sdpa softmax", "sdpa", None, None, False), ("sdpa softmax", "sdpa", None, None, True),
@@ -263,24 +159,12 @@ def main() -> int:
         print(json.dumps(measure_cpu_child(json.loads(sys.argv[2]))))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="sequence lengths T")
-    ap.add_argument("--variants", nargs="+", default=None, help="GPU: only these variant names")
+    ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS, help="sequence lengths T")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=None, help="default: 12 on GPU, 4 on CPU")
+    ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="GPU input dtype")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--unfused-flex", action="store_true", help="CPU: also measure the unfused CPU flex path")
-    args = ap.parse_args()
-    if args.device == "cuda":
-        args.lengths = args.lengths or GPU_LENGTHS
-        args.heads = args.heads or 12
-        bench_cuda(args)
-    else:
-        args.lengths = args.lengths or CPU_LENGTHS
-        args.heads = args.heads or 4
-        bench_cpu(args)
+    ap.add_argument("--unfused-flex", action="store_true", help="also measure FlexAttention's unfused CPU path")
+    bench_cpu(ap.parse_args())
     return 0
 
 

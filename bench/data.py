@@ -12,15 +12,14 @@ written to 8 parquet files (8 partitions). Prints
 With ``--bucket s3://...`` it also copies the prepared folder there and times the first training batch from the
 local folder, from the bucket with an empty shard cache (ranged reads) and once the cache holds the shards.
 
-Run: ``python bench/data.py [--repeat 4] [--workers N] [--bucket s3://...]``. Hardware, versions and date are printed too.
+Run: ``python bench/data.py [--repeat 4] [--workers N] [--bucket s3://...]``. The machine header
+(``bench/machine.py``) is printed with the figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform as _platform  # the stdlib module (this file is not inside the attnlab package)
 import shutil
 import sys
 import tempfile
@@ -30,6 +29,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402  (puts platform/ on sys.path)
 
 
 def build_corpus(folder: Path, repeat: int, files: int = 8, doc_chars: int = 4000) -> list[str]:
@@ -93,7 +95,6 @@ def main() -> int:
     args = ap.parse_args()
 
     import ray
-    import tiktoken
 
     from attnlab.data import get_encoding, prepare
 
@@ -131,10 +132,7 @@ def main() -> int:
 
         tokens = warm["tokens"]
         ideal = args.workers * raw_tps
-        print(f"# attnlab data bench  {datetime.datetime.now().isoformat(timespec='seconds')}")
-        print(f"# {_platform.processor() or _platform.machine()}, {os.cpu_count()} CPUs, "
-              f"load avg {os.getloadavg()[0]:.2f}, Python {sys.version.split()[0]}, tiktoken {tiktoken.__version__}, "
-              f"pyarrow {pa.__version__}, ray {ray.__version__}")
+        machine.print_header(packages=("tiktoken", "pyarrow", "ray"))
         print(f"corpus: {len(docs):,} documents, {sum(map(len, docs)) / 1e6:.1f} MB text, {tokens:,} tokens "
               f"(incl. one EOT per document), 8 parquet files")
         print(f"single-core raw encode_ordinary loop : {raw_tps / 1e6:6.2f} M tokens/s ({raw_s:.2f} s)")

@@ -1,21 +1,24 @@
-"""The GPU check: the quick check a first GPU session runs (``--quick``), or the full measurement (default).
+"""The GPU check: the quick check a first GPU session runs (``--quick``), or the full measurement (default). Every
+GPU figure of attention, training and evaluation comes from here (``bench/attention.py`` and ``bench/train.py``
+measure on CPU).
 
-``python bench/gpu.py --quick`` (``make gpu-check``): six parts in at most 6 minutes on one H100 from a cold
-start: a. environment, b. fused vs reference, c. kernel speed and memory, d. training, e. evaluation,
-f. checkpoint. It needs the site's torch (>= 2.9) and Triton, numpy, pandas, pyarrow, pyyaml, tiktoken and pydantic;
-no Ray, no pytest, no network (docs/gpu.md#the-quick-check). Each part prints one line, PASS, FAIL or SKIP with its
-figures, and is written as it ends to ``--json`` (default ``gpu-check/quick.json``) and ``--lines`` (default
-``gpu-check/quick.md``, lines ready for ``bench/RESULTS.md``); ``--append`` appends them to ``--results`` too. Exit
-status 1 when a part failed.
+``python bench/gpu.py --quick`` (``make gpu-check``): six parts, a. environment, b. fused vs reference, c. kernel
+speed and memory, d. training, e. evaluation, f. checkpoint, within a total of 6 minutes (its goal on one H100 from
+a cold start: docs/gpu.md#the-quick-check). It needs the site's torch (>= 2.9) and Triton, numpy, pandas, pyarrow,
+pyyaml, tiktoken and pydantic; no Ray, no pytest, no network. Each part prints one line, PASS, FAIL or SKIP with
+its figures, and is written as it ends to ``--json`` (default ``gpu-check/quick.json``) and ``--lines`` (default
+``gpu-check/quick.md``); ``--append`` appends the section to ``--results`` (default: the run's dated log,
+``bench/results/<date>-<gpu>-quick.md``). Exit status 1 when a part failed.
 
-``python bench/gpu.py`` (``make bench-gpu``): the full run, under 25 minutes on one H100: the CPU tests of the CUDA
-paths, the memory plan, the CUDA tests, attention, training, evaluation, every variant, determinism, recompiles;
-appended to ``bench/RESULTS.md`` (it runs pytest, so it needs the test suite's dependencies).
+``python bench/gpu.py`` (``make bench-gpu``): the full run, meant to take under 25 minutes on one H100: the CPU
+tests of the CUDA paths, the memory plan, the CUDA tests, attention, training, evaluation, every variant,
+determinism, recompiles; appended to its dated log (``bench/results/<date>-<gpu>-full.md``; it runs pytest, so it
+needs the test suite's dependencies).
 
 ``--smoke``: tiny shapes on CPU (or the GPU if there is one), no budgets; CI runs ``--quick --smoke`` with Ray
 hidden so neither run rots. Without CUDA and without ``--smoke`` it exits 2 with one line.
 
-The parts live in ``bench/gpucheck/`` (one module per part, one harness).
+The parts live in ``bench/gpucheck/`` (one module per part, one harness); the machine header is ``bench/machine.py``.
 """
 
 from __future__ import annotations
@@ -28,21 +31,24 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # gpucheck and torch_floor, when run from anywhere or loaded by a test
 
-from gpucheck.harness import ROOT  # noqa: E402  (puts platform/ on sys.path before attnlab is imported)
+import machine  # noqa: E402,F401  (puts platform/ on sys.path before attnlab is imported)
 from gpucheck.sizes import PARTS, QUICK_PARTS  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="the quick check: six parts in at most 6 minutes, no Ray or pytest needed")
+                    help="the quick check: six parts within 6 minutes in all, no Ray or pytest needed")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, no budgets; works without CUDA")
     ap.add_argument("--parts", default=None,
                     help=f"comma-separated subset: {','.join(QUICK_PARTS)} (--quick) or {','.join(PARTS)}")
     ap.add_argument("--append", dest="append", action="store_true", default=None,
-                    help="append to the results file (default: on for the full GPU run, off for --smoke and --quick)")
+                    help="append the run's section to --results (default: on for the full GPU run, off for --smoke and "
+                         "--quick)")
     ap.add_argument("--no-append", dest="append", action="store_false")
-    ap.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"), help="the file to append to")
+    ap.add_argument("--results", default=None,
+                    help="the file --append appends to (default: the run's dated log, bench/results/<date>-<gpu>-"
+                         "<quick|full>.md)")
     ap.add_argument("--json", default=None,
                     help="write every figure to this JSON file (--quick: rewritten after each part; default "
                          "gpu-check/quick.json)")

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "platform"))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402  (puts platform/ on sys.path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,14 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("kernel_profile compiles for a GPU: run it without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    import torch
-    import triton
-
     from attnlab.attention import get_variant
     from attnlab.attention.kernels import aot
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, "
-          f"Triton {triton.__version__}; bf16, head dim 64, {time.strftime('%Y-%m-%d')}\n")
+    machine.print_header(packages=("triton",))
+    print("- bf16, head dim 64, the block sizes of attention/kernels/ops.py: GPU_BLOCKS\n")
     print("| variant | arch | kernel | registers x threads | spilled B | shared KiB | instructions / element | "
           "MUFU / element | FMUL / element |")
     print("|---|---|---|---|---|---|---|---|---|")

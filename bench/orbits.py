@@ -11,23 +11,23 @@ the model learned.
 
 Run: ``python bench/orbits.py --attention lssar --steps 1500 [--seq-len 128] [--batch 16] [--probe]``; the
 simulation rate at the paper's size: ``python bench/orbits.py --size paper --seq-len 999 --pool-blocks 2
---sim-only``.
-Hardware, versions, load and date are printed too.
+--sim-only``. The first line is the machine header (``bench/machine.py``) as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import platform as _platform  # the stdlib module (this file is not inside the attnlab package)
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402
 
 
 def _clock():
@@ -73,9 +73,7 @@ def main(argv=None) -> None:
     def say(record: dict) -> None:
         print(json.dumps(record, default=str), flush=True)
 
-    say({"phase": "setup", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "python": _platform.python_version(), "torch": torch.__version__, "platform": _platform.platform(),
-         "cpus": os.cpu_count(), "load_average": os.getloadavg(), "args": vars(args)})
+    say({"phase": "setup", **machine.header(), "args": vars(args)})
     data = open_orbits({"synthetic": "orbits", "size": args.size})
     T, B = args.seq_len, args.batch
 

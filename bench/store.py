@@ -27,8 +27,9 @@ version writes its own store with the same rows and is run the same way (child p
   refresh with nothing changed (files opened, requests); median of 3. Today's page re-read the whole study at
   each refresh: its figure is one ``attnlab.serve.data.results`` call (the second in its process).
 
-The two versions' table outputs are compared (they must be identical). Hardware, versions, date and the load
-average (the machine may be shared: then the wall times are only indicative; CPU times say more) are printed.
+The two versions' table outputs are compared (they must be identical). The machine header (``bench/machine.py``:
+date, machine, load average, versions) is printed first: on a shared machine the wall times are only indicative,
+the CPU times say more.
 
 Run: ``python bench/store.py [--files 5000] [--small 500] [--baseline REF] [--no-s3] [--no-baseline]
 [--only refresh]`` (``--only refresh``: the page refresh's figures alone)
@@ -38,11 +39,9 @@ Run: ``python bench/store.py [--files 5000] [--small 500] [--baseline REF] [--no
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
-import platform as _platform  # the stdlib module (this file is not inside the attnlab package)
 import random
 import shutil
 import socket
@@ -53,7 +52,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402  (puts platform/ on sys.path)
+
+ROOT = machine.ROOT
 BASELINE_REF = "b80448e"  # main before layout 2: one flat folder per study, every read lists and opens every file
 STUDY, SMALL_STUDY = "big", "small"
 LENGTHS = (128, 256, 512, 1024, 2048)
@@ -252,28 +254,6 @@ def start_moto(log_path: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def header() -> list[str]:
-    import pyarrow
-
-    import pandas
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    memory = next((int(ln.split()[1]) / 2**20 for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip()
-    try:
-        import moto
-
-        moto_version = moto.__version__
-    except ImportError:
-        moto_version = "not installed"
-    return [f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-            f"python {sys.version.split()[0]}, pyarrow {pyarrow.__version__}, pandas {pandas.__version__}, "
-            f"moto {moto_version}, {_platform.platform()}, attnlab at {sha}",
-            f"CPU: {cpu}, {os.cpu_count()} cores, {memory:.0f} GiB; load average at start "
-            f"{os.getloadavg()[0]:.1f} (a shared machine: wall times are indicative, CPU times say more)"]
-
-
 def measure(version: Version, where: str, root: str, files: int, small: int, workdir: Path, moto: dict | None,
             compact: bool, only: str | None = None) -> dict:
     """Every figure of one version on one store location (local folder or s3:// URI); ``only="refresh"``: the
@@ -410,8 +390,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    for line in header():
-        print(line, flush=True)
+    machine.print_header(packages=("pyarrow", "pandas", "moto"))
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="attnlab-bench-store-"))
     workdir.mkdir(parents=True, exist_ok=True)
     versions = [Version("now", ROOT / "platform")]

@@ -31,17 +31,14 @@ front TLS.
 
 Run: ``python bench/streaming.py [--bucket s3://...] [--repeat 1] [--big-mib 1024] [--small-mib 50]`` (about 3
 minutes on 2 cores with the loopback server: ~35 s writing the 1 GiB, then three Train runs of 30-50 s; 4 with
-``--repeat 2``). Hardware, versions, load and date are printed too.
+``--repeat 2``). The machine header (``bench/machine.py``) is printed first.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform as _platform  # the stdlib module (this file is not inside the attnlab package)
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +49,7 @@ for _path in (str(ROOT / "bench"), str(ROOT / "platform")):
     if _path not in sys.path:
         sys.path.insert(0, _path)  # streamkit, and this checkout's attnlab
 
+import machine  # noqa: E402
 from streamkit import CountingProxy, WorkerRss, rss_anon_mb, shard_sizes, start_moto, write_dataset  # noqa: E402
 
 MIB = 2**20
@@ -59,27 +57,6 @@ TOKENS_PER_MIB = MIB // 2  # uint16 tokens
 GROWTH_BOUND = 0.10  # of the big dataset's size
 FIRST_STEP_BOUND = 1.5  # x the small dataset's time to the first steps
 RANGED_ALLOWANCE = MIB  # a shard's GET bytes beyond one download: metadata heads and windows
-
-
-def header() -> list[str]:
-    import pyarrow
-    import ray
-    import torch
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    memory = next((int(ln.split()[1]) / 2**20 for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip()
-    try:
-        import moto
-
-        moto_version = moto.__version__
-    except ImportError:
-        moto_version = "not installed"
-    return [f"# attnlab streaming bench  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-            f"# python {sys.version.split()[0]}, torch {torch.__version__}, ray {ray.__version__}, pyarrow "
-            f"{pyarrow.__version__}, moto {moto_version}, {_platform.platform()}, attnlab at {sha or '?'}",
-            f"# CPU: {cpu}, {os.cpu_count()} cores, {memory:.0f} GiB; load average at start {os.getloadavg()[0]:.1f}"]
 
 
 def mb_list(values) -> str:
@@ -193,8 +170,7 @@ def main() -> int:
     # the Ray workers import this checkout's attnlab (they inherit the environment of the cluster started here)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "platform")] + [p for p in
                                                 os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    for line in header():
-        print(line, flush=True)
+    machine.print_header(packages=("ray", "pyarrow", "moto"))
 
     workdir = Path(tempfile.mkdtemp(prefix="attnlab-bench-streaming-"))
     moto_proc = proxy = None

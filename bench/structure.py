@@ -1,7 +1,7 @@
 """The package's shape in four figures: the largest module, the longest function, how many times one trial of a
 study opens its data, and how many times the training config is dumped to a dict and validated back on the way.
 
-Prints figures with the hardware, versions and date; asserts nothing. Usage:
+Prints figures after the machine header (``bench/machine.py``); asserts nothing. Usage:
 
     python bench/structure.py [--source platform] [--skip-study]
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
-import datetime
 import json
 import os
 import subprocess
@@ -33,7 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402
+
+ROOT = machine.ROOT
 
 # The counting hook: installed as sitecustomize.py in a folder put first on PYTHONPATH, so every Python process of
 # the study (Ray's workers inherit the environment of the embedded cluster) patches the two modules as they load.
@@ -229,13 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where the study runs (default: a temporary folder)")
     args = parser.parse_args(argv)
     source = Path(args.source).resolve()
-    sys.path.insert(0, str(source))
-    from attnlab.provenance import hardware, package_versions
-
-    hw, versions = hardware(), package_versions()
-    print(f"# bench/structure.py  {datetime.date.today()}  source {source} (git {_git(source)})")
-    print(f"# {hw['cpu']} x{hw['cpu_count']}, python {versions['python']}, torch {versions['torch']}, "
-          f"ray {versions['ray']}")
+    machine.print_header(packages=("ray",))
+    print(f"- source: {source} (git {_git(source)})")
     shape = sizes(source / "attnlab")
     print(f"largest module: {shape['largest_module'][1]} ({shape['largest_module'][0]} lines)")
     print("longest functions: " + "; ".join(f"{name} ({n} lines)" for n, name in shape["longest_functions"]))

@@ -1,31 +1,29 @@
-"""Training throughput: tokens/s and MFU per preset and attention variant, and the overhead of Ray Train.
+"""Training throughput on CPU: tokens/s and MFU per preset and attention variant through the training loop (the demo
+corpus, ``train_worker``), and the overhead of Ray Train.
 
-Prints figures with the hardware, versions and date; asserts nothing. Usage:
+Prints figures after the machine header (``bench/machine.py``); asserts nothing. Usage:
 
     python bench/train.py [--preset tiny] [--variants softmax,lssa,lssar] [--steps 8] [--seq-len N]
-                          [--micro-batch B] [--ray-overhead] [--gpu]
+                          [--micro-batch B] [--threads N] [--compile] [--ray-overhead]
 
-On a GPU, ``--preset gpt2-small --seq-len 1024 --micro-batch 16`` measures what the paper trains; llm.c's
-reference is ~468K tokens/s per H100 and ~218K per A100 (target: >= 65% of it with softmax).
 The Ray overhead compares 1 Ray Train worker with the same loop in this process (LocalSession), at steady
 state (the first steps, which include start-up, are excluded by timing from the metrics' tokens_per_s).
+On a GPU, training throughput and MFU (GPT-2 small, against llm.c's) are the GPU check's: part d of
+``python bench/gpu.py --quick``, and ``python bench/gpu.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402  (puts platform/ on sys.path)
 
-import torch  # noqa: E402
-
-from attnlab.provenance import hardware, package_versions  # noqa: E402
 from attnlab.train import load_train_config  # noqa: E402
 from attnlab.train.loop import LocalSession, train_worker  # noqa: E402
 
@@ -46,7 +44,7 @@ def config(args, attention: str, data: str, steps: int):
     return load_train_config(dict(
         preset=args.preset, attention=attention, data=data, seq_len=T, steps=steps,
         tokens_per_step=T * args.micro_batch, micro_batch=args.micro_batch, warmup_steps=1, lr=1e-3,
-        log_every=1, val_every=10**9, val_tokens=T, checkpoint_every=10**9, gpus_per_worker=1.0 if args.gpu else 0.0,
+        log_every=1, val_every=10**9, val_tokens=T, checkpoint_every=10**9, gpus_per_worker=0.0,
         compile=args.compile, threads_per_worker=args.threads))
 
 
@@ -58,8 +56,7 @@ def steady(metrics: list[dict], skip: int) -> tuple[float, object]:
 
 def local_run(cfg) -> list[dict]:
     with tempfile.TemporaryDirectory() as run_dir:
-        device = "cuda" if cfg.gpu and torch.cuda.is_available() else "cpu"
-        session = LocalSession(run_dir, device=device)
+        session = LocalSession(run_dir, device="cpu")
         train_worker(cfg, session, run_dir)
         return session.reports
 
@@ -81,15 +78,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--threads", type=int)
-    ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--ray-overhead", action="store_true")
     args = ap.parse_args()
 
-    hw = hardware()
-    print(f"# bench/train.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
-    print(f"# hardware: {hw['cpu']} x{hw['cpu_count']}  gpus: {hw['gpu'] or 'none'}")
-    print(f"# versions: {json.dumps(package_versions())}")
+    machine.print_header(packages=("ray",))
     data = demo_data()
     print("| preset | attention | seq_len | tokens/step | tokens/s | MFU |")
     print("|---|---|---|---|---|---|")

@@ -22,18 +22,16 @@ on ``PYTHONPATH``. Printed:
 - the study page with N trials (``attnlab serve``, read only): time and size of ``/study/<name>`` and the two
   APIs the page reads on load.
 
-Hardware, versions, date and the load average are printed (2 shared cores: the seconds are indicative; say
-whether the cores were shared). Run: ``python bench/trials.py [--trials 50] [--concurrent 1] [--code DIR]
-[--workdir DIR]`` (set PYTHONPATH=platform or install the project).
+The machine header (``bench/machine.py``: its load average is taken before the run) comes first (2 shared cores:
+the seconds are indicative; say whether the cores were shared). Run: ``python bench/trials.py [--trials 50]
+[--concurrent 1] [--code DIR] [--workdir DIR]`` (set PYTHONPATH=platform or install the project).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform as _platform  # the stdlib module (this file is not inside the attnlab package)
 import shutil
 import socket
 import statistics
@@ -45,7 +43,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402
+
+ROOT = machine.ROOT
 NAME = "trials"
 ISSUE_FIGURE = "~14 s per trial (6 two-step trials in 85 s of study time)"  # issue 31, same machine
 
@@ -234,19 +235,10 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def header(code: Path) -> list[str]:
-    import ray
-    import torch
-
-    cores = os.cpu_count()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), _platform.processor())
+def code_line(code: Path) -> str:
+    """The code the study runs (``--code``: this checkout's ``platform/`` or another) and its git sha."""
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=code, capture_output=True, text=True)
-    return [f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-            f"- python {_platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}, "
-            f"{_platform.platform()}",
-            f"- CPU: {cpu}, {cores} cores; load average before the run {os.getloadavg()[0]:.1f}",
-            f"- code: {code} ({sha.stdout.strip() or 'not a git checkout'})"]
+    return f"- code: {code} ({sha.stdout.strip() or 'not a git checkout'})"
 
 
 def main() -> None:
@@ -259,7 +251,7 @@ def main() -> None:
     parser.add_argument("--ray-train", action="store_true",
                         help="train with Ray Train (resources.train_in_trial: false), as every trial did before")
     args = parser.parse_args()
-    lines = header(args.code.resolve())
+    lines = machine.lines(machine.header(packages=("ray",))) + [code_line(args.code.resolve())]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="attnlab-bench-trials-"))
     work.mkdir(parents=True, exist_ok=True)
     try:

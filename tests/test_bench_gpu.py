@@ -221,7 +221,8 @@ def test_a_case_over_its_tolerance_measures_the_dense_form_and_says_so(gc, monke
     """The plumbing of that rule, on CPU at 64 tokens with the float32 tolerance set to 0 (every error is over it):
     the dense float32 form runs on the same inputs, each tensor is at the floor or named in the failure with the
     dense form's figure. (The H100's case itself, relu_shen at 4,096 tokens, hangs on where float32 rounds two of
-    33.6M scores, which differs between CPUs: bench/RESULTS.md gives the command that measures it.)"""
+    33.6M scores, which differs between CPUs: bench/results/2026-11-26-h100-quick.md gives the command that
+    measures it.)"""
     import dataclasses
 
     monkeypatch.setitem(gc.agreement.TOLERANCE, torch.float32, 0.0)
@@ -277,7 +278,8 @@ def test_smoke_run_end_to_end(bench, gc, tmp_path, capsys):
     assert met[0] is None and met[2] is None  # CPU: no peak memory, no llm.c figure
     assert isinstance(met[1], bool) and isinstance(met[3], bool)  # the ratios are measured, whatever they are
     text = results_md.read_text()
-    assert text.startswith("# Benchmark results\n") and "## GPU path" in text and "### Targets" in text
+    assert text.startswith("# Benchmark results\n\n## The full GPU run (`bench/gpu.py --smoke`): CPU: ")
+    assert "### Targets" in text
     # LSSAR run twice: bit-identical attention gradients and training steps; the p_eval sweep's graphs counted
     assert [(r["check"], r["identical"]) for r in data["determinism"]] == [("attention", True), ("training", True)]
     (sweep,) = data["recompiles"]
@@ -288,7 +290,19 @@ def test_smoke_run_end_to_end(bench, gc, tmp_path, capsys):
     assert all(r["verdict"] == "PASSED" for r in data["summary"]), data["summary"]
     assert "### What passed and what did not" in text and "- train: **PASSED**" in text
     assert "| lssar p=15 | flex |" in text and text.strip().endswith("min.")
-    assert "## GPU path" in printed
+    assert "## The full GPU run" in printed
+
+
+def test_a_run_appends_to_its_dated_log(gc):
+    """bench/RESULTS.md holds the latest figures of each benchmark; a GPU run's whole section goes to a log named by
+    its date, GPU and kind, a second run of the day below the first."""
+    h100 = {"device": "NVIDIA H100 80GB HBM3, 79 GiB, 132 SMs", "driver": "580.159.04",
+            "date": "2026-11-26T20:10:00+00:00"}
+    assert gc.harness.run_log(h100, "quick") == ROOT / "bench" / "results" / "2026-11-26-h100-quick.md"
+    h200 = dict(h100, device="NVIDIA H200, 140 GiB, 132 SMs")
+    assert gc.harness.run_log(h200, "full").name == "2026-11-26-h200-full.md"
+    cpu = {"device": "CPU: AMD EPYC, 2 cores, 24 GiB", "driver": None, "date": "2026-11-29T01:00:00+00:00"}
+    assert gc.harness.run_log(cpu, "quick").name == "2026-11-29-cpu-quick.md"
 
 
 def test_smoke_does_not_append_unless_asked(bench, tmp_path, capsys):

@@ -8,7 +8,8 @@ import importlib.util
 
 import torch
 
-from gpucheck.harness import FAIL, PASS, Context, Outcome, header, say
+from gpucheck.harness import FAIL, PASS, Context, Outcome, say
+from machine import header
 
 # Present on a study's machines, absent on a bare GPU node: the quick check imports none of them.
 NOT_NEEDED = ("ray", "starlette", "uvicorn", "optuna", "lm_eval")

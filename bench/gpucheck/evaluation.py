@@ -132,7 +132,8 @@ def warm(ctx: Context) -> None:
                           attention=attention_spec_for(model, p))
 
 
-# The lowering failure torch 2.11's inductor raised on the compiled LSSAR evaluation graph (an H200, bench/RESULTS.md).
+# The lowering failure torch 2.11's inductor raised on the compiled LSSAR evaluation graph (an H200 and an H100:
+# bench/RESULTS.md, the quick GPU check's part e).
 # On CPU, torch 2.13 lowers such a graph up to the GPU (tests/test_cuda_proxy_attention.py), which cannot tell
 # whether 2.13 would lower it on a GPU.
 KNOWN_LOWERING_FAILURE = "convert FlexibleLayout to FixedLayout first"
@@ -204,7 +205,8 @@ def evaluation(ctx: Context) -> Outcome:
         problems.append(f"the compiled evaluation failed: {compile_error}{hint}")
         say(f"compiled evaluation failed: {compile_error}{hint}\nscoring again with the blocks eager:")
     # Scored again outside the except block: inside it, the exception's traceback keeps the frames of the failed
-    # call alive, the first model's weights with them (an H100 measured 0.55 GiB more at every eager cell).
+    # call alive, the first model's weights with them (an H100 measured 0.5 GiB more in every eager cell:
+    # bench/results/2026-11-27-h100-quick.md).
     del model
     reset_dynamo()
     if compile_error is not None:

@@ -1,6 +1,7 @@
 """The full run (``make bench-gpu``, ``python bench/gpu.py``): every part of :data:`gpucheck.sizes.PARTS` in order,
-printed and appended to ``bench/RESULTS.md``; under 25 minutes on one H100. The ``proxy`` and ``tests`` parts run
-pytest, so the full run needs the test suite's dependencies; the quick check (:mod:`gpucheck.quick`) needs none."""
+printed and appended to the run's dated log under ``bench/results/``; meant to take under 25 minutes on one H100.
+The ``proxy`` and ``tests`` parts run pytest, so the full run needs the test suite's dependencies; the quick check
+(:mod:`gpucheck.quick`) needs none."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from gpucheck.determinism import bench_determinism
 from gpucheck.evaluation import bench_eval
-from gpucheck.harness import Clock, Tee, header, say
+from gpucheck.harness import Clock, Tee, append_log, say
 from gpucheck.kernels import bench_attention
 from gpucheck.plan import bench_plan
 from gpucheck.pytests import run_cuda_tests
@@ -25,6 +26,8 @@ from gpucheck.report import print_targets, summary, targets
 from gpucheck.sizes import GPU, PARTS, SMOKE, TOTAL_BUDGET_S
 from gpucheck.training import bench_train
 from gpucheck.variants import bench_variants
+from machine import header
+from machine import lines as machine_lines
 
 
 def run(args, parts: list[str]) -> int:
@@ -45,15 +48,12 @@ def run(args, parts: list[str]) -> int:
     tee = Tee(sys.stdout)
     results: dict = {"parts": parts, "smoke": args.smoke, "sizes": asdict(sizes), "compile_backend": backend}
     with contextlib.redirect_stdout(tee):
-        info = header(device)
+        info = header(device, ("triton",))
         results["header"] = info
-        git = info["git"]
-        say(f"\n## GPU path: attention, training, evaluation (`bench/gpu.py{' --smoke' if args.smoke else ''}`, "
-            f"issue 14)\n")
-        say(f"- date: {info['date']}")
-        say(f"- device: {info['device']}; driver {info['driver'] or '-'}")
-        say(f"- python {info['python']}, torch {info['torch']}, CUDA {info['cuda'] or '-'}")
-        say(f"- git: {git['sha']}{' (dirty)' if git.get('dirty') else ''}")
+        say(f"\n## The full GPU run (`bench/gpu.py{' --smoke' if args.smoke else ''}`): "
+            f"{info['device'].split(',')[0]}, {info['date'][:10]}\n")
+        for line in machine_lines(info):
+            say(line)
         say(f"- parts: {', '.join(parts)}" + ("; no time allotments (smoke)\n" if args.smoke else
                                                f"; no item starts after {TOTAL_BUDGET_S // 60} min\n"))
         steps = {
@@ -97,8 +97,6 @@ def run(args, parts: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     if append:
-        with open(args.results, "a") as f:
-            f.write(tee.text())
-        print(f"appended to {args.results}")
+        print(f"appended to {append_log(args.results, info, 'full', tee.text())}")
     return 0
 

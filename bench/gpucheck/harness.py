@@ -1,6 +1,7 @@
 """The harness every part of the GPU check shares: the clock and its budgets, the printed line, and the results
-written as they come (a JSON file rewritten after each part, and lines ready for ``bench/RESULTS.md`` appended one
-by one), so that a run killed by a time limit keeps every part that finished.
+written as they come (a JSON file rewritten after each part, and the run's Markdown section appended line by
+line), so that a run killed by a time limit keeps every part that finished; and the run's dated log under
+``bench/results/`` that ``--append`` adds the section to.
 
 A part is a function ``part(ctx) -> Outcome``; :func:`run_part` times it against its budget, turns an exception into
 a FAIL line (the part's error, in one line), and records it. No Ray, no pytest, no network.
@@ -9,21 +10,15 @@ a FAIL line (the part's error, in one line), and records it. No Ray, no pytest, 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import json
 import os
-import platform as _platform  # the stdlib module
-import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT / "platform") not in sys.path:
-    sys.path.insert(0, str(ROOT / "platform"))
+from machine import ROOT  # noqa: F401  (bench/machine.py: puts platform/ on sys.path before attnlab is imported)
 
 import torch  # noqa: E402
 
@@ -90,27 +85,6 @@ def fmt(value, spec: str = ".2f", missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def header(device: torch.device) -> dict:
-    from attnlab.provenance import git_info
-
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "python": _platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "device": "cpu", "driver": None, "git": git_info(), "host_cpus": os.cpu_count()}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info["device"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            info["driver"] = "unknown"
-    else:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                   _platform.machine()) if Path("/proc/cpuinfo").exists() else _platform.machine()
-        info["device"] = f"CPU: {cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
-    return info
-
-
 def llmc_reference(device: torch.device) -> tuple[str, float] | None:
     """llm.c's GPT-2 124M tokens/s per GPU for this device (H100, A100), or None."""
     if device.type != "cuda":
@@ -124,8 +98,27 @@ def llmc_reference(device: torch.device) -> tuple[str, float] | None:
 
 
 
+def run_log(info: dict, kind: str) -> Path:
+    """A run's dated log, ``bench/results/<date>-<gpu>-<kind>.md`` (``cpu`` for a run without one), from the
+    machine header ``info``: one file per day, device and kind of run."""
+    name = info["device"].removeprefix("NVIDIA ").split()[0] if info["driver"] else "cpu"
+    name = "".join(c for c in name.lower() if c.isalnum())
+    return ROOT / "bench" / "results" / f"{info['date'][:10]}-{name}-{kind}.md"
+
+
+def append_log(path: str | None, info: dict, kind: str, text: str) -> Path:
+    """Append a run's section to ``path``, or to its dated log (:func:`run_log`; a second run that day goes below
+    the first); the file written to."""
+    path = Path(path) if path is not None else run_log(info, kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    below = path.exists() and path.stat().st_size > 0
+    with open(path, "a") as f:
+        f.write(("\n" if below else "") + text.lstrip("\n"))
+    return path
+
+
 class Tee:
-    """Everything said goes to stdout and into a buffer (the section appended to RESULTS.md)."""
+    """Everything said goes to stdout and into a buffer (the section appended to the run's log)."""
 
     def __init__(self, stream):
         self.stream, self.lines = stream, []
@@ -182,7 +175,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 class Recorder:
     """The run's results as they come: ``json_path`` rewritten whole after each part (atomically: a reader never
-    sees half a file), ``lines_path`` appended one line per part (flushed and synced), ready for RESULTS.md."""
+    sees half a file), ``lines_path`` appended one line per part (flushed and synced): the run's section."""
 
     def __init__(self, json_path: Path | None, lines_path: Path | None, results: dict):
         self.json_path, self.lines_path, self.results = json_path, lines_path, results
@@ -199,7 +192,7 @@ class Recorder:
             _atomic_write(self.json_path, json.dumps(self.results, indent=1, default=str))
 
     def line(self, text: str) -> None:
-        """One line of the RESULTS.md section, written at once."""
+        """One line of the run's section, written at once."""
         if self.lines_path is not None:
             with open(self.lines_path, "a") as f:
                 f.write(text + "\n")

@@ -1,5 +1,6 @@
-"""The quick check (``python bench/gpu.py --quick``, ``make gpu-check``): what a first GPU session must answer, in
-at most 6 minutes on one H100 from a cold start, with the site's torch and Triton and no Ray, pytest or network.
+"""The quick check (``python bench/gpu.py --quick``, ``make gpu-check``): what a first GPU session must answer, with
+the site's torch and Triton and no Ray, pytest or network; no part starts after 6 minutes (the goal for all six
+on one H100 from a cold start: docs/gpu.md#the-quick-check).
 
 Parts, lettered in the order of what they decide (each with a budget; an item that would start past it is skipped
 and counted; no part starts after the run's total). They run in :data:`~gpucheck.sizes.QUICK_RUN_ORDER`: a, f, b,
@@ -18,8 +19,9 @@ f. ``checkpoint``: save and resume on the GPU; the RNG streams continue.
 
 Part b's cases run in worker processes, and the compiles of c, d and e in warmers, all started as the check begins
 (:mod:`gpucheck.background`; ``--no-workers``: everything in this process, one after another). Each part prints one
-line, PASS, FAIL or SKIP with its figures, written at once to the JSON file and to the lines file (ready for
-``bench/RESULTS.md``). ``--smoke``: tiny shapes on CPU, no budgets (CI runs it, Ray hidden).
+line, PASS, FAIL or SKIP with its figures, written at once to the JSON file and to the lines file (the run's
+section, which ``--append`` adds to its dated log under ``bench/results/``). ``--smoke``: tiny shapes on CPU, no
+budgets (CI runs it, Ray hidden).
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from gpucheck.background import Background
 from gpucheck.checkpoint import checkpoint
 from gpucheck.environment import environment
 from gpucheck.evaluation import evaluation
-from gpucheck.harness import FAIL, Clock, Context, Recorder, header, run_part, say
+from gpucheck.harness import FAIL, Clock, Context, Recorder, append_log, run_part, say
 from gpucheck.kernels import KERNEL_METHODS, kernels
 from gpucheck.sizes import QUICK, QUICK_PARTS, QUICK_RUN_ORDER, QUICK_SMOKE
 from gpucheck.quick_training import QUICK_VARIANTS, training
+from machine import header
+from machine import lines as machine_lines
 
 PARTS = {"environment": ("a. environment", environment), "agreement": ("b. fused vs reference", agreement),
          "kernels": ("c. kernel speed and memory", kernels), "training": ("d. training", training),
@@ -74,20 +78,16 @@ def run(args, parts: list[str]) -> int:
     backend = args.compile_backend or ("none" if args.smoke else "inductor")
     backend = None if backend == "none" else backend
     clock = Clock(sizes.total_s)
-    info = header(device)
+    info = header(device, ("triton",))
     results = {"kind": "quick", "smoke": args.smoke, "header": info, "sizes": asdict(sizes),
                "compile_backend": backend, "selected": parts}
     json_path = Path(args.json or "gpu-check/quick.json")
     lines_path = Path(args.lines or "gpu-check/quick.md")
     recorder = Recorder(json_path, lines_path, results)
-    git = info["git"]
     title = (f"## Quick GPU check (`bench/gpu.py --quick{' --smoke' if args.smoke else ''}`): "
              f"{info['device'].split(',')[0]}, {info['date'][:10]}")
-    for text in (title, "", f"- device: {info['device']}; driver {info['driver'] or '-'}",
-                 f"- python {info['python']}, torch {info['torch']}, CUDA {info['cuda'] or '-'}, "
-                 f"compile: {backend or 'eager'}",
-                 f"- git: {git['sha']}{' (dirty)' if git.get('dirty') else ''}",
-                 f"- budget: {'none (smoke)' if args.smoke else f'{sizes.total_s / 60:.0f} min in all'}", "",
+    for text in (title, "", *machine_lines(info), f"- compile: {backend or 'eager'}; budget: "
+                 f"{'none (smoke)' if args.smoke else f'{sizes.total_s / 60:.0f} min in all'}", "",
                  "| part | verdict | figures | seconds |", "|---|---|---|---|"):
         recorder.line(text)
     say(title)
@@ -121,9 +121,7 @@ def run(args, parts: list[str]) -> int:
     say(f"\nquick check: {'FAIL (' + ', '.join(failed) + ')' if failed else 'no failure'} in {seconds / 60:.1f} min; "
         f"results in {json_path} and {lines_path}")
     if args.append:
-        with open(args.results, "a") as f:
-            f.write("\n" + lines_path.read_text())
-        print(f"appended to {args.results}")
+        print(f"appended to {append_log(args.results, info, 'quick', lines_path.read_text())}")
     return 1 if failed else 0
 
 
