@@ -42,7 +42,8 @@ LayerObserver = Callable[[torch.Tensor, torch.Tensor, "tuple | None"], None]
 
 
 # The token embedding as an operator of its own: compiled, inductor lowers nn.Embedding's backward to an accumulating
-# index_put whose atomic adds make two identical training steps differ in the last bits (bench/RESULTS.md, an H200).
+# index_put whose atomic adds make two identical training steps differ in the last bits
+# (bench/results/2026-11-26-h200-quick.md).
 # As an operator its backward is aten's embedding_dense_backward (sorted indices, summed in order: deterministic on
 # CUDA and CPU), in the compiled model as in the eager one, without use_deterministic_algorithms for the whole model.
 @torch.library.custom_op("attnlab::embedding", mutates_args=())

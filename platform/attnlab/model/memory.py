@@ -300,7 +300,7 @@ def _loss_path_bytes_per_token(cfg: GPTConfig, precision: str, compiled: bool) -
     V = cfg.vocab_size
     a = 2 if precision == "bf16" else 4
     if compiled:  # fused log-softmax + NLL: the logits it saves, two fp32 (tokens x vocab) tensors at the start of
-        # the backward and the gradient's bf16 cast. Calibrated on a GPU (bench/RESULTS.md, quick check on an H200):
+        # the backward and the gradient's bf16 cast. Calibrated on a GPU (bench/results/2026-11-26-h200-quick.md):
         # GPT-2 small at 16 x 1,024 peaked 2.4-2.7 GiB above the model of one fp32 gradient, ~3.2 x vocab bytes a
         # token; with the second fp32 tensor the plan is 2-4 % above the measured peaks.
         return a * V + 8 * V + (2 * V if precision == "bf16" else 0)
