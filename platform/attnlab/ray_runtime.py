@@ -250,7 +250,7 @@ def _start_local(ray, dashboard: bool, **init_kwargs) -> int | None:
     port (another port, up to ``DASHBOARD_PORT_TRIES`` in all: a free port chosen here can be taken before Ray
     binds it, by another cluster starting on this machine at the same moment). A second time-out is a
     :class:`UserError` in one line naming that attempt's logs; any other failure is raised as it is."""
-    from attnlab import faults
+    import attnlab.faults as faults
 
     timeouts = ports = 0
     for number in itertools.count():
