@@ -310,6 +310,17 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
     return True
 
 
+def gcs_address() -> str | None:
+    """The GCS address (``host:port``) of the cluster this process is connected to; None when not connected, or when
+    the connection does not tell it (a Ray Client ``ray://`` one)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - as in dashboard()
+        return None
+
+
 def log_file(folder: str, what: str) -> str:
     """A new log file path ``<folder>/<what>-<time>.log`` (the folder is created)."""
     os.makedirs(folder, exist_ok=True)
