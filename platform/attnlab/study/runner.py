@@ -384,6 +384,8 @@ def _run_study(spec: StudySpec, store: str | None, runs: str | None, resume: boo
         if reporting:
             end_run(ctx.claims)
             interrupted_counts()
+        else:
+            stop.reported.acquire()  # the watcher reports (the cluster went with the signal): wait for it
         raise stop.interrupted()
     end_run(ctx.claims)  # every trial has ended: the run's claims go
     _record_pruned(spec, state, grid)

@@ -18,13 +18,15 @@ A signal sent to a whole process group (``timeout``; a terminal's Ctrl-C reaches
 SIGINT) or to every process of a job (Slurm, systemd) also ends the study's own embedded Ray cluster: Tune's clean-up
 then waits on a GCS that is gone until Ray aborts the process, 60 s later ("Failed to connect to GCS"). So after the
 first signal a watcher checks the cluster's GCS port; when it no longer answers, the study is recorded and reported
-from there and, in a process that is the study's own (the CLI), the process ends with the same last line.
+from there and, in a process that is the study's own (the CLI), the process ends with the same last line (and a
+process ending after an interrupted study skips Ray's shutdown when its cluster is gone).
 
 No Ray here: signals, files and a TCP connection.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -62,6 +64,7 @@ class StopSignals:
         self.received: signal.Signals | None = None
         self.at = 0.0  # when it was received
         self.searching = False
+        self.outside_search = False  # a signal came outside the search: it ended the study where it was
         self.reported = threading.Lock()  # held by whoever reports the interrupted study: the runner or the watcher
         self._previous: dict = {}
         self._cluster: tuple[str, Callable[[], None], bool] | None = None
@@ -95,11 +98,12 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received, self.at = signal.Signals(signum), time.time()
-            self._start_watcher()
+            self._watch_cluster()
             tune_interrupt = signal.getsignal(signal.SIGUSR1) if self.searching else None
             if callable(tune_interrupt):
                 tune_interrupt(signal.SIGUSR1, frame)  # Tune's Ctrl-C: it stops at its next step
                 return
+        self.outside_search = self.outside_search or not self.searching  # then the watcher has nothing to report
         raise self.interrupted()
 
     @contextlib.contextmanager
@@ -116,29 +120,43 @@ class StopSignals:
 
     # ------------------------------------------------------------------------------------------ a cluster that went
     def watch_cluster(self, gcs_address: str | None, report: Callable[[], None], own_process: bool) -> None:
-        """After the first signal, watch the GCS at ``gcs_address``: if it stops answering before the study has
-        ended, ``report`` (record the interrupted trials, print the counts) runs from the watcher, and with
-        ``own_process`` (the process is the study's: the CLI) the process then ends with the study's last line."""
+        """Once a signal comes, watch the cluster's GCS at ``gcs_address``. If it stops answering while the search
+        is still stopping, ``report`` (record the interrupted trials, print the counts) runs from the watcher; with
+        ``own_process`` (the process is the study's: the CLI) the process then ends with the study's last line, and
+        a process ending after an interrupted study skips Ray's shutdown when the cluster is gone (it would wait
+        on it, then abort, after that last line)."""
         if gcs_address:
             self._cluster = (gcs_address, report, own_process)
 
-    def _start_watcher(self) -> None:
-        if self._cluster is not None:
-            threading.Thread(target=self._watch, daemon=True, name="attnlab-stop-watch").start()
+    def _watch_cluster(self) -> None:
+        if self._cluster is None:
+            return
+        if self._cluster[2]:
+            atexit.register(self._exit_without_ray)  # after Ray's own: it runs first
+        threading.Thread(target=self._watch, daemon=True, name="attnlab-stop-watch").start()
 
     def _watch(self) -> None:
         address, report, own_process = self._cluster
         while not self._done.wait(GCS_CHECK_S):
-            if gcs_answers(address) or self._done.is_set():
+            if gcs_answers(address):
                 continue
-            if not self.reported.acquire(blocking=False):
-                return  # the runner is reporting: the cluster was no longer needed
-            report()
-            if own_process:  # the process would wait on the cluster until Ray aborts it: it ends here instead
-                sys.stdout.flush()
-                print(self.interrupted().last_line(sys.argv[1:]), file=sys.stderr, flush=True)
-                os._exit(128 + int(self.received))
+            if self.outside_search or not self.reported.acquire(blocking=False):
+                return  # nothing to report, or the runner reports
+            try:
+                report()
+                if own_process:  # the search would wait on the cluster until Ray aborts the process: it ends here
+                    sys.stdout.flush()
+                    print(self.interrupted().last_line(sys.argv[1:]), file=sys.stderr, flush=True)
+                    os._exit(128 + int(self.received))
+            finally:
+                self.reported.release()  # the runner, which waits for it, raises the outcome
             return
+
+    def _exit_without_ray(self) -> None:
+        if self.received is not None and not gcs_answers(self._cluster[0]):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + int(self.received))
 
 
 def record_interrupted(state: StudyState, stop: StopSignals) -> None:
