@@ -128,7 +128,8 @@ def ray_session():
 # pytest-xdist workers, a file at a time (``--dist loadfile``), handing each worker the next file in this order; a
 # heavy file left for last would run alone while the other worker idles (`--no-loadscope-reorder` keeps this order).
 # The rest keep their alphabetical order.
-HEAVY_FIRST = ("test_multinode.py", "test_cuda_proxy_attention.py", "test_study_run.py", "test_train.py",
+HEAVY_FIRST = ("test_multinode.py", "test_cuda_proxy_attention.py", "test_study_run.py", "test_study_outcomes.py",
+               "test_train.py", "test_start_and_exit.py",
                "test_downstream.py", "test_bench_gpu.py", "test_trial_counts.py", "test_cluster.py",
                "test_serve_browser.py", "test_data_streaming.py", "test_attention_flex.py", "test_study_stages.py",
                "test_embedded_clusters.py", "test_evaluate.py", "test_study_watch.py", "test_model_compile.py",

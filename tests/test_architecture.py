@@ -5,9 +5,9 @@ upward import fails here with the file and the line that made it.
 
 Layers, bottom to top (a package may import its own layer's modules only inside itself):
 
-    0  errors
-    1  names, validation, location, provenance, ray_runtime, cache, states (control state as enums), faults
-       (fault-injection seams)   (the shared base)
+    0  errors, faults (fault-injection seams: they import nothing, and the base's own code calls them too)
+    1  names, validation, location, provenance, ray_runtime, cache, states (control state as enums)
+       (the shared base)
     2  attention
     3  model
     4  data, results, runfolder (a training run's folder: its files' format, read by train, study and serve)
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1] / "platform"
 PACKAGE = ROOT / "attnlab"
 LAYERS = {
     "errors": 0, "names": 1, "validation": 1, "location": 1, "provenance": 1, "ray_runtime": 1, "cache": 1,
-    "states": 1, "faults": 1,
+    "states": 1, "faults": 0,
     "attention": 2, "model": 3, "data": 4, "results": 4, "runfolder": 4,
     "train": 5, "evaluate": 5, "cluster": 5, "export": 5, "study": 6, "cli": 7, "demo": 7, "serve": 7,
     "__main__": 8,

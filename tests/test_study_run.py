@@ -21,6 +21,7 @@ from attnlab.results import ResultsStore
 from attnlab.states import TrialState
 from attnlab.study.runner import run_study, study_state
 from attnlab.study.spec import load_spec
+from attnlab.study.trial import plan_trial
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,24 +218,33 @@ def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_sess
     summary = run_study(load_spec(_write(tmp_path, study3)), store=store_uri, runs=runs, verbose=0)
     (died,) = summary.trials
     assert died["status"] == "failed" and "the trial's process died" in died["reason"], died
-    assert summary.count(TrialState.FAILED) == 1 and summary.lost == []
+    assert summary.count(TrialState.FAILED) == 1
 
 
 def test_a_trial_that_died_before_recording_a_run_is_counted_failed(tmp_path):
     """A Tune trial that errored before it wrote its run's status (its node removed by the autoscaler before the
-    trial started there, as a loaded CI machine once showed) is in the summary as failed, with the error."""
+    trial started there, as a loaded CI machine once showed) gets a status file all the same, written by the driver
+    under its point's run key: failed, with the error, and counted (tests/test_study_outcomes.py has trials that
+    die for real in their workers)."""
     from types import SimpleNamespace
 
-    from attnlab.study.runner import _record_died
+    from attnlab.results import ResultsStore
+    from attnlab.study.runner import _record_died, study_context
 
     spec = load_spec({"name": "lost", "train": TRAIN, "search": {"engine": "grid"},
-                      "space": {"attention": ["softmax"]}, "objective": "val_loss@1x", "eval": EVAL})
+                      "space": {"attention": ["softmax"], "seeds": [0, 1]}, "objective": "val_loss@1x", "eval": EVAL})
     state = study_state(spec, str(tmp_path / "runs"))
+    ctx = study_context(spec, state, ResultsStore(str(tmp_path / "results")))
     error = RuntimeError("The actor died because its node has died. Terminated by autoscaler.")
-    lost = _record_died(state, [SimpleNamespace(error=None, config={"point": {"seed": 0}}),
-                                SimpleNamespace(error=error, config={"point": {"seed": 1}})])
-    assert lost == [{"point": {"seed": 1}, "reason": "the trial's process died: RuntimeError: The actor died because "
-                                                     "its node has died. Terminated by autoscaler."}]
+    # Tune's results, as ResultGrid holds them: the one that ended well is the trial's own to record
+    _record_died(ctx, [SimpleNamespace(error=None, config={"point": {"attention": "softmax", "seed": 0}}, metrics={}),
+                       SimpleNamespace(error=error, config={"point": {"attention": "softmax", "seed": 1}},
+                                       metrics={"trial_id": "abc_00001"})])
+    (record,) = state.statuses()
+    assert record["status"] == "failed" and record["point"] == {"attention": "softmax", "seed": 1}
+    assert record["reason"] == ("the trial's process died: killed, or crashed (RuntimeError: The actor died because "
+                                "its node has died. Terminated by autoscaler.)")
+    assert record["train_key"] == plan_trial(ctx, record["point"], "x").train_key and record["trial"] == "abc_00001"
 
 
 def _queue_actors() -> int:

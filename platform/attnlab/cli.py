@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from attnlab.errors import UserError
+from attnlab.errors import Interrupted, UserError
 
 # The module that contributes each sub-command, in the order they appear in --help.
 _COMMANDS = {
@@ -59,10 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"attnlab: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:  # it recorded what it had done: say so, and how to go on, as the last line
+        sys.stdout.flush()
+        print(exc.last_line(words), file=sys.stderr, flush=True)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("attnlab: interrupted", file=sys.stderr)
         return 130
     return int(result or 0)
+
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:
         summary = run_study(spec, store=store, runs=runs, resume=False if args.fresh else None,
                             curves_dir=out.child("curves", spec.name).uri, verbose=1 if args.verbose else 0,
-                            quiet=not args.verbose)
+                            quiet=not args.verbose, own_process=True)
         ok = ok and bool(summary.count(TrialState.COMPLETE))
     print(f"\ndemo done: tables above; curves in {out.child('curves').uri}; results store {store}")
     for spec in specs:

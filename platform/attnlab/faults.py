@@ -25,4 +25,11 @@ def before_train_step(step: int, rank: int) -> None:
     step ``step`` (0-based: ``step`` steps are done). Raising here is that worker crashing at that step."""
 
 
-__all__ = ["after_data_item", "before_train_step", "compaction_step"]
+# ------------------------------------------------------------------------------------------ a local Ray start
+def before_ray_start(attempt: int, dashboard_port: int | None) -> None:
+    """Called by :func:`attnlab.ray_runtime.ensure_ray` before each attempt (0-based) to start a local Ray cluster,
+    with the dashboard port that attempt will bind (None: it starts none). Holding that port here is the start
+    losing it; stalling the processes it launches (from a thread started here) is the start timing out."""
+
+
+__all__ = ["after_data_item", "before_ray_start", "before_train_step", "compaction_step"]

@@ -21,6 +21,9 @@ by ASHA, a killed driver) is never removed. So every process of the cluster attn
   task and actor of the job, detached ones included, inherits. The processes of ``ray start`` were started
   before attnlab ran, so this is the only way to reach them.
 
+A local start that fails (it timed out, or lost its dashboard port) is made again, once its processes are stopped
+and its session folder removed (``_start_local``).
+
 ``dashboard()`` says where the dashboard of the cluster this process joined is (the port chosen here for an
 embedded one, the GCS's record for any other, or that there is none): a study prints it on its plan line and
 records it for ``attnlab serve`` (``attnlab.study.runner``).
@@ -28,8 +31,11 @@ records it for ``attnlab serve`` (``attnlab.study.runner``).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
+import shutil
 import socket
 import time
 import warnings
@@ -143,40 +149,144 @@ def _api_server_runtime_env() -> dict | None:
 
 # Ray gives a starting node's raylet a fixed 30 s to register (ray/_private/node.py); on a loaded machine that can pass.
 STARTUP_RETRY_PAUSE_S = 10.0
+STARTUP_TIMEOUTS = 2  # a start that timed out is tried once more, after the pause
+DASHBOARD_PORT_TRIES = 3
+STOP_WAIT_S = 5.0  # how long a failed start's processes get to end after SIGTERM, before SIGKILL
 
 
 def _startup_timed_out(exc: BaseException) -> bool:
     return "timed out during startup" in str(exc)
 
 
-DASHBOARD_PORT_TRIES = 3
-
-
 def _port_taken(exc: BaseException) -> bool:
     """Ray's ``ValueError`` for a dashboard port something else bound first."""
-    return "already occupied" in str(exc)
+    return isinstance(exc, ValueError) and "already occupied" in str(exc)
 
 
-def _start_local(ray, **init_kwargs) -> None:
-    """``ray.init`` of a local cluster; one that did not start in time is shut down and started once more after a
-    pause (a second wait); a second time-out is a :class:`UserError` in one line naming Ray's logs."""
-    try:
-        ray.init(**init_kwargs)
-        return
-    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a startup time-out
-        if not _startup_timed_out(exc):
+class _StartAttempt:
+    """One ``ray.init`` of a local cluster, and what it launched.
+
+    ``ray.init`` builds its node (``ray._private.node.Node``) in the node's constructor, which starts the GCS, the
+    raylet, the dashboard and the monitors, and only then hands the node to Ray. A start that fails in there (the
+    raylet did not register in time, the dashboard port was taken) raises before Ray keeps the node: ``ray.shutdown()``
+    knows none of its processes, and each failed attempt left its GCS, dashboard, raylet and agents running under
+    the study for as long as it ran. So an attempt keeps the node it was building (``recording``): Ray's own record
+    of the processes it launched and of its session folder, and :meth:`stop` ends them by process id (with their
+    children: the raylet's agents and workers, the dashboard's modules), never by name."""
+
+    def __init__(self) -> None:
+        self.node = None
+
+    @contextlib.contextmanager
+    def recording(self):
+        from ray._private import node as ray_node
+
+        real = ray_node.Node
+        attempt = self
+
+        class RecordedNode(real):
+            def __init__(self, *args, **kwargs):
+                attempt.node = self  # before its processes start: what it starts lands in its all_processes
+                super().__init__(*args, **kwargs)
+
+        ray_node.Node = RecordedNode
+        try:
+            yield self
+        finally:
+            ray_node.Node = real
+
+    @property
+    def session(self) -> str | None:
+        """The attempt's Ray session folder (``<temp>/ray/session_*``), once Ray chose it."""
+        return getattr(self.node, "_session_dir", None) if self.node is not None else None
+
+    def processes(self) -> list:
+        """The processes the attempt launched that are still running, and theirs (``psutil.Process``)."""
+        import psutil
+
+        launched = [info.process for infos in getattr(self.node, "all_processes", {}).values() for info in infos]
+        found: dict[int, psutil.Process] = {}
+        for popen in launched:
+            if popen.poll() is not None:  # ended (and reaped now)
+                continue
+            try:
+                proc = psutil.Process(popen.pid)  # our child, not reaped: its id is not anyone else's
+                found[proc.pid] = proc
+                for child in proc.children(recursive=True):
+                    found.setdefault(child.pid, child)
+            except psutil.Error:
+                continue
+        return list(found.values())
+
+    def stop(self, remove_session: bool) -> int:
+        """End every process the attempt launched (SIGTERM, then SIGKILL after ``STOP_WAIT_S``), reap them, and
+        remove its session folder when ``remove_session``. Returns how many processes were running."""
+        import psutil
+
+        procs = self.processes()
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+                proc.resume()  # one stopped (SIGSTOP) acts on its SIGTERM only once it runs
+        _, alive = psutil.wait_procs(procs, timeout=STOP_WAIT_S)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=STOP_WAIT_S)
+        for infos in getattr(self.node, "all_processes", {}).values():
+            for info in infos:  # reap the attempt's own children (psutil reaped those it waited for)
+                with contextlib.suppress(Exception):
+                    info.process.wait(timeout=0.1)
+        if remove_session and self.session:
+            shutil.rmtree(self.session, ignore_errors=True)
+        return len(procs)
+
+
+def _start_local(ray, dashboard: bool, **init_kwargs) -> int | None:
+    """``ray.init`` of a local cluster, attempted until it starts; returns its dashboard's port (None: none).
+
+    A failed attempt's processes are stopped (:class:`_StartAttempt`), and its session folder removed, before the
+    next attempt, which is made, with one console line saying why, when the attempt timed out (once more, after a pause: Ray's 30 s may pass on a loaded machine) or lost its dashboard
+    port (another port, up to ``DASHBOARD_PORT_TRIES`` in all: a free port chosen here can be taken before Ray
+    binds it, by another cluster starting on this machine at the same moment). A second time-out is a
+    :class:`UserError` in one line naming that attempt's logs; any other failure is raised as it is."""
+    import attnlab.faults as faults
+
+    timeouts = ports = 0
+    for number in itertools.count():
+        port = None
+        if dashboard:
+            port = _free_port()
+            init_kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
+            os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"  # inherited by this cluster's processes only
+        faults.before_ray_start(number, port)
+        attempt = _StartAttempt()
+        try:
+            with attempt.recording():
+                ray.init(**init_kwargs)
+            return port
+        except BaseException as exc:
+            timed_out, taken = _startup_timed_out(exc), dashboard and _port_taken(exc)
+            timeouts, ports = timeouts + timed_out, ports + taken
+            again = (timed_out and timeouts < STARTUP_TIMEOUTS) or (taken and ports < DASHBOARD_PORT_TRIES)
+            ray.shutdown()  # the driver's side of the attempt
+            stopped = attempt.stop(remove_session=again)  # the cluster's side: what Ray's shutdown never knew
+            if again:
+                why = (f"it did not start in time (its raylet did not register within Ray's 30 s; the machine may be "
+                       f"busy); trying once more in {STARTUP_RETRY_PAUSE_S:g} s" if timed_out else
+                       f"its dashboard port {port} was taken before Ray bound it; trying another port")
+                print(f"attnlab: the local Ray cluster was started again: {why} (the failed start's {stopped} "
+                      "process(es) were stopped and its session folder removed)", flush=True)
+                if timed_out:
+                    time.sleep(STARTUP_RETRY_PAUSE_S)
+                continue
+            if timed_out:
+                logs = os.path.join(attempt.session, "logs") if attempt.session else os.path.join(
+                    os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "session_latest", "logs")
+                raise UserError(f"the local Ray cluster did not start in time, twice (the machine may be overloaded): "
+                                f"see {logs} (raylet.out, gcs_server.out), or join a running cluster with "
+                                "RAY_ADDRESS") from None
             raise
-    ray.shutdown()
-    time.sleep(STARTUP_RETRY_PAUSE_S)
-    try:
-        ray.init(**init_kwargs)
-    except Exception as exc:  # noqa: BLE001
-        if not _startup_timed_out(exc):
-            raise
-        ray.shutdown()
-        logs = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "session_latest", "logs")
-        raise UserError(f"the local Ray cluster did not start in time, twice (the machine may be overloaded): see "
-                        f"{logs} (raylet.out, gcs_server.out), or join a running cluster with RAY_ADDRESS") from None
 
 
 def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboard: bool = True,
@@ -191,27 +301,24 @@ def ensure_ray(num_cpus: int | None = None, object_store_mb: int = 512, dashboar
         return False
     for key, value in LOCAL_ENV.items():
         os.environ.setdefault(key, value)
-    kwargs = {}
-    for attempt in range(DASHBOARD_PORT_TRIES):
-        if dashboard:
-            port = _free_port()
-            kwargs.update(dashboard_host="127.0.0.1", dashboard_port=port)
-            os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"  # inherited by this cluster's processes only
-        try:
-            _start_local(ray, address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
-                         include_dashboard=dashboard, object_store_memory=object_store_mb * 1024**2,
-                         configure_logging=False, log_to_driver=log_to_driver, **kwargs)
-            break
-        except ValueError as exc:
-            # The free port chosen above was taken before Ray bound it (another cluster starting on this machine
-            # at the same moment picks ports too): a new port, up to DASHBOARD_PORT_TRIES times.
-            if not (dashboard and _port_taken(exc)) or attempt == DASHBOARD_PORT_TRIES - 1:
-                raise
-            ray.shutdown()
+    port = _start_local(ray, dashboard, address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+                        include_dashboard=dashboard, object_store_memory=object_store_mb * 1024**2,
+                        configure_logging=False, log_to_driver=log_to_driver)
     _dashboards[ray.get_runtime_context().gcs_address] = (
-        Dashboard(f"http://127.0.0.1:{kwargs['dashboard_port']}", embedded=True) if dashboard
+        Dashboard(f"http://127.0.0.1:{port}", embedded=True) if dashboard
         else Dashboard(None, "this embedded cluster was started without one", embedded=True))
     return True
+
+
+def gcs_address() -> str | None:
+    """The GCS address (``host:port``) of the cluster this process is connected to; None when not connected, or when
+    the connection does not tell it (a Ray Client ``ray://`` one)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - as in dashboard()
+        return None
 
 
 def log_file(folder: str, what: str) -> str:

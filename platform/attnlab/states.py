@@ -64,6 +64,7 @@ class TrialState(_FileValue):
     CACHED = "cached"  # found trained and evaluated: nothing to do
     DIVERGED = "diverged"
     PRUNED = "pruned"  # stopped by the scheduler (ASHA)
+    INTERRUPTED = "interrupted"  # its study was stopped (SIGINT, SIGTERM) while it ran: the same command resumes it
     FAILED = "failed"
     SKIPPED = "skipped"  # a stage's run whose parent run failed, diverged or was pruned: never trained from scratch
     UNKNOWN = "unknown"  # a status file without a (known) status: never written
@@ -85,7 +86,8 @@ class TrialState(_FileValue):
     @property
     def has_reason(self) -> bool:
         """The trial ended without objectives, and its status file says why (``reason``)."""
-        return self in (TrialState.FAILED, TrialState.DIVERGED, TrialState.PRUNED, TrialState.SKIPPED)
+        return self in (TrialState.FAILED, TrialState.DIVERGED, TrialState.PRUNED, TrialState.INTERRUPTED,
+                        TrialState.SKIPPED)
 
 
 __all__ = ["RunStatus", "StopReason", "TrialState"]

@@ -59,6 +59,17 @@ def add_parser(subparsers) -> None:
     add_plugin_argument(val)
     val.set_defaults(func=_validate)
 
+    status = sub.add_parser("status", help="print a study's trials: each one's status and why it ended",
+                            description="Print the trials of STUDY (its name, or its YAML file) as its runs folder "
+                                        "records them: counts by status, then a line per trial (running, complete, "
+                                        "cached, diverged, pruned, interrupted, failed or skipped), with its point, "
+                                        "its run's key and its progress, objectives or reason. Reads files only: it "
+                                        "starts nothing.")
+    status.add_argument("study", metavar="STUDY", help="the study's name, or its YAML file (only its name: is read)")
+    status.add_argument("--runs", "--storage", dest="runs",
+                        help="the runs folder the study was run with (default: $ATTNLAB_STORAGE/runs, else ./runs)")
+    status.set_defaults(func=_status)
+
     from attnlab.study.submit import add_submit_parser
 
     add_submit_parser(sub)
@@ -82,10 +93,39 @@ def _run(args: argparse.Namespace) -> int:
     spec = load_spec(args.study, plugins=args.plugin or (), bundle=bundle)
     resume = True if args.resume else (False if args.fresh else None)
     summary = run_study(spec, store=args.store, runs=args.runs, resume=resume, curves_dir=args.curves,
-                        verbose=1 if args.verbose else 0, quiet=not args.verbose, compact=args.compact)
+                        verbose=1 if args.verbose else 0, quiet=not args.verbose, compact=args.compact,
+                        own_process=True)
     # after the summary and the table: a study with a failed trial did not do what it was asked (exit 1), a trial
     # whose process died before it recorded a run included
     return 1 if summary.count(TrialState.FAILED) else 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import os
+
+    from attnlab.location import runs_location
+    from attnlab.names import check_study_name
+    from attnlab.study.console import status_lines
+    from attnlab.study.state import StudyState
+
+    name = args.study
+    if name.endswith((".yaml", ".yml")) or os.path.isfile(name):
+        import yaml
+
+        try:
+            with open(name) as f:
+                loaded = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as exc:
+            raise UserError(f"{name}: cannot be read as a study file ({type(exc).__name__}: {exc})") from None
+        name = loaded.get("name") if isinstance(loaded, dict) else None
+        if name is None:
+            raise UserError(f"{args.study}: the study file has no name:")
+    check_study_name(name, field="STUDY")
+    state = StudyState(runs_location(args.runs), name)
+    if state.saved_study() is None and not state.statuses():
+        raise UserError(f"study {name}: nothing recorded at {state.loc.uri}; give the --runs it was run with")
+    print("\n".join(status_lines(state)))
+    return 0
 
 
 def _validate(args: argparse.Namespace) -> int:

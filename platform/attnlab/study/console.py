@@ -34,6 +34,39 @@ def trial_label(trial: TrialStatus) -> str:
     return f"{trial.attention or '?'}" + (f" {rest}" if rest else "")
 
 
+def trial_detail(state: StudyState, trial: TrialStatus, progress: Progress) -> str:
+    """What a trial's line says after its status: a running trial's progress (``progress``, updated here from its
+    metrics: step, losses, time left), a finished one's objectives, or why it ended without them."""
+    if trial.status is TrialState.RUNNING and trial.run_dir and trial.train_key:
+        try:
+            progress.update(read_metrics(state.run(trial.train_key)))
+        except (OSError, ValueError):
+            pass
+        return progress.line() if progress.last else ""
+    if trial.status.succeeded:
+        return " ".join(f"{k} {v:.4f}" for k, v in trial.objectives.items() if isinstance(v, float))
+    if trial.status.has_reason:
+        return str(trial.reason or "")[:200]
+    return ""
+
+
+def status_lines(state: StudyState) -> list[str]:
+    """``attnlab study status``: the study's trials counted by status, then a line per trial (its status, point,
+    run key and what :func:`trial_detail` says), running ones first."""
+    trials = sorted(state.trials(), key=lambda t: (t.status is not TrialState.RUNNING, t.started or 0,
+                                                   t.train_key or ""))
+    counts: dict[str, int] = {}
+    for trial in trials:
+        counts[trial.status.value] = counts.get(trial.status.value, 0) + 1
+    lines = [f"study {state.name}: {len(trials)} trial(s)"
+             + (": " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) if counts else "")
+             + f" ({state.loc.uri})"]
+    for trial in trials:
+        detail = trial_detail(state, trial, Progress(int(trial.steps or 0)))
+        lines.append(f"  {trial.status:<11} {trial_label(trial):<28} {trial.train_key or '?':<16}  {detail}".rstrip())
+    return lines
+
+
 class LiveView:
     """Polls a study's trials every ``interval`` seconds and emits a line per change."""
 
@@ -54,25 +87,13 @@ class LiveView:
             key, status = trial.train_key, trial.status
             if not key:
                 continue
-            detail = ""
-            if status is TrialState.RUNNING and trial.run_dir:
-                progress = self._progress.setdefault(key, Progress(int(trial.steps or 0)))
-                try:
-                    progress.update(read_metrics(self.state.run(key)))
-                except (OSError, ValueError):
-                    pass
-                if progress.last:
-                    detail = progress.line()
-            elif status.succeeded:
-                detail = " ".join(f"{k} {v:.4f}" for k, v in trial.objectives.items() if isinstance(v, float))
-            elif status.has_reason:
-                detail = str(trial.reason or "")[:200]
-            shown = (status, detail)
+            progress = self._progress.setdefault(key, Progress(int(trial.steps or 0)))
+            shown = (status, trial_detail(self.state, trial, progress))
             if self._shown.get(key) == shown:
                 continue
             self._shown[key] = shown
             elapsed = format_duration(time.monotonic() - self.started)
-            out.append(f"  {elapsed:>7}  {status:<9} {trial_label(trial):<28} {detail}".rstrip())
+            out.append(f"  {elapsed:>7}  {status:<11} {trial_label(trial):<28} {shown[1]}".rstrip())
         return out
 
     def _run(self) -> None:

@@ -21,13 +21,15 @@ experiment aside).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from attnlab.errors import UserError
+from attnlab.errors import Interrupted, UserError
 from attnlab.location import runs_location, store_location
 from attnlab.states import TrialState
 from attnlab.study.space import SearchPoint
@@ -35,8 +37,9 @@ from attnlab.study.claims import end_run, start_registry
 from attnlab.study.spec import StudySpec
 from attnlab.study.stages import stage_of
 from attnlab.study.state import StudyState
+from attnlab.study.stopping import StopSignals, record_interrupted
 from attnlab.study.trackers import tracker_callbacks
-from attnlab.study.trial import StudyContext, StudyData, evaluate_missing, point_of, study_trial
+from attnlab.study.trial import StudyContext, StudyData, evaluate_missing, plan_trial, point_of, study_trial
 
 if TYPE_CHECKING:
     from attnlab.results import ResultsStore
@@ -84,7 +87,7 @@ def stage_plan(ctx: StudyContext) -> str:
     from attnlab.runfolder import outcome, read_metrics
     from attnlab.states import RunStatus
     from attnlab.study.stages import ROOT
-    from attnlab.study.trial import parent_final_step, plan_trial
+    from attnlab.study.trial import parent_final_step
 
     counts: dict[str, list[int]] = {}
     checked: set[str] = set()
@@ -199,11 +202,9 @@ class StudySummary:
     curves: dict = field(default_factory=dict)
     tensorboard_dir: str | None = None
     restored: bool = False
-    lost: list[dict] = field(default_factory=list)  # Tune trials that died before recording a run (point, reason)
 
     def count(self, status: TrialState) -> int:
-        counted = sum(1 for t in self.trials if TrialState.read(t.get("status")) == status)  # a member or its string
-        return counted + (len(self.lost) if status is TrialState.FAILED else 0)
+        return sum(1 for t in self.trials if TrialState.read(t.get("status")) == status)  # a member or its string
 
 
 def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> bool:
@@ -256,7 +257,7 @@ def study_plan(spec: StudySpec, dashboard=None) -> str:
 
 def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None, resume: bool | None = None,
               curves_dir: str | None = None, verbose: int = 0, quiet: bool = False,
-              compact: bool = True) -> StudySummary:
+              compact: bool = True, own_process: bool = False) -> StudySummary:
     """Run ``spec`` on the current Ray cluster (``ensure_ray``: ``RAY_ADDRESS`` or an embedded one).
 
     ``store``: results store (default ``spec.store``, else see the module docstring); ``runs``: the runs folder,
@@ -270,12 +271,21 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     ``compact``: once every trial has ended (complete, failed or stopped) and the catch-up evaluation is written,
     merge the study's small files in the store (:func:`compact_results`); False leaves them (``attnlab results
     compact`` merges them later).
-    """
-    import contextlib
 
+    SIGINT and SIGTERM stop it alike (:mod:`attnlab.study.stopping`): the trials that were running are recorded as
+    interrupted (``TrialState.INTERRUPTED``), the counts are printed, and it raises :class:`attnlab.errors.Interrupted`;
+    running it again resumes them. ``own_process``: this process is the study's (the CLI's): when the signal took the
+    Ray cluster too, the process ends itself with the study's last line instead of waiting on the cluster.
+    """
+    with StopSignals(spec.name) as stop:
+        return _run_study(spec, store, runs, resume, curves_dir, verbose, quiet, compact, stop, own_process)
+
+
+def _run_study(spec: StudySpec, store: str | None, runs: str | None, resume: bool | None, curves_dir: str | None,
+               verbose: int, quiet: bool, compact: bool, stop: StopSignals, own_process: bool) -> StudySummary:
     from ray import tune
 
-    from attnlab.ray_runtime import dashboard, ensure_ray, log_file, quiet_ray
+    from attnlab.ray_runtime import dashboard, ensure_ray, gcs_address as ray_gcs_address, log_file, quiet_ray
     from attnlab.results import ResultsStore
     from attnlab.study.console import LiveView, say
 
@@ -300,6 +310,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
         # one is silent there (the live view and the final table are the console).
         os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     ensure_ray(log_to_driver=not quiet)
+    stop.install()  # over the handlers ray.init put in place
     board = dashboard()  # the cluster this study runs on: embedded, RAY_ADDRESS's or the Ray job's
     say(study_plan(spec, board), log)  # the terminal and the log file both name the dashboard
     if stages:
@@ -346,13 +357,40 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     if url:
         print(f"attnlab: Optuna study {spec.name!r} in {url}\n  watch it: optuna-dashboard {url}", flush=True)
     print(f"attnlab: TensorBoard: tensorboard --logdir {exp.uri}", flush=True)
-    with LiveView(state) if quiet else contextlib.nullcontext():
-        grid = tuner.fit()
+
+    def interrupted_counts() -> None:
+        trials = state.statuses()
+        _print_counts(spec, StudySummary(spec.name, state.loc.uri, store_loc.uri, url, trials=trials,
+                                         searched=len(trials), trained=state.trainings_started() - trained_before),
+                      interrupted=stop.received.name)
+
+    def report_interrupted() -> None:  # from the watcher, when a signal took the cluster too
+        record_interrupted(state, stop)
+        interrupted_counts()
+
+    stop.watch_cluster(ray_gcs_address(), report_interrupted, own_process)
+    reporting = False
+    try:
+        with stop.search(), LiveView(state) if quiet else contextlib.nullcontext():
+            grid = tuner.fit()
+            # Tune stopped, and its trials: recorded interrupted (the live view's last lines show them)
+            if stop.received is not None and (reporting := stop.reported.acquire(blocking=False)):
+                record_interrupted(state, stop)
+    except Interrupted:  # a second signal, or one before Tune's loop began: the search ended where it was
+        if (reporting := stop.reported.acquire(blocking=False)):
+            record_interrupted(state, stop)
+        grid = None
+    if stop.received is not None:
+        if reporting:
+            end_run(ctx.claims)
+            interrupted_counts()
+        else:
+            stop.reported.acquire()  # the watcher reports (the cluster went with the signal): wait for it
+        raise stop.interrupted()
     end_run(ctx.claims)  # every trial has ended: the run's claims go
     _record_pruned(spec, state, grid)
-    lost = _record_died(state, grid)
-    summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri,
-                           lost=lost)
+    _record_died(ctx, grid)
+    summary = StudySummary(spec.name, state.loc.uri, store_loc.uri, url, restored=restore, tensorboard_dir=exp.uri)
     summary.evaluated = evaluate_missing(ctx)
     if compact:
         summary.compacted = compact_results(ctx.store, spec.name)
@@ -404,28 +442,87 @@ def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
                                       f"({spec.scheduler.metric}={metrics.get(spec.scheduler.metric)})")
 
 
-def _record_died(state: StudyState, grid) -> list[dict]:
+def _record_died(ctx: StudyContext, grid) -> None:
     """Tune trials that ended with an error their own code never recorded: the trial's process, or its node, died
-    (killed, out of memory, a node the autoscaler removed before the trial started there). A run left ``running``
-    is marked failed with the error; a trial that died before it recorded a run is returned (its point and the
-    error), so the summary counts it failed and ``study run`` exits 1 instead of reporting fewer trials."""
+    (killed, out of memory, a node the autoscaler removed), or its worker could not import what it runs. A run left
+    ``running`` is marked failed with the reason (:func:`died_reason`); a trial that died before it recorded its run
+    gets a status file all the same, failed with the reason, under the key the driver plans for its point (the trial
+    never got that far), so the page, ``study status``, the summary and the exit code all count it."""
     import json
 
-    from attnlab.errors import one_line
-
+    state = ctx.state
     errored = [result for result in grid if result.error is not None]
     statuses = state.statuses() if errored else []  # read once: a large study's status files are many
-    lost = []
     for result in errored:
         point = json.loads(json.dumps(point_of(result.config or {}), default=str))  # as its status file holds it
-        reason = f"the trial's process died: {one_line(result.error, 300)}"
+        reason = died_reason(result.error)
         mine = [t for t in statuses if t.get("point") == point]
-        if not mine:
-            lost.append({"point": point, "reason": reason})
         for t in mine:
             if TrialState.read(t.get("status")) in (TrialState.RUNNING, TrialState.UNKNOWN):
                 state.write_status(t["train_key"], status=TrialState.FAILED, reason=reason)
-    return lost
+        if mine:
+            continue
+        trial = (result.metrics or {}).get("trial_id")
+        try:
+            plan = plan_trial(ctx, point, trial or "unrecorded")
+            key, planned = plan.train_key, {"config": plan.cfg.model_dump(mode="json"), "steps": plan.cfg.steps,
+                                            "attention": plan.cfg.gpt_config().attention}
+        except Exception:  # noqa: BLE001 - a point the driver cannot plan either: keyed by the point itself
+            import hashlib
+
+            key = "unplanned-" + hashlib.sha256(json.dumps(point, sort_keys=True).encode()).hexdigest()[:16]
+            planned = {}
+        state.write_status(key, point=point, trial=trial, run_dir=None, status=TrialState.FAILED, reason=reason,
+                           recorded_by="driver", **planned)
+
+
+def died_reason(error: BaseException) -> str:
+    """Why a Tune trial ended with ``error``, one line: an import error in its worker, its process out of memory
+    (Ray's memory monitor killed it, or an allocation failed: ``MemoryError``, ``OutOfMemoryError``), or its process
+    killed (Ray cannot tell a SIGKILL, the kernel's OOM killer's included, from a crash: it names both); anything else
+    as the error says (the trial's own code records the errors it raises once its run is recorded)."""
+    import ray.exceptions
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Ray colours the traceback it carries back
+    chain, seen = [], error
+    while isinstance(seen, BaseException) and seen not in chain and len(chain) < 10:
+        chain.append(seen)  # the error, its cause (a RayTaskError's), what it was raised from
+        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
+    raised = [m.group(1) + ": " + m.group(3) for m in re.finditer(
+        r"^\s*(?:[\w.]+\.)?(\w+(Error|Exception))(?:\(\w+\))?: (.*)$", text, re.M)]
+    raised = [" ".join(line.split())[:300] for line in raised]
+    # the root cause: the last error raised, else the error itself
+    said = raised[-1] if raised else " ".join(f"{type(error).__name__}: {text}".split())[:300]
+    if any(isinstance(e, ImportError) for e in chain) or re.search(r"\b(ModuleNotFoundError|ImportError): ", text):
+        return f"an import error in the trial's worker: {said}"
+    if any(isinstance(e, MemoryError) for e in chain) or re.search(
+            r"running low on memory|OutOfMemoryError|MemoryError|out of memory", text):
+        return f"the trial's process ran out of memory: {said}"
+    died = (ray.exceptions.ActorDiedError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
+    if any(isinstance(e, died) for e in chain) or re.search(r"died unexpectedly|its node has died", text):
+        pid = re.search(r"\bpid: (\d+)", text)
+        detail = re.search(r"Worker exit detail: (.*?\.)(?: |$)", text)
+        return (f"the trial's process died{f' (pid {pid.group(1)})' if pid else ''}: killed, or crashed"
+                + (f" (Ray: {detail.group(1)[:200]})" if detail else f" ({said})"))
+    return f"the trial ended with an error it did not record: {said}"
+
+
+def _print_counts(spec: StudySpec, summary: StudySummary, interrupted: str | None = None) -> None:
+    """The summary line (how many trials, by status; how many trained) and a line per trial that ended with a
+    reason; ``interrupted``: the signal that stopped the study, said first."""
+    statuses = {}
+    for t in summary.trials:
+        statuses[t.get("status")] = statuses.get(t.get("status"), 0) + 1
+    runs = len(summary.trials)
+    counted = (f"{summary.searched} trial(s) on {runs} distinct training run(s) (the search proposed a point more "
+               "than once):" if summary.searched > runs else f"{runs} trial(s)")
+    print(f"\nstudy {spec.name}: {f'interrupted ({interrupted}): ' if interrupted else ''}{counted} "
+          + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) + f"; {summary.trained} trained this run"
+          + (f", {summary.evaluated} new evaluation cell(s) of earlier trials" if summary.evaluated else ""),
+          flush=True)
+    for t in summary.trials:
+        if TrialState.read(t.get("status")).has_reason:
+            print(f"  {t['status']}: {t.get('train_key')} {t.get('point')}: {t.get('reason')}", flush=True)
 
 
 def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: ResultsStore,
@@ -434,22 +531,7 @@ def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: Re
     from attnlab.results import reports
 
     df = store.read(study=spec.name)
-    statuses = {}
-    for t in summary.trials:
-        statuses[t.get("status")] = statuses.get(t.get("status"), 0) + 1
-    if summary.lost:
-        statuses[TrialState.FAILED.value] = statuses.get(TrialState.FAILED.value, 0) + len(summary.lost)
-    runs = len(summary.trials) + len(summary.lost)
-    counted = (f"{summary.searched} trial(s) on {runs} distinct training run(s) (the search proposed a point more "
-               "than once):" if summary.searched > runs else f"{runs} trial(s)")
-    print(f"\nstudy {spec.name}: {counted} "
-          + ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) + f"; {summary.trained} trained this run"
-          + (f", {summary.evaluated} new evaluation cell(s) of earlier trials" if summary.evaluated else ""))
-    for t in summary.trials:
-        if TrialState.read(t.get("status")).has_reason:
-            print(f"  {t['status']}: {t.get('train_key')} {t.get('point')}: {t.get('reason')}")
-    for t in summary.lost:
-        print(f"  failed: no run recorded {t['point']}: {t['reason']}")
+    _print_counts(spec, summary)
     metric = spec.objective[0].parts.metric  # the study's own measure: val_loss, or acc for a probe
     if len(df) == 0 or not (df["metric"] == metric).any():
         print("no results in the store yet")

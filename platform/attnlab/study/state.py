@@ -9,8 +9,9 @@ folder or object storage), and how the study's files are read and written. The o
     <runs>/<study>/tune/                    the Tune experiment (trial logs, TensorBoard files, searcher state)
     <runs>/<study>/runs/<train_key>/        each training run (metrics.jsonl, provenance.json, checkpoints)
     <runs>/<study>/trials/<train_key>.json  each training run's status: running, complete, cached, diverged,
-                                            pruned, failed; its train_key, the Tune trial that holds it (trial),
-                                            its point, reason, config, objectives, progress
+                                            pruned, interrupted, failed, skipped; its train_key, the Tune trial
+                                            that holds it (trial), its point, reason, config, objectives, progress
+                                            (the driver writes it for a trial that died before it could)
     <runs>/<study>/events/*.json            one file per training started (a counter for people and tests)
     <runs>/<study>/curves/                  the study's figures
     <runs>/<study>/optuna.db                the Optuna SQLite file when the runs folder is local
