@@ -32,7 +32,7 @@ Printed per run:
   that processes share are counted in each);
 - whether the results equal the unloaded run's bit for bit (every row's value, by its measurement's identity).
 
-The machine (``lscpu``'s model, cores, memory), the date and the load average are printed. Run:
+The machine header (``bench/machine.py``: the date, the machine, its load average, the versions) is printed. Run:
 ``python bench/soak.py [--fail stall|port] [--alloc-mb 1024] [--workdir DIR]`` (PYTHONPATH=platform, or the
 project installed; about 15 minutes on 2 shared cores).
 """
@@ -40,10 +40,8 @@ project installed; about 15 minutes on 2 shared cores).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform as _platform  # the stdlib module (this file is not inside the attnlab package)
 import shutil
 import signal
 import subprocess
@@ -52,6 +50,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402  (puts platform/ on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "soak"
@@ -274,21 +275,6 @@ def same_bits(a: Path, b: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def machine() -> list[str]:
-    import ray
-    import torch
-
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")),
-                 _platform.processor())
-    mem = next((int(line.split()[1]) // 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal")), 0)
-    return [f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-            f"- machine: {model} (lscpu), {os.cpu_count()} cores, {mem / 1024:.1f} GiB memory; load average before "
-            f"the runs {os.getloadavg()[0]:.1f} (other users' work included)",
-            f"- python {_platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fail", choices=("stall", "port"), default="stall",
@@ -298,7 +284,7 @@ def main() -> None:
     args = parser.parse_args()
     import yaml
 
-    lines = machine()
+    lines = machine.lines(machine.header(packages=("ray",)))
     base = args.workdir or Path(tempfile.mkdtemp(prefix="attnlab-bench-soak-"))
     ray_base = Path(tempfile.mkdtemp(prefix="sk", dir="/tmp"))  # short: Ray's socket paths have a 107-byte limit
     runs = {}
