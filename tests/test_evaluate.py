@@ -410,7 +410,12 @@ def test_eval_cli_rope_flag_takes_pi_and_yarn():
     assert eval_config_from_args(args).rope_scaling == ["none", "pi", "yarn", "ntk"]
     with pytest.raises(UserError) as info:
         eval_config_from_args(parser.parse_args(["eval", "run", "--rope", "linear"]))
-    assert "use ntk, none, pi, yarn or both" in str(info.value)
+    assert str(info.value) == ("--rope='linear' is not allowed: use one of ntk, none, pi, yarn, yarn_paper, dynamic "
+                               "(or both: ntk,none)")
+    args = parser.parse_args(["eval", "run", "--rope", "yarn_paper,dynamic:2"])
+    assert eval_config_from_args(args).rope_scaling == ["yarn_paper", "dynamic:2"]
+    with pytest.raises(UserError, match="dynamic takes its factor at evaluation, e.g. dynamic:2"):
+        eval_config_from_args(parser.parse_args(["eval", "run", "--rope", "dynamic"]))
 
 
 def test_pi_and_yarn_cells_are_measured_without_retraining(trained_run):
