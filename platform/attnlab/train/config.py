@@ -126,8 +126,8 @@ class StopWhen(BaseModel):
 
 # The version of what each built-in attention variant computes in training (absent: 1). Raise a variant's version
 # in the change that alters what it computes, not merely how it rounds: its train key changes with it (identity), so
-# a run trained under the older meaning is never found by key as a run of the new one (docs/stages.md#identity-and-
-# reuse). tests/test_train_golden.py pins the first training losses of every variant and fails until it is raised.
+# a run trained under the older meaning is never found by key as a run of the new one
+# (docs/stages.md#identity-and-reuse). tests/test_train_golden.py pins the first training losses of every variant and fails until it is raised.
 # A plugin's variant needs none: its key holds its code's sha256.
 ATTENTION_SEMANTICS: dict[str, int] = {}
 
@@ -599,10 +599,11 @@ class TrainConfig(BaseModel):
         every results row (``train_key``). Two configs with the same key train the same weights: the same
         computation (what each attention variant and RoPE scaling computes carries a version,
         :data:`ATTENTION_SEMANTICS` and :data:`attnlab.names.ROPE_SEMANTICS`, raised when it changes), so on one
-        machine and one build of torch the same bits. Across CPUs (another BLAS, another number of threads) float32
-        rounds differently: softmax's losses agree to about 1e-6, but LSSAR's sharpening amplifies a rounding
-        difference step by step into a different draw, as far apart as another seed (docs/stages.md#identity-
-        and-reuse): a key then names the same training, not the same weights."""
+        machine and one build of torch the same bits. Across CPUs the promise is weaker: float32 rounds by the
+        kernel path (torch's CPU capability, AVX2 or AVX512, recorded in provenance), and LSSAR's sharpening
+        amplifies the difference step by step into another draw (proxy_text's LSSAR seed 3: 2.0515 at 16x on the
+        AVX512 path, 2.0198 on AVX2, five seeds' spread; softmax moves by about 1e-3): a key then names the same
+        training, not the same weights (docs/stages.md#identity-and-reuse)."""
         payload = json.dumps(self.identity(data_fingerprint, vocab_size), sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
