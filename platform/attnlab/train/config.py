@@ -602,7 +602,7 @@ class TrainConfig(BaseModel):
         machine and one build of torch the same bits. Across CPUs the promise is weaker: float32 rounds by the
         kernel path (torch's CPU capability, AVX2 or AVX512, recorded in provenance), and LSSAR's sharpening
         amplifies the difference step by step into another draw (proxy_text's LSSAR seed 3: 2.0515 at 16x on the
-        AVX512 path, 2.0198 on AVX2, five seeds' spread; softmax moves by about 1e-3): a key then names the same
+        AVX512 path, 2.0198 on AVX2, five seeds' spread; softmax seed 4: 2.4119 and 2.4113): a key then names the same
         training, not the same weights (docs/stages.md#identity-and-reuse)."""
         payload = json.dumps(self.identity(data_fingerprint, vocab_size), sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
