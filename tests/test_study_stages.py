@@ -457,3 +457,69 @@ eval: {multiples: [1, 4]}"""))
         assert all(not k.endswith("rope_scaling") or k == f"{stage}.rope_scaling" for k in point), point
     assert space.stage_sizes() == {"pretrain": 1, "extend": 8, "extend_short": 2}
 
+
+@pytest.mark.parametrize("study, train_len", [("extend_proxy", 128), ("extend_gpu", 1024)])
+def test_the_extension_studys_verdicts_are_one_family_of_48_paired_comparisons(tmp_path, study, train_len):
+    """studies/extend_proxy.verdicts (and extend_gpu's), fixed with the protocol before the study ran: on rows shaped
+    as the study writes them (its every run, its lineage columns), each line picks one configuration a side, paired
+    by seed, and the 48 make one Holm family."""
+    import numpy as np
+
+    from attnlab.evaluate.extrapolation import lineage_columns
+    from attnlab.results import reports
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "studies" / f"{study}.yaml")
+    space = spec.search_space()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i, point in enumerate(space.grid()):
+        cfg = space.config(point)
+        key = f"run{i}"
+        if point.get("stage"):
+            cfg = space.with_parent(cfg, f"parent-{cfg.attention}-{cfg.seed}", "/runs/p", 400, 1)
+        else:
+            key = f"parent-{cfg.attention}-{cfg.seed}"
+        lineage = lineage_columns(cfg.model_dump(mode="json"), cfg.steps)
+        for length in spec.eval.eval_lengths(train_len):
+            rows.append(dict(study=study, trial=key, attention=cfg.attention, scale="s", rope_scaling="none",
+                             step=cfg.steps, tokens=cfg.steps * 4096, eval_len=length, train_len=train_len,
+                             window_mode="nonoverlap", metric="val_loss", value=2 + rng.normal(0, 0.01), seed=cfg.seed,
+                             train_key=key, git_sha="abc", stage=point.get("stage"), **lineage))
+    store = ResultsStore(tmp_path / "store")
+    store.write(rows, key=(study, 0))
+    pairs = reports.read_pairs(str(root / "studies" / f"{study}.verdicts"))
+    results = reports.compare_family(store.read(study=study), pairs)
+    assert len(results) == 48 and {r.family_size for r in results} == {48}
+    assert {r.pairing for r in results} == {"seed"} and {r.paired.n_pairs for r in results} == {5}
+    assert {r.eval_len for r in results} == {4 * train_len, 16 * train_len}
+    assert len({(r.a, r.b, r.at) for r in results}) == 48
+
+
+def test_data_seed_seed_draws_each_runs_batches_with_its_own_seed(tmp_path):
+    """``data_seed: seed`` (the redone extension study's parents and children): each run's batches are drawn with its
+    seed, its key is that number's (seed 0 keeps data_seed 0's key, proxy_text's), and the recorded config reads back
+    resolved."""
+    from attnlab.runfolder import TrainRecord
+    from attnlab.train.config import load_train_config
+    from attnlab.train.parts import TrainData
+
+    base = {"preset": "tiny", "data": "x", "seq_len": 128, "tokens_per_step": 4096, "micro_batch": 32}
+    by_seed = load_train_config({**base, "data_seed": "seed", "seed": 3})
+    assert by_seed.data_order_seed == 3 and by_seed.data_seed == "seed"
+    assert by_seed.train_key("fp", 257) == load_train_config({**base, "data_seed": 3, "seed": 3}).train_key("fp", 257)
+    assert load_train_config({**base, "data_seed": "seed", "seed": 0}).train_key("fp", 257) == \
+        load_train_config({**base, "seed": 0}).train_key("fp", 257)
+    assert TrainRecord.parse(by_seed).data_seed == 3
+
+    class Source:
+        seeds = []
+
+        def train_batch(self, *args, seed, **kwargs):
+            self.seeds.append(seed)
+            return torch.zeros(1, 1), torch.zeros(1, 1), None
+
+    list(TrainData(Source(), by_seed, 0, 1, torch.device("cpu")).micro_batches(0))
+    assert Source.seeds == [3]
+    with pytest.raises(UserError, match="data_seed='x': .*is not allowed: use an integer >= 0, or seed"):
+        load_train_config({**base, "data_seed": "x"})
