@@ -158,3 +158,35 @@ def test_a_family_from_a_file_of_pairs(store, tmp_path, capsys):
     assert f"--pairs {path}:1: 'lssar softmax' is not 'A B AT'" in capsys.readouterr().err
     assert main(["results", "compare", "--store", store.uri, "--pairs", str(path), "--a", "lssar"]) == 2
     assert "leave out --a, --b and --at" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ yarn before schema 9
+def test_yarn_rows_of_schema_1_to_8_read_as_yarn_paper_and_never_mix_with_new_ones(tmp_path, capsys):
+    """A store holding YaRN rows written before yarn became the reference code's ramp (schema 8, a layout-1 file as
+    older attnlab wrote it) and rows of the new yarn: reports show them as two configurations, yarn_paper and yarn, and
+    --where finds each by its current name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from attnlab.results.schema import ARROW_SCHEMA
+
+    store = ResultsStore(str(tmp_path))
+    store.write([{**_row("softmax", seed, 2.5 + 0.01 * seed, key=f"new-{seed}"), "rope_scaling": "yarn"}
+                 for seed in SEEDS], key=("ext", "new"))
+    old = [{**_row("softmax", seed, 2.8 + 0.01 * seed, key=f"old-{seed}"), "rope_scaling": "yarn", "schema_version": 8,
+            "extension": None} for seed in SEEDS]
+    columns = [name for name in old[0] if name in ARROW_SCHEMA.names]
+    table = pa.Table.from_pylist([{k: r[k] for k in columns} for r in old],
+                                 schema=pa.schema([ARROW_SCHEMA.field(n) for n in columns]))
+    pq.write_table(table, str(tmp_path / "study=ext" / "old.parquet"))
+    result = reports.table(store.read(study="ext"))
+    assert sorted(result["rope_scaling"]) == ["yarn", "yarn_paper"]
+    assert main(["results", "table", "--store", store.uri, "--where", "rope_scaling=yarn_paper", "--digits", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2.82" in out and "2.52" not in out  # the old rows alone (mean 2.82 over seeds 0-4)
+    assert main(["results", "table", "--store", store.uri, "--where", "rope_scaling=yarn", "--digits", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2.52" in out and "2.82" not in out
+    compared = reports.compare(store.read(study="ext"), a="softmax,rope_scaling=yarn_paper",
+                               b="softmax,rope_scaling=yarn", at="16x")
+    assert compared.diff == pytest.approx(-0.3)
