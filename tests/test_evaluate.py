@@ -325,8 +325,8 @@ def test_cli_errors_and_table(trained_run, tmp_path, capsys):
     assert err.startswith("attnlab: error: checkpoint path") and "\n" not in err
     run_dir, _ = trained_run
     assert main(["eval", str(run_dir), "--rope", "linear"]) == 2
-    assert capsys.readouterr().err.strip() == ("attnlab: error: --rope 'linear' is not allowed; "
-                                               "use ntk, none, pi, yarn or both (ntk,none)")
+    assert capsys.readouterr().err.strip() == ("attnlab: error: --rope='linear' is not allowed: use one of ntk, none, "
+                                               "pi, yarn, yarn_paper, dynamic (or both: ntk,none)")
     assert main(["eval", str(run_dir), "--p-eval", "none,0.5"]) == 2
     assert "--p-eval='0.5' is not allowed" in capsys.readouterr().err
     assert main(["eval", str(run_dir), "--multiples", "1,2", "--max-tokens", "256", "--p-eval", "none,3",
