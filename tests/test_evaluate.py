@@ -325,8 +325,8 @@ def test_cli_errors_and_table(trained_run, tmp_path, capsys):
     assert err.startswith("attnlab: error: checkpoint path") and "\n" not in err
     run_dir, _ = trained_run
     assert main(["eval", str(run_dir), "--rope", "linear"]) == 2
-    assert capsys.readouterr().err.strip() == ("attnlab: error: --rope 'linear' is not allowed; "
-                                               "use ntk, none, pi, yarn or both (ntk,none)")
+    assert capsys.readouterr().err.strip() == ("attnlab: error: --rope='linear' is not allowed: use one of ntk, none, "
+                                               "pi, yarn, yarn_paper, dynamic (or both: ntk,none)")
     assert main(["eval", str(run_dir), "--p-eval", "none,0.5"]) == 2
     assert "--p-eval='0.5' is not allowed" in capsys.readouterr().err
     assert main(["eval", str(run_dir), "--multiples", "1,2", "--max-tokens", "256", "--p-eval", "none,3",
@@ -410,7 +410,12 @@ def test_eval_cli_rope_flag_takes_pi_and_yarn():
     assert eval_config_from_args(args).rope_scaling == ["none", "pi", "yarn", "ntk"]
     with pytest.raises(UserError) as info:
         eval_config_from_args(parser.parse_args(["eval", "run", "--rope", "linear"]))
-    assert "use ntk, none, pi, yarn or both" in str(info.value)
+    assert str(info.value) == ("--rope='linear' is not allowed: use one of ntk, none, pi, yarn, yarn_paper, dynamic "
+                               "(or both: ntk,none)")
+    args = parser.parse_args(["eval", "run", "--rope", "yarn_paper,dynamic:2"])
+    assert eval_config_from_args(args).rope_scaling == ["yarn_paper", "dynamic:2"]
+    with pytest.raises(UserError, match="dynamic takes its factor at evaluation, e.g. dynamic:2"):
+        eval_config_from_args(parser.parse_args(["eval", "run", "--rope", "dynamic"]))
 
 
 def test_pi_and_yarn_cells_are_measured_without_retraining(trained_run):

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5  # float32, every logit
 TRAIN_LEN = 16
 LENGTHS = (TRAIN_LEN, 4 * TRAIN_LEN)
-ROPES = ("none", "ntk", "pi", "yarn")
+ROPES = ("none", "ntk", "pi", "yarn", "yarn_paper", "dynamic:2")
 P_SHARP = 2.5  # the sharpened p_eval every sharpenable case is also compared at
 NEW_TOKENS = 20
 TRAIN_KEY = "export-test-key"
@@ -79,6 +79,10 @@ TRAINED_CASES = [
     dict(name="trained-pi-softmax", attention="softmax", trained="pi", rope="none"),
     dict(name="trained-ntk-llama-softmax", attention="softmax", block="llama", trained="ntk", rope="ntk"),
     dict(name="trained-yarn-lssar", attention="lssar", trained="yarn", rope="yarn"),
+    dict(name="trained-yarn8-softmax", attention="softmax", trained="yarn", factor=8.0, rope="none"),
+    dict(name="trained-yarn_paper-softmax", attention="softmax", trained="yarn_paper", rope="yarn_paper"),
+    dict(name="trained-dynamic2-llama-softmax", attention="softmax", block="llama", trained="dynamic", factor=2.0,
+         rope="dynamic:2"),
 ]
 
 PLUGIN_CASES = [
@@ -98,7 +102,8 @@ def _config(case: dict, vocab_size: int = 257, train_len: int = TRAIN_LEN) -> GP
 
 
 def _trained_config(case: dict) -> GPTConfig:
-    return _config(case, train_len=EXTENDED_LEN).replace(original_len=TRAIN_LEN, rope_scaling=case["trained"])
+    return _config(case, train_len=EXTENDED_LEN).replace(original_len=TRAIN_LEN, rope_scaling=case["trained"],
+                                                         rope_factor=case.get("factor"))
 
 
 def _model(cfg: GPTConfig, seed: int) -> GPT:
@@ -186,7 +191,7 @@ def exported(plugins, tmp_path_factory):
     long_ids = torch.randint(0, 256, (2, EXTENDED_LENGTHS[-1]), generator=torch.Generator().manual_seed(1))
     for seed, case in enumerate(TRAINED_CASES, start=200):
         model = _model(_trained_config(case), seed)
-        plain = GPT(model.cfg.replace(rope_scaling="none", original_len=None)).eval()  # the trained scaling ignored
+        plain = GPT(model.cfg.replace(rope_scaling="none", rope_factor=None, original_len=None)).eval()  # ignored
         plain.load_state_dict(model.state_dict())
         run, folder = root / "runs" / case["name"], root / "hf" / case["name"]
         _write_run(run, model)
@@ -298,7 +303,8 @@ def test_the_reference_logits_tell_variants_apart(exported):
 
 
 def test_a_run_fine_tuned_with_rope_scaling_in_training_has_attnlabs_logits(report):
-    """pi, ntk and yarn in training, with every evaluation-time scaling on top, at 1x and 4x the fine-tune's length."""
+    """pi, ntk, yarn (with its factor apart), yarn_paper and dynamic in training, with every evaluation-time scaling
+    on top, at 1x and 4x the fine-tune's length."""
     assert not report["failed"], "\n".join(f"{k}:\n{v}" for k, v in report["failed"].items())
     want = {"run", *(f"eval-{rope}" for rope in ROPES)}
     for case in TRAINED_CASES:
@@ -316,9 +322,63 @@ def test_the_trained_scaling_changes_the_reference_logits(exported):
         for length in EXTENDED_LENGTHS:
             assert (ref[f"run@{length}"] - ref[f"ignored@{length}"]).abs().max() > 1000 * TOLERANCE, (case, length)
         longest = EXTENDED_LENGTHS[-1]
-        for rope in ("ntk", "pi", "yarn"):
-            assert (ref[f"eval-{rope}@{longest}"] - ref[f"eval-none@{longest}"]).abs().max() > 1000 * TOLERANCE
+        for rope in ("ntk", "pi", "yarn", "yarn_paper", "dynamic:2"):  # a hundred times what the comparison allows
+            # (the small softmax cases move least: 0.007 under ntk on top of dynamic NTK)
+            assert (ref[f"eval-{rope}@{longest}"] - ref[f"eval-none@{longest}"]).abs().max() > 100 * TOLERANCE
             assert torch.equal(ref[f"eval-{rope}@{EXTENDED_LEN}"], ref[f"eval-none@{EXTENDED_LEN}"])
+
+
+def _as_llama(model: GPT, rope_parameters: dict):
+    """transformers' own LlamaForCausalLM with ``model``'s weights (a softmax model with attnlab's llama block: the same
+    RMSNorm, SwiGLU, rotate-half RoPE and tied embeddings) and the RoPE configuration given."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.cfg
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden,
+                         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
+                         max_position_embeddings=c.original_len, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         attention_bias=False, mlp_bias=False, rope_parameters={"rope_theta": c.rope_base,
+                                                                                 **rope_parameters})
+    config._attn_implementation = "eager"
+    llama = LlamaForCausalLM(config).eval()
+    state = {"model.embed_tokens.weight": model.wte.weight, "model.norm.weight": model.ln_f.weight,
+             "lm_head.weight": model.wte.weight}
+    for i, block in enumerate(model.blocks):
+        q, k, v = block.attn.c_attn.weight.split(c.n_embd, dim=0)
+        names = {"input_layernorm": block.ln_1.weight, "post_attention_layernorm": block.ln_2.weight,
+                 "self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
+                 "self_attn.o_proj": block.attn.c_proj.weight, "mlp.gate_proj": block.mlp.c_fc.weight,
+                 "mlp.up_proj": block.mlp.c_up.weight, "mlp.down_proj": block.mlp.c_proj.weight}
+        state.update({f"model.layers.{i}.{name}.weight": w for name, w in names.items()})
+    llama.load_state_dict(state)
+    return llama
+
+
+@pytest.mark.parametrize("trained, factor, rope_parameters", [
+    ("yarn", 8.0, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": TRAIN_LEN,
+                   "beta_fast": 32.0, "beta_slow": 1.0}),
+    ("dynamic", 2.0, {"rope_type": "dynamic", "factor": 2.0}),
+])
+def test_a_fine_tune_as_trained_is_transformers_llama_with_that_rope_type(trained, factor, rope_parameters):
+    """A softmax model with Llama's block fine-tuned at 2x with YaRN (factor 8, set apart from the length) or dynamic
+    NTK (factor 2), evaluated as trained: transformers' LlamaForCausalLM with ``rope_type: yarn`` / ``dynamic`` and
+    the same weights gives its logits, at 1x..4x the fine-tune's length. The comparison is of a fine-tune as trained:
+    transformers' YaRN applies its frequencies and attention factor at every length, as attnlab's training-time
+    scaling does; attnlab's evaluation-time yarn acts beyond the training length only, with s = L / L_train,
+    which no transformers configuration expresses (its exported folder is compared with attnlab's logits instead).
+    Other attention variants are not Llama's, so they have no transformers counterpart."""
+    case = dict(attention="softmax", block="llama", trained=trained, factor=factor)
+    model = _model(_trained_config(case).replace(attn_impl="dense"), seed=300)
+    ids = torch.randint(0, 256, (1, 4 * EXTENDED_LEN), generator=torch.Generator().manual_seed(3))
+    for length in (TRAIN_LEN, EXTENDED_LEN, 4 * EXTENDED_LEN):
+        llama = _as_llama(model, rope_parameters)  # a fresh model per length: dynamic caches the longest it saw
+        with torch.no_grad():
+            theirs = llama(ids[:, :length]).logits
+        ours = _forward(model, ids[:, :length], "none", None)
+        assert (ours - theirs).abs().max().item() <= TOLERANCE, (trained, length)
+    plain = _as_llama(model, {"rope_type": "default"})  # the comparison can fail: plain RoPE is far off
+    with torch.no_grad():
+        assert (plain(ids).logits - _forward(model, ids, "none", None)).abs().max().item() > 1000 * TOLERANCE
 
 
 def test_a_trained_scaling_is_in_config_json_and_the_card(exported):
@@ -328,7 +388,11 @@ def test_a_trained_scaling_is_in_config_json_and_the_card(exported):
         ("yarn", TRAIN_LEN, EXTENDED_LEN)
     assert config["attnlab_rope_scaling"] == "yarn"
     card = (folder / "README.md").read_text()
-    assert f"fine-tuned with RoPE scaling `yarn` in training, from {TRAIN_LEN} to {EXTENDED_LEN} tokens" in card
+    assert f"fine-tuned with RoPE scaling `yarn` (factor 2) in training, from {TRAIN_LEN} to {EXTENDED_LEN} tokens" \
+        in card
+    factor8 = json.loads((exported["cases"]["trained-yarn8-softmax"][2] / "config.json").read_text())
+    assert (factor8["attnlab_trained_rope_scaling"], factor8["attnlab_trained_rope_factor"]) == ("yarn", 8.0)
+    assert config["attnlab_trained_rope_factor"] is None  # the default: train_len / original_len
     assert f"(`yarn`) is an evaluation-time scaling applied on top of it beyond {EXTENDED_LEN} tokens" in card
     plain = json.loads((exported["cases"]["softmax"][2] / "config.json").read_text())
     assert (plain["attnlab_trained_rope_scaling"], plain["original_len"]) == ("none", None)

@@ -52,8 +52,10 @@ def test_rope_keeps_norms_and_is_relative():
 
 
 def test_rope_scalings_agree_up_to_the_training_length_and_differ_beyond():
-    """Every RoPE scaling (ntk, pi, yarn) is the trained RoPE at lengths <= train_len, and each differs from the
-    others beyond it; position 0 sees only itself (no rotation, one key) under every one."""
+    """Every RoPE scaling (ntk, pi, yarn, yarn_paper, dynamic with its factor) is the trained RoPE at lengths <=
+    train_len, and each differs from the others beyond it; position 0 sees only itself (no rotation, one key) under
+    every one."""
+    scalings = [s if s != "dynamic" else "dynamic:2" for s in ROPE_SCALINGS]  # dynamic takes its factor
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=512)).eval()
     T = model.cfg.train_len
@@ -61,14 +63,14 @@ def test_rope_scalings_agree_up_to_the_training_length_and_differ_beyond():
     with torch.no_grad():
         for t in (1, T // 2, T):
             a, _ = model(idx[:, :t], rope_scaling="none")
-            for scaling in ROPE_SCALINGS:
+            for scaling in scalings:
                 assert torch.equal(model(idx[:, :t], rope_scaling=scaling)[0], a), (scaling, t)
-        long = {scaling: model(idx, rope_scaling=scaling)[0] for scaling in ROPE_SCALINGS}
-    for a in ROPE_SCALINGS:
-        for b in ROPE_SCALINGS:
+        long = {scaling: model(idx, rope_scaling=scaling)[0] for scaling in scalings}
+    for a in scalings:
+        for b in scalings:
             if a < b:
                 assert not torch.allclose(long[a], long[b]), (a, b)
-    for scaling in ROPE_SCALINGS:
+    for scaling in scalings:
         assert torch.allclose(long[scaling][:, :1], long["none"][:, :1], atol=1e-5)
 
 

@@ -19,11 +19,11 @@ def _plain_inv_freq(base: float, d: int) -> list[float]:
     return [base ** (-2 * m / d) for m in range(d // 2)]
 
 
-def test_rope_scalings_are_the_four_names():
-    assert set(ROPE_SCALINGS) == {"none", "ntk", "pi", "yarn"}
+def test_rope_scalings_are_the_six_names():
+    assert set(ROPE_SCALINGS) == {"none", "ntk", "pi", "yarn", "yarn_paper", "dynamic"}
 
 
-@pytest.mark.parametrize("scaling", ["none", "ntk", "pi", "yarn"])
+@pytest.mark.parametrize("scaling", ["none", "ntk", "pi", "yarn", "yarn_paper", "dynamic:2"])
 @pytest.mark.parametrize("seq_len", [1, 32, 64])
 def test_every_scaling_is_none_up_to_the_training_length(scaling, seq_len):
     inv_freq, multiplier = rope_frequencies(scaling, 64, seq_len, 64, 10000.0)
@@ -55,9 +55,10 @@ def _yarn_reference(d: int, L: int, L_train: int, base: float, alpha: float = 1.
 
 @pytest.mark.parametrize("d, L, L_train, base", [(64, 16384, 1024, 10000.0), (64, 128, 64, 10000.0),
                                                  (128, 8192, 4096, 500000.0), (64, 1536, 1024, 10000.0)])
-def test_yarn_frequencies_and_temperature_match_the_paper(d, L, L_train, base):
+def test_yarn_paper_frequencies_and_temperature_match_the_paper(d, L, L_train, base):
+    """yarn_paper is the paper's equation (yarn is the reference code's: tests/test_rope_reference.py)."""
     want, want_multiplier = _yarn_reference(d, L, L_train, base)
-    inv_freq, multiplier = rope_frequencies("yarn", d, L, L_train, base)
+    inv_freq, multiplier = rope_frequencies("yarn_paper", d, L, L_train, base)
     assert inv_freq.tolist() == pytest.approx(want, rel=1e-12)
     assert multiplier == pytest.approx(want_multiplier, rel=1e-12)
     s = L / L_train
@@ -86,7 +87,7 @@ def test_bad_rope_scaling_is_one_line():
     model = GPT(preset("tiny", vocab_size=64))
     with pytest.raises(ValueError) as info:
         model(torch.zeros(1, 8, dtype=torch.long), rope_scaling="x")
-    assert str(info.value) == "rope_scaling='x' is not allowed: use one of ntk, none, pi, yarn"
+    assert str(info.value) == "rope_scaling='x' is not allowed: use one of ntk, none, pi, yarn, yarn_paper, dynamic"
 
 
 # ------------------------------------------------------------------------- position encodings (rope / nope / alibi)

@@ -83,7 +83,14 @@ def test_compare_finds_a_known_difference(store):
     assert "b - a = +0.911, 95% CI [+" in text
     assert "a: attention=softmax, p_train=none: 0.014 ± 0.004 (n=4) [95% CI" in text
     assert "per seed 0: 0.900, 1: 0.950, 2: 0.920, 3: 0.930" in text
-    assert "permutation test (exact over 70 splits of the pooled runs): p = 0.0286" in text
+    # softmax and lssar have the same seeds: paired by seed (the sign-flip test's floor with 4 pairs is 2/16)
+    assert result.pairing == "seed" and result.paired.n_pairs == 4
+    assert ("sign-flip permutation test (exact over 16 sign assignments of the pairs): p = 0.125; unpaired: Welch p = "
+            in text and "permutation p = 0.0286" in text)
+    unpaired = compare(store.read(study="probe"), a="softmax,p_eval=none", b="lssar", at="16x", metric="acc",
+                       paired=False)
+    assert unpaired.paired is None and "permutation test (exact over 70 splits of the pooled runs): p = 0.0286" in \
+        unpaired.to_text()
     # Reversing the sides flips the sign, not the verdict.
     reverse = compare(store.read(), a="lssar", b="softmax,p_eval=none", at=1024, metric="acc")
     assert reverse.diff == pytest.approx(-result.diff) and reverse.significant is True
@@ -104,11 +111,15 @@ def test_compare_says_plainly_when_there_is_no_significant_difference(store):
 def test_compare_without_spread_falls_back_to_the_permutation_test(store):
     """1.0 on every softmax seed, 0.5 on every relu_l1 seed: Welch's t is undefined, the exact permutation test
     (4 vs 4: the most extreme of 70 splits, p = 2/70) decides."""
-    result = compare(store.read(), a="softmax,p_eval=none", b="relu_l1", at=64, metric="acc")
+    result = compare(store.read(), a="softmax,p_eval=none", b="relu_l1", at=64, metric="acc", paired=False)
     assert result.diff == pytest.approx(-0.5) and math.isnan(result.p_value) and math.isnan(result.ci[0])
     assert result.test.p_permutation == pytest.approx(2 / 70) and result.significant is True
-    assert result.verdict.startswith("significant at the 5% level by the permutation test (p = 0.0286)")
+    assert result.verdict.startswith("significant at the 5% level (the permutation test p = 0.0286)")
     assert "Welch's t undefined" in result.to_text()
+    # paired by seed (the default: the same seeds), the exact sign-flip test decides; 4 pairs cannot go below 2/16
+    paired = compare(store.read(), a="softmax,p_eval=none", b="relu_l1", at=64, metric="acc")
+    assert paired.paired.p_sign_flip == pytest.approx(2 / 16) and paired.significant is False
+    assert paired.verdict.startswith("not significant at the 5% level (the sign-flip test p = 0.125")
 
 
 def test_compare_refuses_to_test_a_single_run(store):

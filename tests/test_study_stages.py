@@ -242,7 +242,7 @@ def test_a_fine_tune_starts_from_the_parent_weights_only(tmp_path, parent_run):
     for (name, x), (_, y) in zip(parts.model.model.state_dict().items(), parent.state_dict().items()):
         assert torch.equal(x, y), name  # a copy of the weights: the same bits
     assert parts.start == 0 and not parts.model.optimizer.state  # a fresh optimiser, step 0 of its own schedule
-    assert parts.model.model.cfg.trained_scaling == ("pi", 64)
+    assert parts.model.model.cfg.trained_scaling == ("pi", 64, None)
     del load_state
 
 
@@ -256,12 +256,18 @@ def _formula(method: str, d: int, L_orig: int, L_new: int, base: float = 10000.0
         return theta / s, 1.0
     if method == "ntk":
         return (base * s ** (d / (d - 2))) ** (-m / d), 1.0
-    r = L_orig / (2 * math.pi / theta)
+    if method == "yarn":  # the reference code's: a ramp in the pair index i between floor(i(32)) and ceil(i(1))
+        def pair(rotations):  # the pair whose wavelength turns `rotations` times over L_orig
+            return d * math.log(L_orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low, high = max(math.floor(pair(32)), 0), min(math.ceil(pair(1)), d - 1)
+        interpolated = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        return interpolated * theta / s + (1 - interpolated) * theta, (0.1 * math.log(s) + 1) ** 2
+    r = L_orig / (2 * math.pi / theta)  # yarn_paper: the paper's ramp in the rotation count r
     gamma = ((r - 1) / (32 - 1)).clamp(0, 1)
     return (1 - gamma) * theta / s + gamma * theta, (0.1 * math.log(s) + 1) ** 2
 
 
-@pytest.mark.parametrize("method", ["pi", "ntk", "yarn"])
+@pytest.mark.parametrize("method", ["pi", "ntk", "yarn", "yarn_paper"])
 def test_a_fine_tune_steps_rope_tables_are_the_formulas(method, monkeypatch):
     """The tables a fine-tune's forward uses (captured from the model during a training step) at every length."""
     import attnlab.model.gpt as gpt_module
@@ -316,10 +322,12 @@ def test_evaluation_only_scalings_of_a_run_trained_once_are_unchanged(monkeypatc
     import attnlab.model.rope as rope
     from attnlab.model import GPTConfig, build_model
 
-    for scaling in ("none", "ntk", "pi", "yarn"):
+    # the function before stages called the paper's ramp yarn: it is yarn_paper now
+    older = {"yarn_paper": "yarn"}
+    for scaling in ("none", "ntk", "pi", "yarn_paper"):
         for seq_len, train_len in ((1024, 128), (100, 128), (96, 64), (4096, 1024)):
             new = rope.rope_frequencies(scaling, 64, seq_len, train_len)
-            old = _frequencies_before_stages(scaling, 64, seq_len, train_len)
+            old = _frequencies_before_stages(older.get(scaling, scaling), 64, seq_len, train_len)
             assert torch.equal(new[0], old[0]) and new[1] == old[1], (scaling, seq_len, train_len)
         want_freq, want_mult = (_formula(scaling, 64, 128, 1024) if scaling != "none"
                                 else (_formula("pi", 64, 128, 128)[0], 1.0))
@@ -330,12 +338,12 @@ def test_evaluation_only_scalings_of_a_run_trained_once_are_unchanged(monkeypatc
     model = build_model(GPTConfig(n_layer=1, n_head=2, n_embd=128, vocab_size=64, train_len=32)).eval()
     x = torch.randint(0, 64, (1, 128))
     with torch.no_grad():
-        now = {s: model(x, rope_scaling=s)[0] for s in ("none", "ntk", "pi", "yarn")}
-        def before_stages(*args, trained=None, **kwargs):
+        now = {s: model(x, rope_scaling=s)[0] for s in ("none", "ntk", "pi", "yarn_paper")}
+        def before_stages(scaling, *args, trained=None, **kwargs):
             assert trained is None  # a model trained once has no training-time scaling
-            return _frequencies_before_stages(*args, **kwargs)
+            return _frequencies_before_stages(older.get(scaling, scaling), *args, **kwargs)
         monkeypatch.setattr(rope, "rope_frequencies", before_stages)
-        before = {s: model(x, rope_scaling=s)[0] for s in ("none", "ntk", "pi", "yarn")}
+        before = {s: model(x, rope_scaling=s)[0] for s in ("none", "ntk", "pi", "yarn_paper")}
     for s in now:
         assert torch.equal(now[s], before[s]), s
 
@@ -346,3 +354,172 @@ def test_studies_written_before_stages_keep_their_search_fingerprint():
     pinned = {"proxy_text": "e17e431a9a553553", "smoke": "eff44938855a44e7", "paper_table4": "944631d7a00272dc"}
     for name, fingerprint in pinned.items():
         assert load_spec(root / f"{name}.yaml").search_fingerprint() == fingerprint, name
+
+
+# ------------------------------------------------------------------------------------------ the factor apart (part 3)
+FACTOR_SPEC = """
+name: factor_keys
+train: {preset: tiny, model: {n_layer: 2}, data: demo-bytes, seq_len: 128, steps: 40, tokens_per_step: 4096,
+        micro_batch: 32}
+search: {engine: grid}
+scheduler: none
+space: {attention: [softmax], seeds: [0]}
+stages:
+  - name: extend
+    from: pretrain
+    train: {seq_len: 512, steps: 10, micro_batch: 8}
+    space:
+      rope_scaling: [none, pi, ntk, yarn, yarn_paper, "yarn:16", {method: dynamic, factor: 2}, dynamic]
+eval: {multiples: [1, 4]}
+"""
+# The keys these points had before the factor existed (computed by main at 800bc34, parent key 0123456789abcdef at
+# step 40): only yarn, whose meaning changed, has a new one; the paper's ramp keeps yarn's old key.
+KEYS_BEFORE = {None: "ba5468834eaabcc5", "pi": "8a65912f15ee02b9", "ntk": "de1d516ef1905c1d",
+               "yarn_paper": "19dd38b9b261b9c0"}
+
+
+def _factor_space(tmp_path):
+    path = tmp_path / "factor.yaml"
+    path.write_text(FACTOR_SPEC)
+    space = load_spec(path).search_space()
+    out = {}
+    for point in space.grid():
+        if point.get("stage"):
+            cfg = space.with_parent(space.config(point), "0123456789abcdef", "/runs/parent", 40, 163840)
+            rope = point["extend.rope_scaling"]
+            out[rope if not isinstance(rope, dict) else f"{rope['method']}:{rope['factor']:g}"] = cfg
+    return out
+
+
+def test_a_stage_sets_the_factor_apart_from_its_length_and_only_those_keys_change(tmp_path):
+    configs = _factor_space(tmp_path)
+    keys = {name: cfg.train_key("pinned-fingerprint", 257) for name, cfg in configs.items()}
+    assert {name: keys[name] for name in KEYS_BEFORE} == KEYS_BEFORE
+    assert len(set(keys.values())) == len(keys)  # yarn (the reference's ramp), yarn:16, dynamic:2, dynamic: new keys
+    factors = {name: (cfg.rope_scaling, cfg.rope_factor, cfg.gpt_config(257).trained_scaling)
+               for name, cfg in configs.items()}
+    assert factors["yarn:16"][:2] == ("yarn", 16.0) and factors["yarn:16"][2].scale(512) == 16.0
+    assert factors["yarn"][:2] == ("yarn", None) and factors["yarn"][2].scale(512) == 4.0  # seq_len / original_len
+    assert factors["dynamic:2"][:2] == ("dynamic", 2.0) and factors["dynamic"][2].scale(512) == 4.0
+    assert factors[None][2] is None
+
+
+def test_lineage_rows_record_the_factor_and_an_older_yarn_is_the_papers_ramp(tmp_path):
+    from attnlab.evaluate.extrapolation import lineage_columns
+
+    configs = _factor_space(tmp_path)
+    columns = {name: lineage_columns(cfg.model_dump(mode="json"), 10) for name, cfg in configs.items()}
+    assert {name: (c["extension"], c["ext_factor"]) for name, c in columns.items()} == {
+        None: ("none", None), "pi": ("pi", 4.0), "ntk": ("ntk", 4.0), "yarn": ("yarn", 4.0),
+        "yarn_paper": ("yarn_paper", 4.0), "yarn:16": ("yarn", 16.0), "dynamic:2": ("dynamic", 2.0),
+        "dynamic": ("dynamic", 4.0)}
+    older = configs["yarn"].model_dump(mode="json")
+    del older["rope_factor"]  # a run recorded before the factor existed: its yarn was the paper's ramp
+    assert lineage_columns(older, 10)["extension"] == "yarn_paper"
+    rows = [dict(study="s", trial="t", attention="softmax", scale="inv_sqrt_d", rope_scaling="none", step=10,
+                 tokens=40960, eval_len=512, train_len=128, window_mode="nonoverlap", metric="val_loss", value=2.0,
+                 seed=0, train_key=f"k{i}", git_sha="abc", **columns[name]) for i, name in enumerate(columns)]
+    store = ResultsStore(tmp_path / "store")
+    store.write(rows, key=("s", "t"))
+    back = store.read(study="s")
+    assert sorted(zip(back["extension"], back["ext_factor"].fillna(0))) == sorted(
+        (c["extension"], c["ext_factor"] or 0) for c in columns.values())
+
+
+@pytest.mark.parametrize("axis, message", [
+    ("[none, 'yarn:0.5']", "rope_scaling.factor='0.5' is not allowed: use none or a number >= 1"),
+    ("['none:2']", "rope_scaling='none:2': none (plain RoPE) takes no factor"),
+    ("[{method: pi, factor: 0.9}]", "rope_scaling.factor=0.9 is not allowed: use none or a number >= 1"),
+    ("[{method: pi, size: 2}]", "use a name or {method: NAME, factor: F}"),
+])
+def test_a_bad_factor_is_one_line_before_anything_runs(tmp_path, axis, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(FACTOR_SPEC.replace(
+        '[none, pi, ntk, yarn, yarn_paper, "yarn:16", {method: dynamic, factor: 2}, dynamic]', axis))
+    with pytest.raises(UserError) as error:
+        load_spec(path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_two_stages_from_one_parent_each_carry_their_own_axis(tmp_path):
+    """Sibling stages (two budgets from pretrain): a child point carries its own stage's axis only (the check once
+    made children of children, so one stage's point reached the other with a foreign axis and was refused)."""
+    path = tmp_path / "siblings.yaml"
+    path.write_text(FACTOR_SPEC.replace("eval: {multiples: [1, 4]}", """  - name: extend_short
+    from: pretrain
+    train: {seq_len: 512, steps: 2, micro_batch: 8}
+    space:
+      rope_scaling: [none, pi]
+eval: {multiples: [1, 4]}"""))
+    space = load_spec(path).search_space()
+    for point in space.checked_points():
+        stage = point.get("stage")
+        assert all(not k.endswith("rope_scaling") or k == f"{stage}.rope_scaling" for k in point), point
+    assert space.stage_sizes() == {"pretrain": 1, "extend": 8, "extend_short": 2}
+
+
+@pytest.mark.parametrize("study, train_len", [("extend_proxy", 128), ("extend_gpu", 1024)])
+def test_the_extension_studys_verdicts_are_one_family_of_48_paired_comparisons(tmp_path, study, train_len):
+    """studies/extend_proxy.verdicts (and extend_gpu's), fixed with the protocol before the study ran: on rows shaped
+    as the study writes them (its every run, its lineage columns), each line picks one configuration a side, paired
+    by seed, and the 48 make one Holm family."""
+    import numpy as np
+
+    from attnlab.evaluate.extrapolation import lineage_columns
+    from attnlab.results import reports
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_spec(root / "studies" / f"{study}.yaml")
+    space = spec.search_space()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i, point in enumerate(space.grid()):
+        cfg = space.config(point)
+        key = f"run{i}"
+        if point.get("stage"):
+            cfg = space.with_parent(cfg, f"parent-{cfg.attention}-{cfg.seed}", "/runs/p", 400, 1)
+        else:
+            key = f"parent-{cfg.attention}-{cfg.seed}"
+        lineage = lineage_columns(cfg.model_dump(mode="json"), cfg.steps)
+        for length in spec.eval.eval_lengths(train_len):
+            rows.append(dict(study=study, trial=key, attention=cfg.attention, scale="s", rope_scaling="none",
+                             step=cfg.steps, tokens=cfg.steps * 4096, eval_len=length, train_len=train_len,
+                             window_mode="nonoverlap", metric="val_loss", value=2 + rng.normal(0, 0.01), seed=cfg.seed,
+                             train_key=key, git_sha="abc", stage=point.get("stage"), **lineage))
+    store = ResultsStore(tmp_path / "store")
+    store.write(rows, key=(study, 0))
+    pairs = reports.read_pairs(str(root / "studies" / f"{study}.verdicts"))
+    results = reports.compare_family(store.read(study=study), pairs)
+    assert len(results) == 48 and {r.family_size for r in results} == {48}
+    assert {r.pairing for r in results} == {"seed"} and {r.paired.n_pairs for r in results} == {5}
+    assert {r.eval_len for r in results} == {4 * train_len, 16 * train_len}
+    assert len({(r.a, r.b, r.at) for r in results}) == 48
+
+
+def test_data_seed_seed_draws_each_runs_batches_with_its_own_seed(tmp_path):
+    """``data_seed: seed`` (the redone extension study's parents and children): each run's batches are drawn with its
+    seed, its key is that number's (seed 0 keeps data_seed 0's key, proxy_text's), and the recorded config reads back
+    resolved."""
+    from attnlab.runfolder import TrainRecord
+    from attnlab.train.config import load_train_config
+    from attnlab.train.parts import TrainData
+
+    base = {"preset": "tiny", "data": "x", "seq_len": 128, "tokens_per_step": 4096, "micro_batch": 32}
+    by_seed = load_train_config({**base, "data_seed": "seed", "seed": 3})
+    assert by_seed.data_order_seed == 3 and by_seed.data_seed == "seed"
+    assert by_seed.train_key("fp", 257) == load_train_config({**base, "data_seed": 3, "seed": 3}).train_key("fp", 257)
+    assert load_train_config({**base, "data_seed": "seed", "seed": 0}).train_key("fp", 257) == \
+        load_train_config({**base, "seed": 0}).train_key("fp", 257)
+    assert TrainRecord.parse(by_seed).data_seed == 3
+
+    class Source:
+        seeds = []
+
+        def train_batch(self, *args, seed, **kwargs):
+            self.seeds.append(seed)
+            return torch.zeros(1, 1), torch.zeros(1, 1), None
+
+    list(TrainData(Source(), by_seed, 0, 1, torch.device("cpu")).micro_batches(0))
+    assert Source.seeds == [3]
+    with pytest.raises(UserError, match="data_seed='x': .*is not allowed: use an integer >= 0, or seed"):
+        load_train_config({**base, "data_seed": "x"})

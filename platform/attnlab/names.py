@@ -1,10 +1,17 @@
 """Names and small parsers that every layer of attnlab agrees on: each has exactly one definition, here.
 
 - ``GPT2_VOCAB``: the size of GPT-2's BPE vocabulary (the model's default, what the tokeniser produces);
-- ``ROPE_SCALINGS``: the RoPE settings at evaluation (``ntk``: NTK-aware base beyond the training length,
-  ``none``: the trained base, ``pi``: linear position interpolation, ``yarn``: YaRN's NTK-by-parts with its
-  attention temperature) — see docs/protocol.md#rope-scalings; ``both`` (a list's shorthand)
-  stays ``ntk`` and ``none``;
+- ``ROPE_SCALINGS``: the RoPE scalings, at evaluation and in training (``ntk``: NTK-aware base beyond the
+  training length, ``none``: the trained base, ``pi``: linear position interpolation, ``yarn``: YaRN as its
+  reference code and transformers compute it, ``yarn_paper``: the ramp as the paper's equation reads (an ablation),
+  ``dynamic``: transformers' dynamic NTK, its factor a parameter) — see docs/protocol.md#rope-scalings; ``both``
+  (a list's shorthand) stays ``ntk`` and ``none``;
+- ``RopeScaling`` / ``parse_rope``: a scaling with its optional factor, from ``yarn``, ``dynamic:2`` or
+  ``{method: yarn, factor: 16}`` (one line naming the field for a factor below 1 or on ``none``); ``check_scaling``:
+  an evaluation-time one (only ``dynamic`` takes a factor there);
+- ``ROPE_SEMANTICS`` / ``rope_identity`` / ``recorded_rope_method``: the version of what each scaling's name
+  computes, what a scaling contributes to a train key or an evaluation key, and the scaling an older record meant
+  (``yarn`` before version 2 was the paper's ramp, now ``yarn_paper``);
 - ``DEFAULT_MULTIPLES``: evaluation lengths as multiples of the training length (1x..16x);
 - ``STUDY_NAME``: the rule a study name follows (it names folders in the runs folder and the results store);
 - ``parse_optional_number``: ``none``/``null``/``~`` -> None, else a number (p_eval, p_train, ...);
@@ -24,16 +31,104 @@ import math
 import numbers
 import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from attnlab.errors import UserError
 
 GPT2_VOCAB = 50257
-ROPE_SCALINGS = ("ntk", "none", "pi", "yarn")
+ROPE_SCALINGS = ("ntk", "none", "pi", "yarn", "yarn_paper", "dynamic")
 ROPE_BOTH = ("ntk", "none")  # what ``rope_scaling: both`` / ``--rope both`` means
 DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 STUDY_NAME_RULE = "letters, digits and . _ + - (it names folders), starting with a letter or digit, at most 200"
 _NONE_WORDS = ("none", "null", "~", "")
+
+
+class RopeScaling(NamedTuple):
+    """A RoPE scaling (:data:`ROPE_SCALINGS`) and its scale factor: None for the default (in training
+    ``seq_len / original_len``; at evaluation the evaluated length over the trained one), else a number >= 1.
+    Its text form, :attr:`label`, is ``yarn`` or ``dynamic:2``: how configs, evaluation cells and results rows
+    spell it."""
+
+    method: str
+    factor: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.method if self.factor is None else f"{self.method}:{self.factor:g}"
+
+
+def parse_rope(value, field: str = "rope_scaling") -> RopeScaling:
+    """A :class:`RopeScaling` from ``yarn``, ``dynamic:2``, ``{method: yarn, factor: 16}``, a ``RopeScaling`` or
+    None (``none``). UserError naming ``field`` for an unknown method, a factor that is not a number >= 1, or a
+    factor on ``none`` (plain RoPE has none)."""
+    if isinstance(value, RopeScaling):
+        method, factor = value
+    elif isinstance(value, dict):
+        unknown = sorted(set(value) - {"method", "factor"})
+        if unknown or "method" not in value:
+            raise UserError(f"{field}={value!r} is not allowed: use a name or {{method: NAME, factor: F}} "
+                            f"(keys method and factor)")
+        method, factor = value["method"], value.get("factor")
+    elif value is None or is_none_word(value):
+        method, factor = "none", None
+    elif isinstance(value, str):
+        method, _, text = value.strip().partition(":")
+        factor = text if _ else None
+    else:
+        raise UserError(f"{field}={value!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}, NAME:FACTOR or "
+                        "{method: NAME, factor: F}")
+    method = "none" if method is None or is_none_word(method) else str(method).strip()
+    if method not in ROPE_SCALINGS:
+        raise UserError(f"{field}={value!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+    if factor is None or (isinstance(factor, str) and is_none_word(factor)):
+        return RopeScaling(method, None)
+    if method == "none":
+        raise UserError(f"{field}={value!r}: none (plain RoPE) takes no factor; give a factor only to "
+                        f"{', '.join(m for m in ROPE_SCALINGS if m != 'none')}")
+    number = parse_optional_number(factor, f"{field}.factor", minimum=1.0)
+    return RopeScaling(method, number)
+
+
+# The version of what each scaling's name computes (absent: 1). Raise it in the change that alters the
+# frequencies a name gives, so train keys and evaluation keys change with it (rope_identity).
+# yarn 2: the reference code's pair-index ramp; version 1 was the paper's ramp, now named yarn_paper.
+ROPE_SEMANTICS = {"yarn": 2}
+# A name whose computation an older name performed: its keys are that name's at version 1 (yarn_paper's runs and
+# rows are those attnlab trained and measured as ``yarn`` before version 2).
+_OLDER_NAME = {"yarn_paper": "yarn"}
+
+
+def rope_identity(scaling) -> str:
+    """What a scaling contributes to a key: its method (``yarn_paper`` as the ``yarn`` it was), ``@version`` when
+    its meaning has changed since keys were first made (:data:`ROPE_SEMANTICS`), ``:factor`` when one is given.
+    ``none``, ``ntk``, ``pi`` and ``yarn_paper`` give what they always gave, so those keys stay."""
+    rope = parse_rope(scaling)
+    name = _OLDER_NAME.get(rope.method, rope.method)
+    version = 1 if rope.method in _OLDER_NAME else ROPE_SEMANTICS.get(rope.method, 1)
+    text = name if version == 1 else f"{name}@{version}"
+    return text if rope.factor is None else f"{text}:{rope.factor:g}"
+
+
+def recorded_rope_method(fields: dict) -> str:
+    """The training-time scaling a recorded config names (a checkpoint's ``gpt_config``, a run's recorded
+    ``TrainConfig``): its ``rope_scaling``, except that ``yarn`` in a record written before ``rope_factor`` existed
+    (before :data:`ROPE_SEMANTICS` raised yarn to 2) was the paper's ramp: ``yarn_paper``."""
+    method = fields.get("rope_scaling") or "none"
+    return "yarn_paper" if method == "yarn" and "rope_factor" not in fields else method
+
+
+def check_scaling(scaling, field: str = "rope_scaling") -> RopeScaling:
+    """An evaluation-time scaling (a name, or ``dynamic:F``): UserError for anything else. Only ``dynamic`` takes
+    a factor here: the others' is the evaluated length over the trained one."""
+    rope = parse_rope(scaling, field)
+    if rope.method == "dynamic" and rope.factor is None:
+        raise UserError(f"{field}={scaling!r}: dynamic takes its factor at evaluation, e.g. dynamic:2 "
+                         "(transformers' rope_type dynamic with factor 2)")
+    if rope.factor is not None and rope.method != "dynamic":
+        raise UserError(f"{field}={scaling!r}: at evaluation {rope.method}'s factor is the evaluated length over "
+                         "the trained one; only dynamic takes one (a fine-tune sets its factor in training)")
+    return rope
 
 
 def check_study_name(value: str, field: str = "name") -> str:

@@ -50,6 +50,9 @@ def hardware() -> dict:
     try:
         import torch
 
+        # the kernel path float32 rounding follows on this CPU (AVX2, AVX512): a run keyed alike on another rounds
+        # otherwise (docs/stages.md#identity-and-reuse)
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         if torch.cuda.is_available():
             info["gpu"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             info["gpu_count"] = torch.cuda.device_count()

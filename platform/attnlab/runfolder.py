@@ -140,6 +140,12 @@ class MetricsLog:
         self._flushed = time.monotonic()
 
 
+def data_order_seed(data_seed, seed) -> int:
+    """The seed a run's training batches are drawn with: its ``data_seed``, or its own ``seed`` when the config says
+    ``data_seed: seed``."""
+    return int(seed) if data_seed == "seed" else int(data_seed)
+
+
 @dataclass(frozen=True)
 class TrainRecord:
     """The fields of a recorded training config that the stages after training read (evaluation: its rows'
@@ -175,7 +181,8 @@ class TrainRecord:
             raise UserError(f"{where}: its training config has no {missing[0]!r}; give the whole config as a run "
                             "records it (TrainConfig.model_dump(mode='json')) or the TrainConfig itself")
         return cls(preset=str(record["preset"]), data=record["data"], seed=int(record["seed"]),
-                   data_seed=int(record["data_seed"]), tokens_per_step=int(record["tokens_per_step"]),
+                   data_seed=data_order_seed(record["data_seed"], record["seed"]),
+                   tokens_per_step=int(record["tokens_per_step"]),
                    precision=str(record["precision"]), val_batch=int(record["val_batch"]), record=dict(record))
 
 

@@ -37,7 +37,8 @@ def add_parser(subparsers) -> None:
                    help="sharpening powers at evaluation, e.g. none,3,15 (none = the attention as trained, "
                    "including its p_train; a number replaces it at evaluation; default none)")
     p.add_argument("--rope", default="ntk", help="RoPE scalings beyond the training length, comma-separated: ntk, none, "
-                   "pi (position interpolation), yarn, or both (= ntk,none); default ntk "
+                   "pi (position interpolation), yarn (as its reference code), yarn_paper (the paper's ramp), "
+                   "dynamic:F (transformers' dynamic NTK, factor F), or both (= ntk,none); default ntk "
                    "(docs/protocol.md#rope-at-evaluation)")
     p.add_argument("--max-tokens", help="target tokens scored at every length, whatever the device (default "
                    "262144): max-tokens // L windows of length L")
@@ -94,7 +95,7 @@ def eval_config_from_args(args):
     """The flags as an :class:`attnlab.evaluate.plan.EvalConfig` (each list parsed here; bad values: one line)."""
     from attnlab.errors import UserError
     from attnlab.evaluate.plan import EvalConfig
-    from attnlab.names import ROPE_BOTH, ROPE_SCALINGS, parse_lengths, parse_optional_number
+    from attnlab.names import ROPE_BOTH, check_scaling, parse_lengths, parse_optional_number
     from attnlab.validation import parse
 
     fields: dict = {}
@@ -117,10 +118,11 @@ def eval_config_from_args(args):
     fields["p_eval"] = p_evals
     ropes = []
     for item in _list(args.rope):
-        names = list(ROPE_BOTH) if item == "both" else [item]
+        try:
+            names = list(ROPE_BOTH) if item == "both" else [check_scaling(item, "--rope").label]
+        except UserError as exc:
+            raise UserError(f"{exc} (or both: ntk,none)") from None
         for name in names:
-            if name not in ROPE_SCALINGS:
-                raise UserError(f"--rope {item!r} is not allowed; use {', '.join(ROPE_SCALINGS)} or both (ntk,none)")
             if name not in ropes:
                 ropes.append(name)
     fields["rope_scaling"] = ropes

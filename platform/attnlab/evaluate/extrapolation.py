@@ -28,6 +28,8 @@ from attnlab.evaluate.measure import measure, text_tokenizer
 from attnlab.evaluate.plan import EvalCell, EvalConfig, p_eval_label
 from attnlab.evaluate.cell_rows import rows_for
 from attnlab.location import Location
+from attnlab.model.rope import TrainedScaling
+from attnlab.names import recorded_rope_method
 from attnlab.runfolder import TrainRecord, recorded_train_key
 
 if TYPE_CHECKING:
@@ -131,9 +133,13 @@ def lineage_columns(record: dict, step: int) -> dict:
     if not parent:
         return {}
     own = int(step) * int(record["tokens_per_step"])
-    return {"parent_key": parent["train_key"], "extension": record.get("rope_scaling") or "none",
-            "ext_len": int(record.get("seq_len") or 0) or None, "ext_tokens": own,
-            "lineage_tokens": int(parent.get("lineage_tokens") or 0) + own}
+    method = recorded_rope_method(record)  # an older record's yarn is the paper's ramp
+    ext_len = int(record.get("seq_len") or 0) or None
+    factor = None
+    if method != "none" and ext_len and record.get("original_len"):  # the factor set, or ext_len / original_len
+        factor = TrainedScaling(method, int(record["original_len"]), record.get("rope_factor")).scale(ext_len)
+    return {"parent_key": parent["train_key"], "extension": method, "ext_factor": factor, "ext_len": ext_len,
+            "ext_tokens": own, "lineage_tokens": int(parent.get("lineage_tokens") or 0) + own}
 
 
 def evaluate_checkpoint(checkpoint, config: EvalConfig | None = None, *, data: str | dict | None = None,

@@ -34,7 +34,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from attnlab.names import DEFAULT_MULTIPLES, ROPE_BOTH, ROPE_SCALINGS, is_none_word, parse_length, parse_optional_number
+from attnlab.names import check_scaling, rope_identity
+from attnlab.names import DEFAULT_MULTIPLES, ROPE_BOTH, is_none_word, parse_length, parse_optional_number
 from attnlab.runfolder import ValExtrapolation
 
 DEFAULT_EVAL_TOKENS = 2**18  # target tokens scored at every length unless a study or --max-tokens says otherwise
@@ -144,8 +145,8 @@ class EvalConfig(BaseModel):
     # p_eval: none = the attention exactly as trained (an LSSAR model keeps its p); a number = that sharpening
     # power at evaluation, replacing p_train (the weights are never touched)
     p_eval: list[float | None] = Field(default_factory=lambda: [None])
-    # RoPE scalings (names.ROPE_SCALINGS: ntk, none, pi, yarn; both = ntk and none), each a cell without
-    # retraining; a model without RoPE (position nope/alibi) ignores it and records it as given
+    # RoPE scalings (names.ROPE_SCALINGS: ntk, none, pi, yarn, yarn_paper, dynamic:F; both = ntk and none), each a
+    # cell without retraining; a model without RoPE (position nope/alibi) ignores it and records it as given
     rope_scaling: list[str] = Field(default_factory=lambda: ["ntk"])
     max_tokens: int = Field(default=DEFAULT_EVAL_TOKENS, gt=0)
     long_docs: bool = False  # also windows inside documents of at least L + 1 tokens (window_mode long_docs)
@@ -205,10 +206,11 @@ class EvalConfig(BaseModel):
         for item in items:
             if item == "both":
                 out += list(ROPE_BOTH)
-            elif item in ROPE_SCALINGS:
-                out.append(item)
-            else:
-                raise ValueError(f"{item!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)} (or both: ntk and none)")
+                continue
+            try:
+                out.append(check_scaling(item, "rope_scaling").label)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (or both: ntk and none)") from None
         return out
 
     @model_validator(mode="after")
@@ -279,7 +281,7 @@ class EvalCell:
 
     def key(self, train_key: str, step: int, data_fingerprint: str) -> str:
         """The cell's identity (16 hex digits) for this checkpoint and evaluation data."""
-        payload = [train_key, int(step), str(data_fingerprint), self.kind, self.length, self.p_eval, self.rope,
+        payload = [train_key, int(step), str(data_fingerprint), self.kind, self.length, self.p_eval, rope_identity(self.rope),
                    self.window_mode, self.max_tokens, list(self.extra)]
         return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 

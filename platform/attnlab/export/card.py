@@ -56,9 +56,10 @@ def _trained_scaling_lines(cfg: GPTConfig, rope_scaling: str) -> list[str]:
     trained = cfg.trained_scaling
     if trained is None:
         return []
-    return [f"- fine-tuned with RoPE scaling `{trained.method}` in training, from {trained.original_len} to "
-            f"{cfg.train_len} tokens (`attnlab_trained_rope_scaling` and `original_len` in config.json): the "
-            f"model uses {trained.method}'s frequencies for {cfg.train_len} tokens at every length; `rope_scaling` "
+    return [f"- fine-tuned with RoPE scaling `{trained.method}` (factor {trained.scale(cfg.train_len):g}) in "
+            f"training, from {trained.original_len} to {cfg.train_len} tokens (`attnlab_trained_rope_scaling`, "
+            f"`attnlab_trained_rope_factor` and `original_len` in config.json): the model uses {trained.method}'s "
+            f"frequencies with that factor at every length; `rope_scaling` "
             f"(`{rope_scaling}`) is an evaluation-time scaling applied on top of it beyond {cfg.train_len} tokens"]
 
 

@@ -34,7 +34,7 @@ from attnlab.export.tokenizer_files import tokenizer_files, tokenizer_kind
 from attnlab.location import Location
 from attnlab.model import config_from_dict
 from attnlab.model.checkpoint import find_latest_checkpoint, load_state, local_checkpoint, run_of_checkpoint
-from attnlab.names import ROPE_SCALINGS, parse_optional_number
+from attnlab.names import check_scaling, parse_optional_number
 from attnlab.runfolder import recorded_train_key
 
 RUN_P = "run"  # p_eval's default: the power the run trained with
@@ -53,8 +53,7 @@ def export_run(source, to, *, store=None, overwrite: bool = False, p_eval=RUN_P,
     if any(held.uri == target.uri or held.uri.startswith(target.uri.rstrip("/") + "/") for held in (checkpoint, run)):
         raise UserError(f"--to {target.uri} holds the run being exported ({run.uri}): give a folder outside it")
     check_target(target, overwrite)
-    if rope_scaling not in ROPE_SCALINGS:
-        raise UserError(f"--rope-scaling={rope_scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+    rope_scaling = check_scaling(rope_scaling, "--rope-scaling").label
     with local_checkpoint(checkpoint) as directory:
         state = load_state(directory)
     train = state.get("config") or {}

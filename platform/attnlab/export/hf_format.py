@@ -66,7 +66,8 @@ def hf_config(cfg: GPTConfig, *, eot_id: int, p_eval: float | None, rope_scaling
         "p_eval": p_eval,
         "attnlab_rope_scaling": rope_scaling,  # config.rope_scaling (configuration_attnlab.py says why)
         # a context-extension stage: the scaling it was fine-tuned with from original_len to train_len
-        "attnlab_trained_rope_scaling": cfg.rope_scaling, "original_len": cfg.original_len,
+        "attnlab_trained_rope_scaling": cfg.rope_scaling, "attnlab_trained_rope_factor": cfg.rope_factor,
+        "original_len": cfg.original_len,
         "tie_word_embeddings": True,
         "use_cache": False,
         "bos_token_id": eot_id,

@@ -66,6 +66,8 @@ class GPTConfig:
     # and the RoPE scaling it was fine-tuned with from there to train_len (attnlab.model.rope.TrainedScaling).
     original_len: int | None = None
     rope_scaling: str = "none"
+    # its factor when the stage set one apart from train_len / original_len (None: that ratio)
+    rope_factor: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "train_len"):
@@ -109,14 +111,14 @@ class GPTConfig:
                             f"{kernels_unsupported_reason(spec)}; use auto, flex or dense")
 
     def _check_extension(self) -> None:
-        from attnlab.names import ROPE_SCALINGS
+        from attnlab.names import parse_rope
 
         if self.original_len is not None and (isinstance(self.original_len, bool) or not isinstance(
                 self.original_len, int) or not 1 <= self.original_len <= self.train_len):
             raise UserError(f"model.original_len={self.original_len!r} is not allowed: use the length the run's "
                             f"lineage was first trained at, a positive integer up to train_len={self.train_len}")
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise UserError(f"rope_scaling={self.rope_scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+        rope = parse_rope({"method": self.rope_scaling, "factor": self.rope_factor})
+        object.__setattr__(self, "rope_factor", rope.factor)
         if self.rope_scaling != "none":
             if self.position != "rope":
                 raise UserError(f"rope_scaling={self.rope_scaling!r} in training needs RoPE: this model's position "
@@ -140,7 +142,7 @@ class GPTConfig:
             return None
         from attnlab.model.rope import TrainedScaling
 
-        return TrainedScaling(self.rope_scaling, self.original_len)
+        return TrainedScaling(self.rope_scaling, self.original_len, self.rope_factor)
 
     @property
     def head_dim(self) -> int:

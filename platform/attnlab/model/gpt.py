@@ -27,7 +27,8 @@ from attnlab.attention import PluginSpec, attend
 from attnlab.attention.plugin import Shape, build_params, prepare_state
 from attnlab.attention.spec import AttentionSpec
 from attnlab.model.config import GPTConfig, alibi_override
-from attnlab.model.rope import apply_rope, check_scaling, scaled_rope_tables
+from attnlab.model.rope import apply_rope, scaled_rope_tables
+from attnlab.names import check_scaling
 
 # Llama's RMSNorm epsilon (Touvron et al. 2023, Llama 2's configuration; Llama 1 used 1e-6).
 RMS_EPS = 1e-5
@@ -229,8 +230,8 @@ class GPT(nn.Module):
                       impl: str | None = None, on_attention: AttentionObserver | None = None) -> torch.Tensor:
         """The final-norm output ``(B, T, C)``.
 
-        ``rope_scaling``: ``none``, ``ntk``, ``pi`` or ``yarn`` beyond train_len (:mod:`attnlab.model.rope`;
-        yarn's logit multiplier is folded into the cos/sin tables, so into q and k; a model with position
+        ``rope_scaling``: ``none``, ``ntk``, ``pi``, ``yarn``, ``yarn_paper`` or ``dynamic:F`` beyond train_len
+        (:mod:`attnlab.model.rope`; YaRN's logit multiplier is folded into the cos/sin tables, so into q and k; a model with position
         ``nope`` or ``alibi`` checks the name and ignores it); ``attention``: a spec to use
         instead of the trained one (evaluation-time sharpening); ``on_attention``: diagnostics observer. With an
         observer the blocks run eagerly even in a compiled model (:func:`attnlab.model.compile_model`).

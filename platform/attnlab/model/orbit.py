@@ -150,10 +150,16 @@ def with_kind(cfg: GPTConfig, kind: str) -> GPTConfig:
 
 def config_from_dict(fields: dict) -> GPTConfig:
     """A model config from ``dataclasses.asdict(cfg)`` (a checkpoint's ``gpt_config``): ``model_kind`` picks
-    the class; a dict without it is a plain GPT (every checkpoint written before orbit models existed)."""
+    the class; a dict without it is a plain GPT (every checkpoint written before orbit models existed). A checkpoint
+    written before ``rope_factor`` existed that says ``yarn`` was fine-tuned with the paper's ramp, ``yarn_paper``
+    (:func:`attnlab.names.recorded_rope_method`)."""
+    from attnlab.names import recorded_rope_method
+
     kind = fields.get("model_kind", "gpt")
     if kind not in MODEL_KINDS:
         raise UserError(f"model_kind={kind!r} in the checkpoint is not known: use one of {', '.join(MODEL_KINDS)}")
+    if "rope_scaling" in fields:
+        fields = {**fields, "rope_scaling": recorded_rope_method(fields)}
     return MODEL_KINDS[kind](**fields)
 
 

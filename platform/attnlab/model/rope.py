@@ -8,25 +8,43 @@ length ``L > L_train`` (``s = L / L_train``) the RoPE scalings (:data:`attnlab.n
   ``base * s ** (d / (d - 2))`` (inferred formula);
 - ``pi`` (docs/protocol.md#position-interpolation; Chen et al. 2023, arXiv 2306.15595): positions scaled by
   ``1 / s``, i.e. every frequency divided by ``s``;
-- ``yarn`` (docs/protocol.md#yarn; Peng et al. 2023, arXiv 2309.00071): NTK-by-parts
-  interpolation with the ramp ``alpha = 1``, ``beta = 32`` over ``r_m = L_train / lambda_m`` (wavelength
-  ``lambda_m = 2 pi / inv_freq_m``), and the attention logits multiplied by ``(0.1 ln s + 1)^2``.
+- ``yarn`` (docs/protocol.md#yarn; Peng et al. 2023, arXiv 2309.00071) **as its reference code computes it**
+  (jquesnelle/yarn ``LlamaYaRNScaledRotaryEmbedding.yarn``, transformers' ``_compute_yarn_parameters``): pair ``m``
+  keeps its frequency below ``low = floor(m(beta = 32))``, is interpolated (``theta / s``) from
+  ``high = ceil(m(alpha = 1))``, and the blend is **linear in the pair index** between them, where
+  ``m(r) = d ln(L_train / (2 pi r)) / (2 ln base)`` is the pair that turns ``r`` times over ``L_train``; cos and sin
+  are multiplied by ``0.1 ln s + 1`` (the logits by its square). Tested against transformers over a grid
+  (tests/test_rope_reference.py);
+- ``yarn_paper`` (an ablation): the paper's equation, the blend linear in the **rotation count**
+  ``r_m = L_train / lambda_m`` between ``alpha`` and ``beta``, the same temperature. attnlab called this ``yarn``
+  until the reference's ramp replaced it; the two differ by far more than one pair's blend (at head dim 64, 128 ->
+  512 tokens: pair 0 runs at 0.72 of its frequency where the reference keeps it, and the largest relative
+  difference in inverse frequency is 0.48; docs/protocol.md#yarn has the table);
+- ``dynamic`` (transformers' ``_compute_dynamic_ntk_parameters``, as Lu et al. 2024 fine-tune with it): the base
+  follows the forward's length, ``base * (f L / L_train - (f - 1)) ** (d / (d - 2))`` for ``L > L_train``, with its
+  factor ``f`` a parameter (``dynamic:2``); with ``f = 1`` it is ``ntk``.
 
 At ``L <= L_train`` every scaling is ``none``.
 
 **In training** (a context-extension stage, docs/stages.md): a model fine-tuned at ``L_new`` from a parent trained
-at ``L_original`` with scaling ``m`` uses, at every length, the frequencies (and YaRN's multiplier) that the formulas
-above give for a forward of ``L_new`` tokens by a model trained at ``L_original``: the static scaling with factor
-``s = L_new / L_original``, as YaRN's and PI's fine-tunes use it (:class:`TrainedScaling`). It is what such a
-model is evaluated with "as trained" (evaluation ``none``). An evaluation-time scaling beyond ``L_new`` is applied
-on top of it, relative to ``L_new``: ``ntk`` changes the base the trained scaling starts from, ``pi`` divides the
-trained frequencies by ``L / L_new``, ``yarn`` ramps them over ``r = L_new / lambda`` and multiplies the logits
+at ``L_original`` with scaling ``m`` and factor ``f`` (default ``L_new / L_original``; a stage may set it apart,
+as YaRN's recipe does: ``rope_scaling: {method: yarn, factor: 16}`` at 4x) uses, at every length, the frequencies
+(and YaRN's multiplier) that ``m`` gives with factor ``f`` for a model trained at ``L_original``: static, as
+YaRN's and PI's fine-tunes use them (:class:`TrainedScaling`); ``dynamic`` is the exception, its base following the
+forward's length at every length, as transformers runs it. It is what such a model is evaluated with "as trained"
+(evaluation ``none``). An evaluation-time scaling beyond ``L_new`` is applied on top of it, relative to ``L_new``:
+``ntk`` and ``dynamic`` change the base the trained scaling starts from, ``pi`` divides the trained frequencies
+by ``L / L_new``, ``yarn`` and ``yarn_paper`` blend them with their ramp over ``L_new`` and multiply the logits
 again. One function serves training and evaluation.
 
 :func:`rope_frequencies` gives the inverse frequencies and the
 logit multiplier of one forward; :func:`rope_tables` turns them into the cos/sin tables, with
 ``sqrt(multiplier)`` folded into both (so ``q . k`` after RoPE carries the multiplier for every attention
 variant and backend, as YaRN's reference code and transformers' ``attention_factor`` do).
+
+:data:`attnlab.names.ROPE_SEMANTICS` is the version of what each scaling's name computes; a train key and an
+evaluation cell's key carry it (:func:`attnlab.names.rope_identity`), so a run or a row of an older meaning is never
+found as one of the new.
 No Ray, no attention math here.
 """
 
@@ -37,12 +55,12 @@ from typing import NamedTuple
 
 import torch
 
-from attnlab.names import ROPE_SCALINGS
+from attnlab.names import ROPE_SCALINGS, check_scaling
 
-# YaRN's ramp bounds for Llama-family models (Peng et al. 2023, section 3.2): alpha = 1, beta = 32 rotations.
+# YaRN's ramp bounds for Llama-family models (Peng et al. 2023, section 3.2; the reference code's beta_slow and
+# beta_fast): alpha = 1, beta = 32 rotations over the original length.
 YARN_ALPHA = 1.0
 YARN_BETA = 32.0
-
 
 def ntk_base(base: float, head_dim: int, seq_len: int, train_len: int) -> float:
     """The RoPE base for a forward pass of ``seq_len`` tokens by a model trained at ``train_len``."""
@@ -51,17 +69,12 @@ def ntk_base(base: float, head_dim: int, seq_len: int, train_len: int) -> float:
     return base * (seq_len / train_len) ** (head_dim / (head_dim - 2))
 
 
-def check_scaling(scaling: str) -> str:
-    if scaling not in ROPE_SCALINGS:
-        raise ValueError(f"rope_scaling={scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
-    return scaling
-
-
-def rope_base(scaling: str, base: float, head_dim: int, seq_len: int, train_len: int) -> float:
-    """The base of the frequencies: NTK's for ``ntk`` (beyond ``train_len``), the trained one otherwise (``pi``
-    and ``yarn`` keep the base and change the frequencies: :func:`rope_frequencies`)."""
-    check_scaling(scaling)
-    return ntk_base(base, head_dim, seq_len, train_len) if scaling == "ntk" else base
+def dynamic_base(base: float, head_dim: int, seq_len: int, train_len: int, factor: float) -> float:
+    """Dynamic NTK's base (transformers' ``_compute_dynamic_ntk_parameters``) for a forward of ``seq_len`` tokens by
+    a model trained at ``train_len``: ``base * (f L / L_train - (f - 1)) ** (d / (d - 2))``, ``L`` at least
+    ``L_train`` (the trained base up to it)."""
+    length = max(seq_len, train_len)
+    return base * (factor * length / train_len - (factor - 1)) ** (head_dim / (head_dim - 2))
 
 
 def inverse_frequencies(base: float, head_dim: int, device=None) -> torch.Tensor:
@@ -70,56 +83,111 @@ def inverse_frequencies(base: float, head_dim: int, device=None) -> torch.Tensor
 
 
 def yarn_temperature(scale: float) -> float:
-    """YaRN's ``sqrt(1/t) = 0.1 ln(s) + 1`` (1 for ``s <= 1``)."""
+    """YaRN's ``sqrt(1/t) = 0.1 ln(s) + 1`` (1 for ``s <= 1``): the reference's ``get_mscale``, transformers'
+    ``attention_factor``."""
     return 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
 
 
 class TrainedScaling(NamedTuple):
-    """The RoPE scaling a model was fine-tuned with: ``method`` (pi, ntk, yarn) from ``original_len`` to the model's
-    ``train_len`` (module docstring). ``none`` is no scaling: the plain frequencies at the new length."""
+    """The RoPE scaling a model was fine-tuned with: ``method`` (pi, ntk, yarn, yarn_paper, dynamic) from
+    ``original_len`` to the model's ``train_len`` with ``factor`` (None: ``train_len / original_len``) (module
+    docstring). ``none`` is no scaling: the plain frequencies at the new length."""
 
     method: str
     original_len: int
+    factor: float | None = None
+
+    def scale(self, train_len: int) -> float:
+        """The factor it was trained with: the one set, else ``train_len / original_len``."""
+        return float(self.factor) if self.factor is not None else train_len / self.original_len
 
 
-def _yarn(inv_freq: torch.Tensor, s: float, train_len: int) -> torch.Tensor:
-    """YaRN's NTK-by-parts frequencies: gamma = 0 (interpolate, theta / s) for wavelengths longer than
-    L_train / alpha, 1 (keep) for those shorter than L_train / beta, linear in r = L_train / lambda in between."""
-    ratio = train_len * inv_freq / (2 * math.pi)
+def _correction_pair(rotations: float, head_dim: int, base: float, original_len: int) -> float:
+    """The (fractional) pair index whose wavelength turns ``rotations`` times over ``original_len``: the
+    reference's ``find_correction_dim``."""
+    return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_keep(head_dim: int, base: float, original_len: int, device=None) -> torch.Tensor:
+    """The share of each pair's frequency YaRN keeps (1: extrapolate, the trained frequency; 0: interpolate,
+    ``theta / s``), ``(d/2,)`` float64: one minus the reference's ramp, linear in the pair index from
+    ``low = floor(m(beta))`` to ``high = ceil(m(alpha))``, both clamped to ``[0, d - 1]`` (``find_correction_range``,
+    ``linear_ramp_mask``; ``high`` nudged by 0.001 when they meet)."""
+    low = max(math.floor(_correction_pair(YARN_BETA, head_dim, base, original_len)), 0)
+    high = min(math.ceil(_correction_pair(YARN_ALPHA, head_dim, base, original_len)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
+    return 1.0 - ramp
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, s: float, head_dim: int, base: float, original_len: int) -> torch.Tensor:
+    """YaRN's frequencies as its reference code computes them: ``theta / s`` blended with ``theta`` by
+    :func:`yarn_keep` (over ``original_len``, the length the frequencies were trained at)."""
+    keep = yarn_keep(head_dim, base, original_len, inv_freq.device)
+    return inv_freq / s * (1 - keep) + inv_freq * keep
+
+
+def yarn_paper_frequencies(inv_freq: torch.Tensor, s: float, original_len: int) -> torch.Tensor:
+    """The paper's equation (``yarn_paper``): gamma = 0 (interpolate, theta / s) for wavelengths longer than
+    L / alpha, 1 (keep) for those shorter than L / beta, linear in r = L / lambda in between (L = ``original_len``)."""
+    ratio = original_len * inv_freq / (2 * math.pi)
     gamma = ((ratio - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)
     return (1 - gamma) * inv_freq / s + gamma * inv_freq
 
 
-def rope_frequencies(scaling: str, head_dim: int, seq_len: int, train_len: int, base: float = 10000.0,
+def scaled_frequencies(method: str, head_dim: int, base: float, original_len: int, factor: float, seq_len: int,
+                       device=None) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, logit multiplier)`` of ``method`` with scale ``factor`` for frequencies trained at
+    ``original_len`` from ``base``, in a forward of ``seq_len`` tokens (only ``dynamic`` reads it)."""
+    if method == "ntk":
+        return inverse_frequencies(base * factor ** (head_dim / (head_dim - 2)), head_dim, device), 1.0
+    if method == "dynamic":
+        return inverse_frequencies(dynamic_base(base, head_dim, seq_len, original_len, factor), head_dim, device), 1.0
+    inv_freq = inverse_frequencies(base, head_dim, device)
+    if method == "none":
+        return inv_freq, 1.0
+    if method == "pi":
+        return inv_freq / factor, 1.0
+    if method == "yarn":
+        return yarn_frequencies(inv_freq, factor, head_dim, base, original_len), yarn_temperature(factor) ** 2
+    if method == "yarn_paper":
+        return yarn_paper_frequencies(inv_freq, factor, original_len), yarn_temperature(factor) ** 2
+    raise ValueError(f"rope_scaling={method!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+
+
+def rope_frequencies(scaling, head_dim: int, seq_len: int, train_len: int, base: float = 10000.0,
                      device=None, trained: TrainedScaling | None = None) -> tuple[torch.Tensor, float]:
     """``(inv_freq (d/2,) float64, logit multiplier)`` of a forward of ``seq_len`` tokens by a model trained at
-    ``train_len`` with RoPE ``base`` and the ``scaling`` asked for (module docstring). The multiplier is 1
-    except for ``yarn`` beyond the training length: ``(0.1 ln s + 1)^2``, applied to ``q . k``. ``trained``: the
-    scaling the model was fine-tuned with (to ``train_len`` from ``trained.original_len``), applied at every length,
-    ``scaling`` then acting beyond ``train_len`` on top of it."""
-    check_scaling(scaling)
+    ``train_len`` with RoPE ``base`` and the evaluation-time ``scaling`` asked for (a name or ``dynamic:F``; module
+    docstring). The multiplier is 1 except for YaRN beyond the training length: ``(0.1 ln s + 1)^2``, applied to
+    ``q . k``. ``trained``: the scaling the model was fine-tuned with (to ``train_len`` from
+    ``trained.original_len``), applied at every length, ``scaling`` then acting beyond ``train_len`` on top of it."""
+    rope = check_scaling(scaling)
+    method = rope.method
+    beyond = seq_len > train_len and method != "none"
     if trained is not None and trained.method != "none":
-        check_scaling(trained.method)
-        beyond = seq_len > train_len and scaling != "none"
-        start = ntk_base(base, head_dim, seq_len, train_len) if beyond and scaling == "ntk" else base
-        # the fine-tune's own frequencies: the formula at L_new for a model trained at L_original (static)
-        inv_freq, multiplier = rope_frequencies(trained.method, head_dim, train_len, trained.original_len, start,
-                                                device=device)
-        if not beyond or scaling == "ntk":
+        start = base
+        if beyond and method == "ntk":
+            start = ntk_base(base, head_dim, seq_len, train_len)
+        elif beyond and method == "dynamic":
+            start = dynamic_base(base, head_dim, seq_len, train_len, rope.factor)
+        # the fine-tune's own frequencies: its method and factor for a model trained at L_original (dynamic at the
+        # forward's length as trained; at L_new under a scaling on top)
+        inv_freq, multiplier = scaled_frequencies(trained.method, head_dim, start, trained.original_len,
+                                                  trained.scale(train_len), train_len if beyond else seq_len, device)
+        if not beyond or method in ("ntk", "dynamic"):
             return inv_freq, multiplier
         s = seq_len / train_len
-        if scaling == "pi":
+        if method == "pi":
             return inv_freq / s, multiplier
-        return _yarn(inv_freq, s, train_len), multiplier * yarn_temperature(s) ** 2
-    if scaling == "ntk":
-        return inverse_frequencies(ntk_base(base, head_dim, seq_len, train_len), head_dim, device), 1.0
-    inv_freq = inverse_frequencies(base, head_dim, device)
-    if scaling == "none" or seq_len <= train_len:
-        return inv_freq, 1.0
-    s = seq_len / train_len
-    if scaling == "pi":
-        return inv_freq / s, 1.0
-    return _yarn(inv_freq, s, train_len), yarn_temperature(s) ** 2
+        if method == "yarn":
+            return yarn_frequencies(inv_freq, s, head_dim, base, train_len), multiplier * yarn_temperature(s) ** 2
+        return yarn_paper_frequencies(inv_freq, s, train_len), multiplier * yarn_temperature(s) ** 2
+    if not beyond:
+        return inverse_frequencies(base, head_dim, device), 1.0
+    factor = rope.factor if method == "dynamic" else seq_len / train_len
+    return scaled_frequencies(method, head_dim, base, train_len, factor, seq_len, device)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device=None, dtype=torch.float32, *,
@@ -137,7 +205,7 @@ def rope_tables(seq_len: int, head_dim: int, base: float, device=None, dtype=tor
     return cos.to(dtype), sin.to(dtype)
 
 
-def scaled_rope_tables(scaling: str, seq_len: int, head_dim: int, train_len: int, base: float, device=None,
+def scaled_rope_tables(scaling, seq_len: int, head_dim: int, train_len: int, base: float, device=None,
                        dtype=torch.float32, trained: TrainedScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables of one forward: :func:`rope_frequencies` then :func:`rope_tables`."""
     inv_freq, multiplier = rope_frequencies(scaling, head_dim, seq_len, train_len, base, device=device,
@@ -145,21 +213,27 @@ def scaled_rope_tables(scaling: str, seq_len: int, head_dim: int, train_len: int
     return rope_tables(seq_len, head_dim, base, device, dtype, inv_freq=inv_freq, multiplier=multiplier)
 
 
-def forward_key(scaling: str, base: float, head_dim: int, seq_len: int, train_len: int,
+def forward_key(scaling, base: float, head_dim: int, seq_len: int, train_len: int,
                 position: str = "rope", trained: TrainedScaling | None = None) -> tuple:
     """What a forward's positions depend on, hashable: two settings with equal keys compute the same forward
     (every scaling equals ``none`` at ``L <= L_train``; a model without RoPE ignores the scaling)."""
-    check_scaling(scaling)
+    rope = check_scaling(scaling)
     if position != "rope":
         return (position,)
+    beyond = seq_len > train_len and rope.method != "none"
     if trained is not None and trained.method != "none":
-        tag = ("trained", trained.method, int(trained.original_len), int(train_len), float(base))
-        return tag if seq_len <= train_len or scaling == "none" else (*tag, scaling, seq_len)
-    if seq_len <= train_len or scaling == "none":
+        tag = ("trained", trained.method, int(trained.original_len), trained.scale(train_len), int(train_len),
+               float(base))
+        if trained.method == "dynamic" and not beyond:  # its base follows the forward's length
+            tag = (*tag, dynamic_base(base, head_dim, seq_len, trained.original_len, trained.scale(train_len)))
+        return tag if not beyond else (*tag, rope.label, seq_len)
+    if not beyond:
         return ("rope", float(base), 1.0)
-    if scaling == "ntk":
+    if rope.method == "ntk":
         return ("rope", ntk_base(base, head_dim, seq_len, train_len), 1.0)
-    return (scaling, float(base), seq_len, train_len)
+    if rope.method == "dynamic":
+        return ("rope", dynamic_base(base, head_dim, seq_len, train_len, rope.factor), 1.0)
+    return (rope.method, float(base), seq_len, train_len)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

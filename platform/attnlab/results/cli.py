@@ -16,8 +16,9 @@ import sys
 from attnlab.errors import UserError
 from attnlab.location import DEFAULT_STORE
 from attnlab.results import reports
-from attnlab.results.reports.rows import REPORT_COLUMNS
-from attnlab.results.schema import COLUMNS, COMPLETE_METRIC, INPUT_ALIASES, describe_schema
+from attnlab.results.reports.rows import REPORT_COLUMNS, current_labels
+from attnlab.results.schema import (COLUMNS, COMPLETE_METRIC, INPUT_ALIASES, SCALING_COLUMNS, describe_schema,
+                                    stored_labels)
 from attnlab.results.store import ResultsStore
 
 _COLUMN_KINDS = {c.name: c for c in COLUMNS}
@@ -56,16 +57,39 @@ def _parse_where(items: list[str] | None) -> dict:
     return filters
 
 
+def _scaling_filters(filters: dict) -> tuple[dict, dict]:
+    """``(what the store reads, what the rows must then say)``: a filter on a RoPE scaling column also reads the
+    older spelling of its value (``yarn_paper`` was stored as ``yarn`` before schema 9) and keeps, once rows are read,
+    those whose current label it is (:func:`attnlab.results.schema.current_label`)."""
+    stored, wanted = dict(filters), {}
+    for name in SCALING_COLUMNS:
+        if name in filters:
+            values = filters[name] if isinstance(filters[name], list) else [filters[name]]
+            stored[name] = sorted({s for v in values for s in (stored_labels(v) if v is not None else [None])},
+                                  key=lambda v: (v is None, v or ""))
+            wanted[name] = values
+    return stored, wanted
+
+
 def _load(args, metric: str | None = None, columns: tuple[str, ...] | None = None):
     """The rows a report reads: with ``metric``, only that metric's rows (and only ``columns``), else all; when
-    the metric has none, every row, so the report can say which metrics there are."""
+    the metric has none, every row, so the report can say which metrics there are. Its RoPE scaling columns say
+    what the rows measured (:func:`attnlab.results.reports.rows.current_labels`)."""
     store = ResultsStore(args.store)
-    filters = _parse_where(getattr(args, "where", None))
+    filters, wanted = _scaling_filters(_parse_where(getattr(args, "where", None)))
+
+    def read(**kwargs):
+        frame = current_labels(store.read(study=args.study, **filters, **kwargs))
+        for name, values in wanted.items():
+            frame = frame[frame[name].isin([v for v in values if v is not None])
+                          | (frame[name].isna() if None in values else False)]
+        return frame
+
     if metric is not None and metric != COMPLETE_METRIC and "metric" not in filters:
-        frame = store.read(study=args.study, columns=list(columns) if columns else None, metric=metric, **filters)
+        frame = read(columns=list(columns) if columns else None, metric=metric)
         if len(frame):
             return frame
-    frame = store.read(study=args.study, **filters)
+    frame = read()
     if len(frame) == 0:
         if not store.exists():
             raise UserError(f"--store {args.store!r}: no results store there (nothing has been written yet)")
@@ -118,9 +142,24 @@ def _best(args) -> int:
 
 
 def _compare(args) -> int:
-    result = reports.compare(_load(args, args.metric), a=args.a, b=args.b, at=args.at, metric=args.metric,
-                             step=args.step)
-    _emit(reports.format_comparison(result, digits=args.digits), None)
+    if args.pairs:
+        if args.a or args.b or args.at:
+            raise UserError("--pairs FILE lists the comparisons: leave out --a, --b and --at")
+        comparisons = reports.read_pairs(args.pairs)
+    else:
+        missing = [flag for flag, value in (("--a", args.a), ("--b", args.b), ("--at", args.at)) if not value]
+        if missing:
+            raise UserError(f"results compare needs {', '.join(missing)} (or --pairs FILE)")
+        comparisons = [(args.a, b, at) for b in args.b for at in args.at]
+    frame = _load(args, args.metric)
+    paired = False if args.unpaired else None
+    if len(comparisons) == 1:
+        a, b, at = comparisons[0]
+        result = reports.compare(frame, a=a, b=b, at=at, metric=args.metric, step=args.step, paired=paired)
+        _emit(reports.format_comparison(result, digits=args.digits), None)
+    else:
+        results = reports.compare_family(frame, comparisons, metric=args.metric, step=args.step, paired=paired)
+        _emit(reports.format_family(results, digits=args.digits), None)
     return 0
 
 
@@ -227,15 +266,26 @@ def add_parser(subparsers) -> None:
 
     p = sub.add_parser("compare", help="is configuration b different from a at one length? difference, interval, test",
                        description="The difference b - a of the metric at one eval length, mean over seeds, with "
-                                   "the Welch 95% interval, Welch's t test and an exact permutation test, and a "
-                                   "plain verdict (not significant / n too small to test). --a/--b name an "
-                                   "attention variant, optionally pinned: --a softmax,p_eval=15. Each must pick "
-                                   "one configuration: pin the others with --where (e.g. --where rope_scaling=none).")
+                                   "its 95% interval and test: the paired t and an exact sign-flip test when both "
+                                   "sides have the same seeds (children of one parent, or runs of one seed), else "
+                                   "Welch's t and an exact permutation test; the smallest difference the design "
+                                   "detects with 80% power; a plain verdict (not significant / n too small to "
+                                   "test). --a/--b name an attention variant, optionally pinned: --a "
+                                   "softmax,p_eval=15. Each must pick one configuration: pin the others with --where "
+                                   "(e.g. --where rope_scaling=none). Several --b or --at (every b at every length), "
+                                   "or --pairs FILE, make one family: each line prints its raw and its "
+                                   "Holm-adjusted p.")
     _store_options(p)
     _report_options(p)
-    p.add_argument("--a", required=True, metavar="VARIANT[,COL=V]", help="the reference configuration, e.g. softmax")
-    p.add_argument("--b", required=True, metavar="VARIANT[,COL=V]", help="the configuration compared with it, e.g. lssar")
-    p.add_argument("--at", required=True, metavar="LENGTH", help="eval length (1024, 1k) or multiple of train_len (16x)")
+    p.add_argument("--a", metavar="VARIANT[,COL=V]", help="the reference configuration, e.g. softmax")
+    p.add_argument("--b", action="append", metavar="VARIANT[,COL=V]",
+                   help="the configuration compared with it, e.g. lssar; repeatable (a family)")
+    p.add_argument("--at", action="append", metavar="LENGTH",
+                   help="eval length (1024, 1k) or multiple of train_len (16x); repeatable (a family)")
+    p.add_argument("--pairs", metavar="FILE", help="a family of comparisons from a file, one 'A B AT' a line "
+                   "(# comments): instead of --a/--b/--at")
+    p.add_argument("--unpaired", action="store_true",
+                   help="Welch's t even when both sides have the same seeds (default: paired where the design allows)")
     p.add_argument("--digits", type=int, default=4, help="decimals in the printed difference and interval (default 4)")
     p.set_defaults(func=_compare)
 

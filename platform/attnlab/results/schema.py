@@ -45,13 +45,16 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from attnlab.errors import UserError
-from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing
+from attnlab.names import ROPE_SCALINGS, STUDY_NAME, STUDY_NAME_RULE, is_missing, parse_rope
 from attnlab.states import StopReason
 
 # 2: eval_key; 3: expression; 4: task, stderr; 5: stopped, stop_rule (rows of older versions read them as null);
 # 6: train_key (the column versions 1-5 called config_hash); 7: plugin_sha256 (rows of older versions read it as null);
-# 8: stage, parent_key, extension, ext_len, ext_tokens, lineage_tokens (a study's stages; null in older rows)
-SCHEMA_VERSION = 8
+# 8: stage, parent_key, extension, ext_len, ext_tokens, lineage_tokens (a study's stages; null in older rows);
+# 9: ext_factor (null in older rows), rope_scaling may carry a factor (dynamic:2), and yarn is the reference code's
+# ramp: a row of versions 1-8 that says yarn was measured with the paper's ramp and reads as yarn_paper
+# (current_label; rows are never rewritten)
+SCHEMA_VERSION = 9
 SCHEMA_VERSION_METADATA_KEY = b"attnlab.results.schema_version"
 
 COMPLETE_METRIC = "complete"
@@ -79,7 +82,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("scale", "str", True, 'scale factor, e.g. "logd_logn", "inv_sqrt_d", "coef*log_n:0.8"'),
     Column("p_train", "float", False, "sharpening power used in training; null = none"),
     Column("p_eval", "float", False, "sharpening power applied at evaluation only; null = none"),
-    Column("rope_scaling", "str", True, "RoPE scaling at evaluation: ntk | none | pi | yarn"),
+    Column("rope_scaling", "str", True, "RoPE scaling at evaluation: ntk | none | pi | yarn | yarn_paper | "
+                                        "dynamic:F (rows of schema 1-8 saying yarn read as yarn_paper)"),
     Column("step", "int", True, "training step of the evaluated weights"),
     Column("tokens", "int", True, "training tokens seen at that step"),
     Column("eval_len", "int", True, "evaluation length (tokens per window)"),
@@ -112,7 +116,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("parent_key", "str", False, "train_key of the run whose final weights this run started from; null = trained "
                                        "from scratch"),
     Column("extension", "str", False, "the RoPE scaling applied in training by a stage with a parent: none (continued "
-                                      "training at the longer length), pi, ntk or yarn; null = trained from scratch"),
+                                      "training at the longer length), pi, ntk, yarn, yarn_paper or dynamic (its "
+                                      "factor: ext_factor); null = trained from scratch"),
+    Column("ext_factor", "float", False, "the scale factor of the RoPE scaling in training (a stage's factor, or "
+                                         "ext_len / train_len when it sets none); null = trained from scratch, or "
+                                         "plain RoPE (extension none)"),
     Column("ext_len", "int", False, "the training length of a stage with a parent (train_len is then its lineage's "
                                     "first length, which evaluation multiples count from); null = none"),
     Column("ext_tokens", "int", False, "training tokens of the stage with a parent, at the evaluated step; null = none"),
@@ -131,8 +139,29 @@ INPUT_ALIASES = {"config_hash": "train_key"}
 # Columns that identify a configuration (what reports group by); seeds are averaged over.
 CONFIG_COLUMNS = (
     "attention", "scale", "p_train", "p_eval", "rope_scaling", "train_len", "preset", "data", "knobs",
-    "window_mode", "layer", "bucket", "task", "plugin_sha256", "stage", "extension", "ext_len", "ext_tokens",
+    "window_mode", "layer", "bucket", "task", "plugin_sha256", "stage", "extension", "ext_factor", "ext_len",
+    "ext_tokens",
 )
+
+# The columns that name a RoPE scaling, and the schema version from which their ``yarn`` is the reference code's ramp
+# (model/rope.py): before it, ``yarn`` was the paper's ramp, now ``yarn_paper``.
+SCALING_COLUMNS = ("rope_scaling", "extension")
+YARN_REFERENCE_SINCE = 9
+
+
+def current_label(value, schema_version):
+    """A scaling column's value as this version names it: ``yarn`` in a row of a schema version before
+    :data:`YARN_REFERENCE_SINCE` is ``yarn_paper``; anything else is itself."""
+    if value == "yarn" and not is_missing(schema_version) and int(schema_version) < YARN_REFERENCE_SINCE:
+        return "yarn_paper"
+    return value
+
+
+def stored_labels(value) -> list:
+    """What a row asking for scaling ``value`` may store (the older spelling too): ``yarn_paper`` may be stored as
+    ``yarn`` (by schema versions before :data:`YARN_REFERENCE_SINCE`); select with these, then keep the rows whose
+    :func:`current_label` is ``value``."""
+    return [value, "yarn"] if value == "yarn_paper" else [value]
 
 _ARROW_TYPES = {
     "str": pa.string(),
@@ -357,9 +386,14 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
             f"results {where}: unknown metric {out['metric']!r}; registered: {', '.join(sorted(METRICS))} "
             "(add one with attnlab.results.register_metric)"
         )
-    if out["rope_scaling"] not in ROPE_SCALINGS:
+    try:
+        rope = parse_rope(out["rope_scaling"])
+    except UserError:
+        rope = None
+    if rope is None or rope.label != out["rope_scaling"]:
         raise UserError(
-            f"results {where}: column 'rope_scaling' is {out['rope_scaling']!r}; allowed: {', '.join(ROPE_SCALINGS)}"
+            f"results {where}: column 'rope_scaling' is {out['rope_scaling']!r}; allowed: {', '.join(ROPE_SCALINGS)} "
+            "(dynamic with its factor: dynamic:2)"
         )
     if out["stopped"] is not None and out["stopped"] not in STOPPED_VALUES:
         raise UserError(f"results {where}: column 'stopped' is {out['stopped']!r}; allowed: "
@@ -372,6 +406,8 @@ def validate_row(row: dict, index: int = 0, now: _dt.datetime | None = None) -> 
     for name in ("step", "tokens", "seed", "n_tokens", "layer", "ext_tokens", "lineage_tokens"):
         if out[name] is not None and out[name] < 0:
             raise UserError(f"results {where}: column {name!r} must be >= 0, got {out[name]}")
+    if out["ext_factor"] is not None and out["ext_factor"] < 1:
+        raise UserError(f"results {where}: column 'ext_factor' must be >= 1, got {out['ext_factor']}")
     for name in ("eval_len", "train_len", "ext_len"):
         if out[name] is not None and out[name] <= 0:
             raise UserError(f"results {where}: column {name!r} must be > 0, got {out[name]}")

@@ -151,3 +151,128 @@ def two_sample_test(a, b, confidence: float = CONFIDENCE, bounds: tuple[float, f
                       p_permutation=float(permutation.pvalue),
                       permutation_splits=splits if exact else MAX_EXACT_SPLITS,
                       min_p_permutation=min(1.0, 2.0 / splits), exact=exact, notes=notes)
+
+
+# ---------------------------------------------------------------------------------------- paired designs
+POWER = 0.8  # the power at which a design's detectable difference is given
+
+
+@dataclass
+class PairedResult:
+    """The paired t test and the exact sign-flip permutation test of ``b - a`` over matched runs (pairs).
+
+    Two runs pair when their design ties them: the children of one parent (the same weights fine-tuned two ways), a
+    parent and its own child, or two runs of one seed (the same data order and initial draw). The test is then on
+    the pairs' differences, which the shared part no longer varies.
+    """
+
+    diff: float                       # mean of b_i - a_i (= mean(b) - mean(a))
+    ci: tuple[float, float]           # the paired t interval of diff (NaN, NaN when undefined)
+    t: float                          # paired t statistic (NaN when the differences have no spread)
+    df: float                         # n_pairs - 1
+    p_t: float                        # two-sided p of the paired t (NaN when undefined)
+    p_sign_flip: float                # two-sided p of the exact sign-flip permutation test
+    assignments: int                  # sign assignments enumerated (2^n) or sampled
+    min_p_sign_flip: float            # the smallest p the sign-flip test can give with these n pairs
+    n_pairs: int
+    sd_diff: float                    # sample std of the differences
+    exact: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def sign_flip_test(differences) -> tuple[float, int, bool]:
+    """``(p, assignments, exact)``: the two-sided exact sign-flip permutation test of a mean difference of zero,
+    over every assignment of signs to the paired differences (2^n; above :data:`MAX_EXACT_SPLITS`, that many
+    sampled with a fixed seed). ``p`` counts the assignments whose |mean| is at least the observed one, so its floor
+    is ``2 / 2^n`` (0.0625 with 5 pairs, 0.125 with 4)."""
+    d = np.asarray(differences, dtype=float)
+    n = len(d)
+    observed = abs(float(np.mean(d)))
+    total = 2 ** n
+    exact = total <= MAX_EXACT_SPLITS
+    if exact:
+        signs = 1 - 2 * ((np.arange(total)[:, None] >> np.arange(n)) & 1)
+    else:
+        signs = np.random.default_rng(0).choice([-1, 1], size=(MAX_EXACT_SPLITS, n))
+    means = np.abs((signs * d).mean(axis=1))
+    tolerance = 1e-12 * max(1.0, observed)  # ties in floating point count as at least as extreme
+    return float(np.mean(means >= observed - tolerance)), (total if exact else MAX_EXACT_SPLITS), exact
+
+
+def paired_test(a, b, confidence: float = CONFIDENCE, bounds: tuple[float, float] | None = None) -> PairedResult:
+    """The paired t test and interval, and the exact sign-flip test, of ``b_i - a_i`` (``a`` and ``b`` in pair
+    order, at least 2 pairs). ``bounds``: the metric's range; the interval is kept inside
+    :func:`difference_bounds`."""
+    from scipy import stats
+
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError("paired_test needs two samples of the same length, at least 2 pairs")
+    d = b - a
+    n = len(d)
+    diff = float(np.mean(d))
+    sd = float(np.std(d, ddof=1))
+    notes: list[str] = []
+    if sd == 0.0:
+        t = p_t = math.nan
+        ci = (math.nan, math.nan)
+        notes.append("the paired differences have no spread: the paired t is undefined")
+    else:
+        result = stats.ttest_1samp(d, 0.0)
+        t, p_t = float(result.statistic), float(result.pvalue)
+        low, high = result.confidence_interval(confidence)
+        ci = clip_interval(float(low), float(high), difference_bounds(bounds))
+    p_flip, assignments, exact = sign_flip_test(d)
+    if not exact:
+        notes.append(f"sign-flip test sampled {MAX_EXACT_SPLITS} of {2 ** n} sign assignments")
+    return PairedResult(diff=diff, ci=ci, t=t, df=float(n - 1), p_t=p_t, p_sign_flip=p_flip, assignments=assignments,
+                        min_p_sign_flip=min(1.0, 2.0 / 2 ** n), n_pairs=n, sd_diff=sd, exact=exact, notes=notes)
+
+
+def holm(p_values) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979), in the order given: the i-th smallest p times ``(m - i + 1)``,
+    made non-decreasing in that order and capped at 1. A comparison is significant in the family at ``alpha`` when
+    its adjusted p is below ``alpha``: that controls the chance of any false verdict among the m at ``alpha``. NaN
+    (no test) stays NaN and does not count in m."""
+    values = [float(p) for p in p_values]
+    tested = sorted((p, i) for i, p in enumerate(values) if not math.isnan(p))
+    m = len(tested)
+    out = [math.nan] * len(values)
+    running = 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
+
+
+def detectable_difference(se: float, df: float, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest true difference a two-sided t test of standard error ``se`` and ``df`` degrees of freedom finds
+    at level ``alpha`` with probability ``power`` (the noncentral t's power, solved for the difference): what a
+    design with this spread could have told apart. NaN when ``se`` or ``df`` is undefined or zero."""
+    if not (math.isfinite(se) and se > 0 and math.isfinite(df) and df > 0):
+        return math.nan
+    from scipy import optimize, stats
+
+    critical = float(stats.t.ppf(1 - alpha / 2, df))
+
+    def shortfall(delta: float) -> float:
+        ncp = delta / se
+        wrong_side = float(stats.nct.cdf(-critical, df, ncp))  # negligible, and NaN in SciPy far out in the tail
+        return float(stats.nct.sf(critical, df, ncp)) + (0.0 if math.isnan(wrong_side) else wrong_side) - power
+
+    high = se * critical
+    while shortfall(high) < 0:  # the power grows with the difference: widen the bracket until it passes
+        high *= 1.5
+    return float(optimize.brentq(shortfall, 0.0, high, xtol=1e-9 * se))
+
+
+def welch_standard_error(a, b) -> tuple[float, float]:
+    """``(se, df)`` of the difference of two means with unequal variances (Welch-Satterthwaite)."""
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    va, vb = float(np.var(a, ddof=1)) / len(a), float(np.var(b, ddof=1)) / len(b)
+    if va + vb == 0:
+        return 0.0, math.nan
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return math.sqrt(va + vb), df

@@ -81,9 +81,9 @@ from attnlab.attention.plugin import PluginError, PluginSource, load_recorded, l
 from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalConfig
 from attnlab.names import (
-    ROPE_SCALINGS,
     STUDY_NAME,
     STUDY_NAME_RULE,
+    check_scaling,
     parse_at,
     parse_optional_number,
     resolve_at,
@@ -239,9 +239,7 @@ def parse_objective(text: str) -> ObjectiveParts:
         if name == "p_eval":
             out["p_eval"] = parse_optional_number(value, "p_eval")
         elif name == "rope":
-            if value not in ROPE_SCALINGS:
-                raise ValueError(f"rope={value!r} must be one of {', '.join(ROPE_SCALINGS)}")
-            out["rope"] = value
+            out["rope"] = check_scaling(value, "rope").label
         else:
             raise ValueError(f"option {name!r} is unknown; use p_eval=P or rope=R")
     key = f"{metric}@{at}"
@@ -476,7 +474,8 @@ class StudySpec(_Strict):
         blob["train"].pop("plugin", None)  # a plugin's bytes count once, below
         blob["train"].pop("val_extrapolation", None)  # eval.during_training's copy: a run setting, never searched
         # fields added later hash only when set: a study written before them keeps its fingerprint (and its resume)
-        for key, default in (("rope_scaling", "none"), ("original_len", None), ("init_from", None)):
+        for key, default in (("rope_scaling", "none"), ("rope_factor", None), ("original_len", None),
+                             ("init_from", None)):
             if blob["train"].get(key) == default:
                 blob["train"].pop(key, None)
         if not blob.get("stages"):

@@ -10,9 +10,10 @@ its root stage, named :data:`ROOT` (``pretrain``)::
         when: [softmax, lssar]       # the parents' attention variants that get this stage (default: every one)
         train: {seq_len: 512, steps: 40, lr: 3.0e-4, warmup_steps: 4}   # overrides of the parent's training config
         space:                       # the stage's own axes (seeds and attention are the parents')
-          rope_scaling: {values: [none, pi, ntk, yarn], when: [softmax]}
+          rope_scaling: {values: [none, pi, ntk, yarn, "yarn:16", "dynamic:2"], when: [softmax]}
 
-Each parent point (a point of the ``from`` stage) whose attention is in ``when`` makes one child point per
+A scaling's factor (``yarn:16``, or ``{method: yarn, factor: 16}`` in ``train:``) is set apart from ``seq_len``;
+without one it is ``seq_len / original_len``. Each parent point (a point of the ``from`` stage) whose attention is in ``when`` makes one child point per
 combination of the stage's axes. A child point is flat: the parent point's keys, ``stage`` (the stage's name) and
 the stage's axes prefixed by the stage's name (``extend.rope_scaling``), so no axis of a stage hides one of its
 parent's. A child's training config is its parent's, with the stage's ``train:`` and axes set, ``original_len`` the
@@ -185,7 +186,8 @@ class StagedSpace(SearchSpace):
         return self._expand(super().grid())
 
     def checked_points(self) -> list[dict]:
-        return self._expand(super().checked_points())
+        # the root's checked points (SearchSpace's, whose grid is this one's: children left out), then the stages'
+        return self._expand([p for p in super().checked_points() if STAGE_KEY not in p])
 
     def size(self) -> int:
         return len(self.grid())
@@ -229,8 +231,11 @@ class StagedSpace(SearchSpace):
         fields.pop("init_from", None)
         if "tokens" in stage.train:  # a token budget replaces the parent's step count
             fields.pop("steps", None)
+        axes = {k[len(name) + 1:]: v for k, v in point.items() if k.startswith(f"{name}.")}
+        if "rope_scaling" in stage.train or "rope_scaling" in axes:  # the stage's scaling brings its own factor
+            fields.pop("rope_factor", None)
         fields.update(stage.train)
-        fields.update({k[len(name) + 1:]: v for k, v in point.items() if k.startswith(f"{name}.")})
+        fields.update(axes)
         fields["original_len"] = parent.base_length
         if data is not None and "data" not in stage.train:
             fields["data"] = data

@@ -40,8 +40,9 @@ from attnlab.attention.plugin import PluginError, PluginSource, load_recorded
 from attnlab.attention.spec import P_TRAIN_DEFAULT, PluginSpec, parse_p_train
 from attnlab.attention.variants import plugin_spec
 from attnlab.model import PRESETS, GPTConfig, preset, with_kind
+from attnlab.names import rope_identity
 from attnlab.names import GPT2_VOCAB
-from attnlab.runfolder import ValExtrapolation
+from attnlab.runfolder import ValExtrapolation, data_order_seed
 from attnlab.validation import parse
 
 
@@ -123,6 +124,20 @@ class StopWhen(BaseModel):
         return f"{self.metric} {'>=' if self.at_least is not None else '<='} {self.threshold:g}"
 
 
+# The version of what each built-in attention variant computes in training (absent: 1). Raise a variant's version
+# in the change that alters what it computes, not merely how it rounds: its train key changes with it (identity), so
+# a run trained under the older meaning is never found by key as a run of the new one
+# (docs/stages.md#identity-and-reuse). tests/test_train_golden.py pins the first training losses of every variant and fails until it is raised.
+# A plugin's variant needs none: its key holds its code's sha256.
+ATTENTION_SEMANTICS: dict[str, int] = {}
+
+
+def semantics_version(variant: str) -> int:
+    """The version of what built-in attention ``variant`` (a registered name or alias) computes
+    (:data:`ATTENTION_SEMANTICS`)."""
+    return ATTENTION_SEMANTICS.get(get_variant(variant).name, 1)
+
+
 # What ``micro_batch: auto`` resolves to without a GPU (capped to a divisor of the sequences per worker).
 CPU_AUTO_MICRO_BATCH = 16
 AUTO = "auto"
@@ -162,10 +177,12 @@ class TrainConfig(BaseModel):
     data: str | dict[str, Any] = ""  # a prepared folder, or {synthetic: <task>, ...} for a probe
     seq_len: int | None = Field(default=None, gt=0)  # default: the preset's train_len
     # Context extension (a study's stages: docs/stages.md). The RoPE scaling applied in training (none, pi, ntk,
-    # yarn) with factor seq_len / original_len; original_len: the length the lineage was first trained at (None:
+    # yarn, yarn_paper, dynamic) with factor rope_factor, None: seq_len / original_len (``rope_scaling: yarn:16`` or
+    # ``{method: yarn, factor: 16}`` sets both); original_len: the length the lineage was first trained at (None:
     # seq_len), from which evaluation multiples count; init_from: the parent run whose final weights this one starts
     # from (set by the study).
     rope_scaling: str = "none"
+    rope_factor: float | None = None
     original_len: int | None = Field(default=None, gt=0)
     init_from: InitFrom | None = None
     # budget and batch
@@ -185,7 +202,9 @@ class TrainConfig(BaseModel):
     eps: float = Field(default=1e-8, gt=0)
     grad_clip: float = Field(default=1.0, ge=0)  # 0 disables clipping
     seed: int = 1337
-    data_seed: int = 0
+    # the order training batches are drawn in (a prepared corpus's validation windows never depend on it): a number,
+    # or ``seed``, the run's own seed, so that seeds vary the data order as well as the initial draw
+    data_seed: int | Literal["seed"] = 0
     # reporting and checkpoints
     log_every: int = Field(default=10, gt=0)
     val_every: int = Field(default=250, gt=0)
@@ -257,15 +276,26 @@ class TrainConfig(BaseModel):
     def _plugin_record(self, value):
         return None if value is None else value.to_dict()
 
-    @field_validator("rope_scaling", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _rope_scaling(cls, value):
-        from attnlab.names import ROPE_SCALINGS, is_none_word
+    def _rope_scaling(cls, data):
+        """``rope_scaling`` as a name, ``NAME:FACTOR`` or ``{method: NAME, factor: F}``: the method in
+        ``rope_scaling``, the factor in ``rope_factor`` (one line, naming the field, for a factor below 1 or one on
+        ``none``)."""
+        if not isinstance(data, dict) or ("rope_scaling" not in data and data.get("rope_factor") is None):
+            return data
+        from attnlab.names import parse_rope
 
-        value = "none" if value is None or is_none_word(value) else value
-        if value not in ROPE_SCALINGS:
-            raise ValueError(f"is not allowed: use one of {', '.join(ROPE_SCALINGS)} (the RoPE scaling in training)")
-        return value
+        given = data.get("rope_scaling")
+        try:
+            rope = parse_rope(given, "rope_scaling")
+            alone = parse_rope({"method": rope.method, "factor": data.get("rope_factor")}, "rope_factor")
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        if rope.factor is not None and alone.factor is not None and rope.factor != alone.factor:
+            raise ValueError(f"rope_scaling={given!r} and rope_factor={alone.factor:g} give two factors: give one")
+        return {**data, "rope_scaling": rope.method, "rope_factor": rope.factor if rope.factor is not None
+                else alone.factor}
 
     @field_validator("micro_batch", mode="before")
     @classmethod
@@ -296,7 +326,8 @@ class TrainConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _no_attention_in_model(cls, value: dict) -> dict:
-        for key in ("attention", "p_train", "scale", "train_len", "attn_impl", "rope_scaling", "original_len"):
+        for key in ("attention", "p_train", "scale", "train_len", "attn_impl", "rope_scaling", "rope_factor",
+                    "original_len"):
             if key in value:
                 where = "seq_len" if key == "train_len" else key
                 raise ValueError(f"model.{key} is set by the training config's own field: use {where}")
@@ -348,6 +379,19 @@ class TrainConfig(BaseModel):
             object.__setattr__(self, "plugin", registered.source)
         return self
 
+    @field_validator("data_seed", mode="before")
+    @classmethod
+    def _data_seed(cls, value):
+        if value == "seed" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("is not allowed: use an integer >= 0, or seed (the run's own seed)")
+
+    @property
+    def data_order_seed(self) -> int:
+        """The seed training batches are drawn with: ``data_seed``, or the run's ``seed`` for ``data_seed: seed``
+        (:func:`attnlab.runfolder.data_order_seed`)."""
+        return data_order_seed(self.data_seed, self.seed)
+
     @property
     def seq_length(self) -> int:
         return self.seq_len or PRESETS[self.preset]["train_len"]
@@ -373,6 +417,7 @@ class TrainConfig(BaseModel):
         overrides["train_len"] = self.seq_length
         overrides["attn_impl"] = self.attn_impl
         overrides["rope_scaling"] = self.rope_scaling
+        overrides["rope_factor"] = self.rope_factor
         overrides["original_len"] = self.original_len
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
@@ -523,16 +568,21 @@ class TrainConfig(BaseModel):
         for key in ("attention", "p_train", "scale", "attn_impl"):
             model.pop(key)
         for key, default in (("position", "rope"), ("block", "gpt2"), ("original_len", None),
-                             ("rope_scaling", "none")):  # added later: old keys stay the same
+                             ("rope_scaling", "none"), ("rope_factor", None)):  # added later: old keys stay the same
             if model.get(key) == default:
                 model.pop(key)
+        if "rope_scaling" in model:  # by what it computes: yarn_paper is the yarn of older keys (ROPE_SEMANTICS)
+            model["rope_scaling"] = rope_identity(model["rope_scaling"])
         model["attention"] = {"variant": get_variant(variant.name).name, "scale": variant.scale_label, "p": variant.p}
         if isinstance(variant, PluginSpec):  # the plugin's code by its bytes; a built-in variant's key is unchanged
             model["attention"]["plugin"] = variant.sha256
+        elif semantics_version(variant.name) > 1:  # what it computes has changed since its first keys
+            model["attention"]["semantics"] = semantics_version(variant.name)
         recipe = {k: v for k, v in self.model_dump(mode="json").items()
                   if k not in RUN_SETTINGS and k not in ("preset", "model", "attention", "p_train", "scale", "data",
                                                          "seq_len", "stop_when", "plugin", "rope_scaling",
-                                                         "original_len", "init_from")}
+                                                         "rope_factor", "original_len", "init_from")}
+        recipe["data_seed"] = self.data_order_seed  # data_seed: seed trains what that number does
         if self.stop_when is not None:
             # The rule decides the trained weights (the step they stop at), and so does where it is checked:
             # val_every and val_tokens are run settings without a rule, part of the identity with one. steps (the cap) stays in
@@ -546,7 +596,14 @@ class TrainConfig(BaseModel):
 
     def train_key(self, data_fingerprint: str, vocab_size: int | None = None) -> str:
         """The training run's identity (16 hex digits): names its run folder, goes into its provenance and into
-        every results row (``train_key``). Two configs with the same key train the same weights."""
+        every results row (``train_key``). Two configs with the same key train the same weights: the same
+        computation (what each attention variant and RoPE scaling computes carries a version,
+        :data:`ATTENTION_SEMANTICS` and :data:`attnlab.names.ROPE_SEMANTICS`, raised when it changes), so on one
+        machine and one build of torch the same bits. Across CPUs the promise is weaker: float32 rounds by the
+        kernel path (torch's CPU capability, AVX2 or AVX512, recorded in provenance), and LSSAR's sharpening
+        amplifies the difference step by step into another draw (proxy_text's LSSAR seed 3: 2.0515 at 16x on the
+        AVX512 path, 2.0198 on AVX2, five seeds' spread; softmax seed 4: 2.4119 and 2.4113): a key then names the same
+        training, not the same weights (docs/stages.md#identity-and-reuse)."""
         payload = json.dumps(self.identity(data_fingerprint, vocab_size), sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

@@ -60,7 +60,7 @@ class TrainData:
         for micro in range(self.accum):
             x, y, mask = self.source.train_batch(step, self.rank, self.world_size, micro, cfg.micro_batch,
                                                  seq_len=cfg.seq_length, global_batch=self.global_batch,
-                                                 seed=cfg.data_seed)
+                                                 seed=cfg.data_order_seed)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             yield x, y, None if mask is None else mask.to(self.device, non_blocking=True)
 
@@ -123,12 +123,12 @@ class Validator:
     @classmethod
     def build(cls, source: DataSource, cfg: TrainConfig, session) -> Validator:
         rank, world = session.rank, session.world_size
-        windows, mask = source.eval_set(cfg.seq_length, max_tokens=cfg.val_tokens, seed=cfg.data_seed)
+        windows, mask = source.eval_set(cfg.seq_length, max_tokens=cfg.val_tokens, seed=cfg.data_order_seed)
         longer = {}
         extra = cfg.val_extrapolation
         for length in extra.lengths(cfg.seq_length) if extra is not None else ():
             long_windows, long_mask = source.eval_set(length, max_tokens=max(cfg.val_tokens, length),
-                                                      seed=cfg.data_seed)
+                                                      seed=cfg.data_order_seed)
             if len(long_windows):  # the same on every rank: each leaves the same lengths out
                 longer[length] = (long_windows[rank::world], None if long_mask is None else long_mask[rank::world])
         return cls(windows[rank::world], None if mask is None else mask[rank::world], cfg, session, longer)

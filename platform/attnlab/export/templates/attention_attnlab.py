@@ -26,8 +26,8 @@ SHARPEN_EXEMPT_ROWS = 3  # rows 0..2 are sharpened without the offset O_i
 EXP_CLAMP = 80.0  # an unnormalised exp (scenario_ii) is clamped below fp32's overflow
 CHUNK_BYTES = 256 * 1024**2  # query rows per block: at most this many bytes of weights and temporaries
 BUILTIN_TEMPORARIES, PLUGIN_TEMPORARIES = 4, 8  # (rows x keys) tensors one row of weights is counted as
-ROPE_SCALINGS = ("ntk", "none", "pi", "yarn")
-YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds (Peng et al. 2023, section 3.2)
+ROPE_SCALINGS = ("ntk", "none", "pi", "yarn", "yarn_paper", "dynamic")
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # YaRN's ramp bounds (Peng et al. 2023, section 3.2; the reference's beta_slow, fast)
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,20 @@ def inverse_frequencies(base: float, head_dim: int, device=None) -> torch.Tensor
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
 
 
-def check_scaling(scaling: str, field: str = "rope_scaling") -> str:
-    if scaling not in ROPE_SCALINGS:
-        raise ValueError(f"{field}={scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
-    return scaling
+def check_scaling(scaling: str, field: str = "rope_scaling") -> tuple[str, float | None]:
+    """``(method, factor)`` of an evaluation-time scaling: a name, or ``dynamic:F`` (only dynamic takes a factor
+    here; the others' is the evaluated length over the trained one)."""
+    method, _, text = str(scaling).partition(":")
+    factor = None
+    if _:
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = math.nan
+    if method not in ROPE_SCALINGS or (method == "dynamic") != (factor is not None) or not (factor or 1) >= 1:
+        raise ValueError(f"{field}={scaling!r} is not allowed: use one of "
+                         f"{', '.join(m for m in ROPE_SCALINGS if m != 'dynamic')} or dynamic:F (a factor F >= 1)")
+    return method, factor
 
 
 def ntk_base(base: float, head_dim: int, seq_len: int, train_len: int) -> float:
@@ -101,53 +111,103 @@ def ntk_base(base: float, head_dim: int, seq_len: int, train_len: int) -> float:
     return base * (seq_len / train_len) ** (head_dim / (head_dim - 2))
 
 
-def yarn_frequencies(inv_freq: torch.Tensor, s: float, train_len: int) -> torch.Tensor:
-    """YaRN's NTK-by-parts ramp over ``r = train_len / lambda``: interpolated (``/ s``) below ``alpha``, kept above
-    ``beta``, linear in between."""
-    ratio = train_len * inv_freq / (2 * math.pi)
+def dynamic_base(base: float, head_dim: int, seq_len: int, train_len: int, factor: float) -> float:
+    """Dynamic NTK's base (transformers' rope_type dynamic): ``base * (f L / L_train - (f - 1)) ** (d / (d - 2))``,
+    ``L`` at least ``train_len``."""
+    length = max(seq_len, train_len)
+    return base * (factor * length / train_len - (factor - 1)) ** (head_dim / (head_dim - 2))
+
+
+def yarn_temperature(scale: float) -> float:
+    return 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, s: float, head_dim: int, base: float, original_len: int) -> torch.Tensor:
+    """YaRN as its reference code and transformers compute it: the share kept is one minus a ramp linear in the pair
+    index from ``floor(m(32))`` to ``ceil(m(1))``, ``m(r) = d ln(L / (2 pi r)) / (2 ln base)``."""
+    def pair(rotations: float) -> float:
+        return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(pair(YARN_BETA)), 0), min(math.ceil(pair(YARN_ALPHA)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, device=inv_freq.device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp
+    return inv_freq / s * (1 - keep) + inv_freq * keep
+
+
+def yarn_paper_frequencies(inv_freq: torch.Tensor, s: float, original_len: int) -> torch.Tensor:
+    """The paper's ramp (yarn_paper): linear in ``r = original_len / lambda``, interpolated (``/ s``) below
+    ``alpha``, kept above ``beta``."""
+    ratio = original_len * inv_freq / (2 * math.pi)
     gamma = ((ratio - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)
     return (1 - gamma) * inv_freq / s + gamma * inv_freq
 
 
-def rope_frequencies(scaling: str, head_dim: int, seq_len: int, train_len: int, base: float, device=None,
-                     trained: str = "none", original_len: int | None = None):
-    """``(inv_freq, logit multiplier)`` of a forward of ``seq_len`` tokens: ``none``; ``ntk`` (base times
-    ``s ** (d / (d - 2))``); ``pi`` (frequencies / s); ``yarn`` (NTK-by-parts, logits times ``(0.1 ln s + 1)^2``);
-    every scaling is ``none`` at ``seq_len <= train_len``.
+def scaled_frequencies(method: str, head_dim: int, base: float, original_len: int, factor: float, seq_len: int,
+                       device=None):
+    """``(inv_freq, logit multiplier)`` of ``method`` with scale ``factor`` for frequencies trained at
+    ``original_len`` (only dynamic reads ``seq_len``)."""
+    if method == "ntk":
+        return inverse_frequencies(base * factor ** (head_dim / (head_dim - 2)), head_dim, device), 1.0
+    if method == "dynamic":
+        return inverse_frequencies(dynamic_base(base, head_dim, seq_len, original_len, factor), head_dim, device), 1.0
+    inv_freq = inverse_frequencies(base, head_dim, device)
+    if method == "pi":
+        return inv_freq / factor, 1.0
+    if method == "yarn":
+        return yarn_frequencies(inv_freq, factor, head_dim, base, original_len), yarn_temperature(factor) ** 2
+    if method == "yarn_paper":
+        return yarn_paper_frequencies(inv_freq, factor, original_len), yarn_temperature(factor) ** 2
+    return inv_freq, 1.0
 
-    ``trained``: the scaling the model was fine-tuned with, from ``original_len`` to ``train_len`` (``none``: trained
-    once, or fine-tuned with plain RoPE). At every length the model then uses the frequencies (and multiplier) the
-    formulas give for ``train_len`` tokens by a model trained at ``original_len`` (static), and ``scaling`` acts on
-    top of them beyond ``train_len``: ``ntk`` changes the base they start from, ``pi`` divides them by
-    ``seq_len / train_len``, ``yarn`` ramps them over ``train_len / lambda`` and multiplies the multipliers."""
-    check_scaling(scaling)
+
+def rope_frequencies(scaling: str, head_dim: int, seq_len: int, train_len: int, base: float, device=None,
+                     trained: str = "none", original_len: int | None = None, trained_factor: float | None = None):
+    """``(inv_freq, logit multiplier)`` of a forward of ``seq_len`` tokens: ``none``; ``ntk`` (base times
+    ``s ** (d / (d - 2))``); ``pi`` (frequencies / s); ``yarn`` (the reference code's ramp, logits times
+    ``(0.1 ln s + 1)^2``); ``yarn_paper`` (the paper's ramp, the same multiplier); ``dynamic:F`` (transformers'
+    dynamic NTK with factor F); every scaling is ``none`` at ``seq_len <= train_len``.
+
+    ``trained``: the scaling the model was fine-tuned with, from ``original_len`` to ``train_len`` with factor
+    ``trained_factor`` (None: ``train_len / original_len``; ``none``: trained once, or fine-tuned with plain RoPE).
+    At every length the model then uses that scaling's frequencies (and multiplier) for a model trained at
+    ``original_len`` (static; dynamic's base follows the forward's length), and ``scaling`` acts on top of them
+    beyond ``train_len``: ``ntk`` and ``dynamic`` change the base they start from, ``pi`` divides them by
+    ``seq_len / train_len``, ``yarn`` and ``yarn_paper`` blend them with their ramp over ``train_len`` and multiply
+    the multipliers."""
+    method, factor = check_scaling(scaling)
+    beyond = seq_len > train_len and method != "none"
     if trained != "none":
-        check_scaling(trained, "trained_rope_scaling")
-        beyond = seq_len > train_len and scaling != "none"
-        start = ntk_base(base, head_dim, seq_len, train_len) if beyond and scaling == "ntk" else base
-        inv_freq, multiplier = rope_frequencies(trained, head_dim, train_len, original_len, start, device)
-        if not beyond or scaling == "ntk":
+        if trained not in ROPE_SCALINGS:
+            raise ValueError(f"trained_rope_scaling={trained!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+        start = base
+        if beyond and method == "ntk":
+            start = ntk_base(base, head_dim, seq_len, train_len)
+        elif beyond and method == "dynamic":
+            start = dynamic_base(base, head_dim, seq_len, train_len, factor)
+        own = float(trained_factor) if trained_factor is not None else train_len / original_len
+        inv_freq, multiplier = scaled_frequencies(trained, head_dim, start, original_len, own,
+                                                  train_len if beyond else seq_len, device)
+        if not beyond or method in ("ntk", "dynamic"):
             return inv_freq, multiplier
         s = seq_len / train_len
-        if scaling == "pi":
+        if method == "pi":
             return inv_freq / s, multiplier
-        return yarn_frequencies(inv_freq, s, train_len), multiplier * (0.1 * math.log(s) + 1.0) ** 2
-    if scaling == "ntk":
-        return inverse_frequencies(ntk_base(base, head_dim, seq_len, train_len), head_dim, device), 1.0
-    inv_freq = inverse_frequencies(base, head_dim, device)
-    if scaling == "none" or seq_len <= train_len:
-        return inv_freq, 1.0
-    s = seq_len / train_len
-    if scaling == "pi":
-        return inv_freq / s, 1.0
-    return yarn_frequencies(inv_freq, s, train_len), (0.1 * math.log(s) + 1.0) ** 2
+        if method == "yarn":
+            return yarn_frequencies(inv_freq, s, head_dim, base, train_len), multiplier * yarn_temperature(s) ** 2
+        return yarn_paper_frequencies(inv_freq, s, train_len), multiplier * yarn_temperature(s) ** 2
+    if not beyond:
+        return inverse_frequencies(base, head_dim, device), 1.0
+    return scaled_frequencies(method, head_dim, base, train_len, factor if method == "dynamic" else seq_len / train_len,
+                              seq_len, device)
 
 
 def rope_tables(scaling: str, seq_len: int, head_dim: int, train_len: int, base: float, device=None,
-                trained: str = "none", original_len: int | None = None):
+                trained: str = "none", original_len: int | None = None, trained_factor: float | None = None):
     """float32 cos and sin ``(seq_len, head_dim)`` (half-rotation layout), times ``sqrt(multiplier)``."""
     inv_freq, multiplier = rope_frequencies(scaling, head_dim, seq_len, train_len, base, device, trained,
-                                            original_len)
+                                            original_len, trained_factor)
     pos = torch.arange(seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(pos, inv_freq.to(device=device, dtype=torch.float64))
     angles = torch.cat([angles, angles], dim=-1)

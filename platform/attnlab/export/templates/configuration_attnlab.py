@@ -7,32 +7,47 @@ of attnlab's ``AttentionSpec``; ``plugin``: a plugin variant's recorded source).
 runs, with the run's values as defaults, and may be changed after loading (``model.config.p_eval = 4``):
 
 - ``p_eval``: the sharpening power (None: no sharpening; an LSSAR run's default is its trained p);
-- ``rope_scaling``: ``none``, ``ntk``, ``pi`` or ``yarn`` beyond ``train_len`` (ignored by NoPE and ALiBi models).
+- ``rope_scaling``: ``none``, ``ntk``, ``pi``, ``yarn`` (as YaRN's reference code and transformers compute it),
+  ``yarn_paper`` (the paper's ramp) or ``dynamic:F`` (transformers' dynamic NTK, factor F) beyond ``train_len``
+  (ignored by NoPE and ALiBi models).
   It is attnlab's name of a scaling, not transformers' RoPE dictionary, so config.json stores it under
   ``attnlab_rope_scaling`` (``attribute_map`` makes ``config.rope_scaling`` read and write it): a reader of
   config.json that does not run this code (``AutoTokenizer`` without ``trust_remote_code``) would take a
   ``rope_scaling`` key for that dictionary and fail.
 
 A run fine-tuned at ``train_len`` from a parent trained at ``original_len`` with a RoPE scaling in training (an
-attnlab context-extension stage) records that scaling as ``trained_rope_scaling`` (``pi``, ``ntk`` or ``yarn``;
-``none``: trained once, or fine-tuned with plain RoPE), stored as ``attnlab_trained_rope_scaling`` beside
+attnlab context-extension stage) records that scaling as ``trained_rope_scaling`` (``pi``, ``ntk``, ``yarn``, ``yarn_paper`` or
+``dynamic``; ``none``: trained once, or fine-tuned with plain RoPE) and its factor as ``trained_rope_factor`` (None:
+``train_len / original_len``), stored as ``attnlab_trained_rope_scaling`` and ``attnlab_trained_rope_factor`` beside
 ``attnlab_rope_scaling`` (attnlab's names of scalings, under attnlab's prefix, apart from transformers' RoPE keys).
-It is part of the model, not a choice to change: the model uses that scaling's frequencies for ``train_len`` tokens
-at every length, and ``rope_scaling`` then acts on top of it beyond ``train_len``.
+It is part of the model, not a choice to change: the model uses that scaling's frequencies at every length (dynamic's
+base following the length), and ``rope_scaling`` then acts on top of it beyond ``train_len``.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-ROPE_SCALINGS = ("ntk", "none", "pi", "yarn")
+ROPE_SCALINGS = ("ntk", "none", "pi", "yarn", "yarn_paper", "dynamic")
+
+
+def _scaling_ok(value) -> bool:
+    """A name of ROPE_SCALINGS but dynamic, or dynamic:F with a factor F >= 1."""
+    method, colon, factor = str(value).partition(":")
+    if method != "dynamic":
+        return method in ROPE_SCALINGS and not colon
+    try:
+        return float(factor) >= 1
+    except ValueError:
+        return False
 
 
 class AttnlabConfig(PreTrainedConfig):
     model_type = "attnlab"
     attribute_map = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
                      "max_position_embeddings": "train_len", "rope_scaling": "attnlab_rope_scaling",
-                     "trained_rope_scaling": "attnlab_trained_rope_scaling"}
+                     "trained_rope_scaling": "attnlab_trained_rope_scaling",
+                     "trained_rope_factor": "attnlab_trained_rope_factor"}
 
     vocab_size: int = 50257
     n_layer: int = 12
@@ -50,6 +65,7 @@ class AttnlabConfig(PreTrainedConfig):
     p_eval: float | None = None
     attnlab_rope_scaling: str = "none"  # config.rope_scaling (attribute_map)
     attnlab_trained_rope_scaling: str = "none"  # config.trained_rope_scaling: the fine-tune's scaling (docstring)
+    attnlab_trained_rope_factor: float | None = None  # config.trained_rope_factor: its factor (None: the ratio)
     original_len: int | None = None  # the length the run's lineage was first trained at (None: train_len)
     attnlab: dict | None = None  # where the export came from (train key, checkpoint, step), for the record
     tie_word_embeddings: bool = True
@@ -63,11 +79,16 @@ class AttnlabConfig(PreTrainedConfig):
 
     def validate_attnlab(self) -> None:
         """One line naming the field and what is allowed, for a value the model cannot run with."""
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise ValueError(f"rope_scaling={self.rope_scaling!r} is not allowed: use one of {', '.join(ROPE_SCALINGS)}")
+        if not _scaling_ok(self.rope_scaling):
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} is not allowed: use one of "
+                             f"{', '.join(ROPE_SCALINGS[:-1])} or dynamic:F (a factor F >= 1)")
         if self.trained_rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"trained_rope_scaling={self.trained_rope_scaling!r} is not allowed: use one of "
                              f"{', '.join(ROPE_SCALINGS)}")
+        f = self.trained_rope_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1):
+            raise ValueError(f"trained_rope_factor={f!r} is not allowed: use None (train_len / original_len) or a "
+                             "number >= 1")
         n = self.original_len
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.train_len):
             raise ValueError(f"original_len={n!r} is not allowed: use None or a positive integer up to "

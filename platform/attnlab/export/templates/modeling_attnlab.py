@@ -164,7 +164,7 @@ class AttnlabModel(AttnlabPreTrainedModel):
         cos = sin = None
         if c.position == "rope":
             cos, sin = rope_tables(c.rope_scaling, T, c.n_embd // c.n_head, c.train_len, c.rope_base, x.device,
-                                   c.trained_rope_scaling, c.original_len)
+                                   c.trained_rope_scaling, c.original_len, c.trained_rope_factor)
         spec = attention_spec(c)
         for block in self.blocks:
             x = block(x, cos, sin, spec)

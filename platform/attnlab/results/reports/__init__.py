@@ -27,15 +27,18 @@ no store access, no network (the HTML page embeds its PNG). The rules shared by 
 - :func:`laws` lists, per trial (variant and seed), the force law recovered by the orbit study's force probe:
   the expression, its exponents in r, m1, m2, its distance from Newton's and the errors of the probe and fit.
 - :func:`compare` tests the difference of two configurations at one length (Welch's t and an exact
-  permutation test, :mod:`attnlab.results.stats`) and says plainly when it is not significant or when
-  n < 2 leaves nothing to test.
+  permutation test; when the two sides have the same seeds, the paired t and the exact sign-flip test:
+  :mod:`attnlab.results.stats`), gives the smallest difference the design detects with 80% power, and says
+  plainly when it is not significant or when n < 2 leaves nothing to test; :func:`compare_family` tests several
+  as one family, with Holm's correction.
 
 Reports never import Ray, never read a store and never touch the network; they take rows and return
 frames, text or files written where the caller says.
 """
 
 from attnlab.results.reports.best import best, best_to_csv, best_to_markdown
-from attnlab.results.reports.compare import Comparison, compare, format_comparison
+from attnlab.results.reports.compare import (Comparison, compare, compare_family, format_comparison, format_family,
+                                             read_pairs)
 from attnlab.results.reports.export import export
 from attnlab.results.reports.figures import curve_figure, curves, metric_axis_label
 from attnlab.results.reports.laws import LAW_COLUMNS, LAW_KEYS, laws, laws_to_csv, laws_to_markdown
@@ -48,7 +51,7 @@ from attnlab.results.reports.table import CAP_MARK, caption, formatted_cells, ta
 __all__ = [
     "CAP_MARK", "CONFIDENCE", "Comparison", "LAW_COLUMNS", "LAW_KEYS", "MISSING_CELL", "PAPER_TABLE4",
     "PAPER_TABLE4_LENGTHS", "SINGLE_RUN", "aggregate", "best", "best_to_csv", "best_to_markdown", "caption",
-    "compare", "curve_figure", "curves", "export", "format_comparison", "format_reference_table", "format_value",
+    "compare", "compare_family", "curve_figure", "curves", "export", "format_comparison", "format_family", "format_reference_table", "format_value",
     "formatted_cells", "laws", "laws_to_csv", "laws_to_markdown", "length_label", "metric_axis_label",
-    "reference_table", "select", "table", "to_csv", "to_markdown",
+    "read_pairs", "reference_table", "select", "table", "to_csv", "to_markdown",
 ]

@@ -12,7 +12,7 @@ import pandas as pd
 from attnlab.errors import UserError
 from attnlab.names import is_missing
 import attnlab.results.stats as _stats_mod
-from attnlab.results.schema import COMPLETE_METRIC, CONFIG_COLUMNS, metric_bounds
+from attnlab.results.schema import COMPLETE_METRIC, CONFIG_COLUMNS, SCALING_COLUMNS, current_label, metric_bounds
 
 
 MISSING_CELL = "–"
@@ -21,9 +21,9 @@ MISSING_CELL = "–"
 SINGLE_RUN = "1 seed"  # how tables and figures mark a cell measured on a single run
 
 # The columns table, best and curves look at (``attnlab results`` reads only these for them).
-LINEAGE_COLUMNS = ("stage", "extension", "ext_len", "ext_tokens")  # configuration columns of a study's stages
+LINEAGE_COLUMNS = ("stage", "extension", "ext_factor", "ext_len", "ext_tokens")  # configuration columns of stages
 REPORT_COLUMNS = ("study", "train_key", "step", "metric", "eval_len", "value", "seed", *CONFIG_COLUMNS, "stopped",
-                  "stop_rule")
+                  "stop_rule", "schema_version")
 
 
 CONFIDENCE = _stats_mod.CONFIDENCE
@@ -47,6 +47,17 @@ def format_value(value) -> str:
     return str(value)
 
 
+def current_labels(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with its RoPE scaling columns as this version names them (:func:`attnlab.results.schema.current_label`:
+    a row of schema 1-8 that says ``yarn`` measured the paper's ramp, ``yarn_paper``), so old and new YaRN rows are
+    never one configuration. Rows without ``schema_version`` are left as they are."""
+    if "schema_version" not in df.columns:
+        return df
+    changed = {c: [current_label(v, version) for v, version in zip(df[c].tolist(), df["schema_version"].tolist())]
+               for c in SCALING_COLUMNS if c in df.columns}
+    return df.assign(**changed) if changed else df
+
+
 def select(df: pd.DataFrame, metric: str = "val_loss", step="final") -> pd.DataFrame:
     """Rows of one metric, at each run's final step (``step="final"``: by ``train_key``), a given step, or all
     steps."""
@@ -54,7 +65,7 @@ def select(df: pd.DataFrame, metric: str = "val_loss", step="final") -> pd.DataF
         raise UserError("no results rows to report (is the store or the --study/--where selection right?)")
     if metric == COMPLETE_METRIC:
         raise UserError(f"metric {COMPLETE_METRIC!r} is a marker, not a result; pick another --metric")
-    rows = df[df["metric"] == metric]
+    rows = current_labels(df[df["metric"] == metric])
     if len(rows) == 0:
         present = sorted(set(df["metric"]) - {COMPLETE_METRIC})
         raise UserError(f"--metric {metric!r} has no rows; metrics present: {', '.join(present) or 'none'}")
