@@ -1,7 +1,7 @@
 """The cost of studies/extend_proxy.yaml before it runs: CPU seconds of one training step of each of its runs and of
 its evaluation, one thread (as its trials run), and the study's total on 2 cores (docs/extend-proxy.md#cost).
 
-Prints figures with the hardware and the date; asserts nothing. ``time.process_time`` over the study's own models
+Prints figures under bench/machine.py's header; asserts nothing. ``time.process_time`` over the study's own models
 (the tiny GPT, 4 layers x 128, byte vocabulary): a parent's step at 128 (32 sequences), a child's at 512 (8), and a
 forward of each evaluation length scaled to 65,536 bytes. On a machine other jobs share, CPU time is inflated too:
 read the figures as an upper bound. Usage:
@@ -14,13 +14,13 @@ read the figures as an upper bound. Usage:
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "platform"))
+sys.path.append(str(ROOT / "bench"))  # bench/machine.py, also when a test loads this file
+import machine  # noqa: E402  (puts platform/ on sys.path)
 
 import torch  # noqa: E402
 
@@ -78,8 +78,9 @@ def main() -> int:
     space = spec.search_space()
     lengths = spec.eval.eval_lengths(spec.train.seq_length)
     tokens = spec.eval.max_tokens
-    print(f"# extend_proxy cost, {datetime.date.today()}, {hardware()['cpu']} "
-          f"({hardware().get('cpu_capability')}), one thread")
+    print("# extend_proxy cost, one thread")
+    machine.print_header()
+    print(f"- CPU kernel path: {hardware().get('cpu_capability')}")
     parents, children, costs = {}, {}, {}
     for variant in space.attentions():
         model = _model(variant, spec.train.seq_length)

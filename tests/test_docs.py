@@ -201,3 +201,31 @@ def test_the_readme_study_excerpt_is_the_study_file():
     for line in block.splitlines():
         assert line in source[at:], f"studies/{name}.yaml has no line {line!r} (after line {at})"
         at = source.index(line, at) + 1
+
+
+# --- result tables: written from a store by the command each names (issue 52) ---------------------------------------
+
+def test_tables_writes_each_block_from_the_store_and_checks_it(tmp_path, capsys):
+    from attnlab.results import ResultsStore
+
+    store = ResultsStore(str(tmp_path / "store"))
+    rows = [dict(study="t4", trial=f"{a}-s{s}", attention=a, scale="logd_logn", p_train=None, p_eval=None,
+                 rope_scaling="none", step=100, tokens=409600, eval_len=n, train_len=64, window_mode="nonoverlap",
+                 metric="val_loss", value=v + s / 10, seed=s, train_key=f"h-{a}-{s}", git_sha="abc1234")
+            for a, v in (("softmax", 3.0), ("lssar", 2.5)) for s in (0, 1) for n in (64, 256) ]
+    store.write(rows, key="t4-rows")
+    command = "attnlab results table --study t4 --digits 2"
+    page = tmp_path / "page.md"
+    page.write_text(f"# A page\n\n<!-- table study=t4: {command} -->\n| stale |\n<!-- end table -->\n\n"
+                    "<!-- table study=absent: attnlab results table --study absent -->\n| kept |\n<!-- end table -->\n")
+    tables = _load(ROOT / "docs" / "tables.py")
+    assert tables.main(["--store", store.uri, "--check", str(page)]) == 1
+    assert tables.main(["--store", store.uri, str(page)]) == 0
+    written = page.read_text()
+    assert "| stale |" not in written and "| kept |" in written
+    capsys.readouterr()
+    from attnlab.cli import main
+
+    assert main(tables.argv_of(command) + ["--store", store.uri]) == 0
+    assert capsys.readouterr().out.rstrip("\n") + "\n" == tables.blocks(written)[0]["body"]
+    assert tables.main(["--store", store.uri, "--check", str(page)]) == 0
