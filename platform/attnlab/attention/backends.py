@@ -32,7 +32,7 @@ class Backend(str, enum.Enum):
     A ``str`` enum: ``Backend.SDPA == "sdpa"``, and :meth:`parse` accepts the member or its value.
     """
 
-    AUTO = "auto"    # the fastest exact path for the spec and the device (see the module docstring)
+    AUTO = "auto"    # the fastest exact path for the spec and the device (docs/attention.md#which-backend-runs)
     DENSE = "dense"  # the reference: materialises the weights, chunked over query rows
     FLEX = "flex"    # FlexAttention: O(T) memory on CUDA, every variant with a fused form
     SDPA = "sdpa"    # scaled_dot_product_attention: softmax variants only, exactly

@@ -4,8 +4,8 @@ Owns :func:`attend_flex` (``attend(impl="flex")``) and :func:`attend_log_scores`
 first stage whose rows are a softmax of log-scores (the built-in variants pass :func:`first_stage_score_mod`),
 with a backward that scatters into no captured buffer. A first stage is one call whose ``score_mod`` returns
 ``log f(S)`` (``l1norm(f(S) * M) == softmax(log f(S))``); unnormalised rows come from its LSE, a sign-changing
-``f`` is split into two calls; QK-norm and ALiBi are done inside every ``score_mod``, in float32. What has no
-fused form (only overrides) runs the dense reference after one warning per variant name.
+``f`` is split into two calls; QK-norm and ALiBi are done inside every ``score_mod``, in float32 or better.
+What has no fused form (only overrides) runs the dense reference after one warning per variant name.
 
 On CUDA the compiled kernels run, and an eager fallback past :data:`UNFUSED_MAX_TOKENS` is refused
 (:func:`unfused_refusal`); on CPU FlexAttention's unfused implementation runs, for the equivalence tests only.
@@ -484,7 +484,7 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     q, k, v = q.to(work), k.to(work), v.to(work)
     sizes = Sizes(head_dim=q.shape[-1], seq_len=q.shape[-2], n_head=q.shape[-3])
     norms: tuple[torch.Tensor, ...] = ()
-    if spec.qk_norm:  # inside the score_mod, in float32 (see the module docstring)
+    if spec.qk_norm:  # inside the score_mod, in float32 (docs/attention.md#precision-and-gradients)
         norms = (inverse_norm(q), inverse_norm(k))
         q, k = RadialGradientRemoved.apply(q), RadialGradientRemoved.apply(k)
         if spec.learned_qk_gain:  # RMSNorm's sqrt(d) * gain, on the raw q and k (their norms are taken above)

@@ -26,7 +26,8 @@ DEFAULT_CHUNK_BYTES = 64 * 1024**2
 
 
 def row_statistics(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(entropy, sink_mass)`` of each row of ``weights`` (..., R, K), as defined in the module docstring."""
+    """``(entropy, sink_mass)`` of each row of ``weights`` (..., R, K), as docs/protocol.md#attention-diagnostics
+    defines them."""
     w = weights.abs()
     w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
     return torch.special.entr(w).sum(dim=-1), w[..., 0]

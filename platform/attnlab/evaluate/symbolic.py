@@ -50,7 +50,7 @@ class PowerLaw:
 
 @dataclass(frozen=True)
 class ForceLaw:
-    """What a set of forces says about the force law (see the module docstring)."""
+    """What a set of forces says about the force law (docs/orbits.md#the-force-law-fit)."""
 
     expression: str  # the symbolic-regression law in r, m1, m2, e.g. "39.48*m1*m2/r**2"
     program: str  # gplearn's form on the scaled inputs (X0 = r, X1 = m1, X2 = m2 over their geometric means)

@@ -308,8 +308,9 @@ class SearchSpace:
         return point
 
     def checked_points(self) -> list[dict]:
-        """The points every check sees (module docstring): a grid's every point without its seed, or each variant
-        alone then each axis value (a range's ends) under every variant the axis applies to; no duplicates."""
+        """The points every check sees (docs/studies.md#the-search-space): a grid's every point without its seed,
+        or each variant alone then each axis value (a range's ends) under every variant the axis applies to; no
+        duplicates."""
         if self.engine == "grid" and self.size() <= MAX_CHECKED_GRID:
             points = [{k: v for k, v in p.items() if k != "seed"} for p in self.grid()]
         else:
