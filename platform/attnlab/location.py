@@ -1,32 +1,14 @@
 """Every place a user names: a local path or a URI (``file://``, ``s3://``, ``gs://``), handled by one type.
 
-``Location.parse(text)`` turns what a user wrote into a folder on a pyarrow filesystem:
+Owns :class:`Location` (``Location.parse(text)``: a folder on a pyarrow filesystem, picklable for Ray workers,
+carrying its canonical ``uri``, which is what gets printed and recorded); the package's one way to write a file
+whole (:func:`atomic_write`, :func:`atomic_output`, :meth:`Location.write_bytes`: every writer goes through them,
+so a reader never sees half a file); and what a relative location means inside a Ray job's temporary working
+directory (:func:`ray_job_working_dir`, :func:`default_storage`, :func:`user_input`).
 
-- a local path, relative or absolute, is made absolute **against the current working directory at parse
-  time** (the user's shell), so a relative path means the same folder on every worker;
-- ``file:///abs/path`` is a local path;
-- ``s3://bucket/prefix`` and ``gs://bucket/prefix`` are object storage (pyarrow's S3 and GCS filesystems;
-  an S3-compatible server's endpoint comes from the standard AWS environment variables, e.g.
-  ``AWS_ENDPOINT_URL``, with ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_DEFAULT_REGION``).
+``pathlib`` must never see a URI (``Path("s3://b/x")`` is the local folder ``s3:/b/x``). No Ray, no torch here.
 
-``pathlib`` never sees a URI (``Path("s3://b/x")`` is the local folder ``s3:/b/x``). A ``Location`` pickles,
-so it can be handed to Ray workers; it always carries its canonical ``uri`` (an absolute local path, or the
-URI), which is what gets printed and recorded.
-
-Writes are whole-file, through one helper that every writer of the package uses (:func:`atomic_write` for bytes in
-hand, :func:`atomic_output` for a stream; :meth:`Location.write_bytes` is the first): on a local disk a temporary
-name in the same folder, fsynced and renamed into place; on object storage the object written directly (it is
-only visible once its upload completed; a stream goes to a temporary object, moved into place), so a reader never
-sees half a file. There is no append on object storage: a growing file (``metrics.jsonl``) is rewritten whole.
-
-Ray-job working directories: ``ray job submit --working-dir .`` runs the entrypoint in a temporary copy of
-the folder on the head node; a relative path there would write into that copy, which vanishes with the Ray
-session. :func:`ray_job_working_dir` detects it, and the commands that write results refuse relative
-locations there (or take ``ATTNLAB_STORAGE``, see :func:`default_storage`). What a job reads (the data) is no
-better there: the head's copy is at another path on every other node, so a relative input names the same path
-below ``ATTNLAB_STORAGE`` (:func:`user_input`).
-
-No Ray, no torch here.
+Details: docs/studies.md#paths-uris-and-whole-file-writes.
 """
 
 from __future__ import annotations

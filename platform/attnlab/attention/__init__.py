@@ -1,25 +1,16 @@
-"""Attention variants for length-extrapolation studies (docs/attention.md).
+"""Attention variants for length-extrapolation studies.
 
-Public API (a contract: tests and docs rely on it):
+Owns the package's public API, a contract that tests and docs rely on: :func:`variant_names` and
+:func:`get_variant` (an :class:`AttentionSpec` from the registry, ``variants.py``, or a :class:`PluginSpec` of a
+loaded plugin), :func:`attention_weights` and :func:`weights_for_rows` (dense causal weights), and :func:`attend`
+(the output, through the backend :func:`resolve_backend` picks). ``q`` and ``k`` come in after RoPE; the spec
+applies QK-norm, the scale and sharpening.
 
-- :func:`variant_names`, :func:`get_variant` -> :class:`AttentionSpec` (the registry is ``variants.py``), or a
-  :class:`PluginSpec` for a variant of a loaded plugin (:func:`load_plugin`; docs/plugins.md).
-- :func:`attention_weights` ``(q, k, spec, qk_gain=None, state=None) -> (B, H, T, T)`` dense causal weights
-  (float32 or better); :func:`weights_for_rows` the same for a block of query rows (diagnostics).
-- :func:`attend` ``(q, k, v, spec, impl="auto", qk_gain=None, state=None, p=None) -> (B, H, T, D)``; ``impl`` is
-  a :class:`Backend` or its value (``auto``, ``dense``, ``flex``, ``sdpa``, ``triton``), resolved per call by
-  :func:`resolve_backend`. ``qk_gain``: for a spec with ``qk_norm_gain='learned'`` (``softmax_qknorm``,
-  ``softmax_qknorm_logn``) the model's learned QK-norm gains ``(gain_q, gain_k)``, each ``(D,)`` or ``(H, D)``
-  (docs/attention.md#modern-softmax-baselines); None for every other spec. ``state``: for a plugin variant, the
-  layer's :class:`PluginState` (its parameters and prepared tensors; ``plugin.prepare_state``); None otherwise.
-  ``p``: a sharpened spec's power given as a number or a 0-d tensor instead of ``spec.p`` (one compiled graph
-  for every power).
+Where each part lives: the reference math ``dense.py``, the fused FlexAttention path ``flex.py`` (mask and
+positions: ``masks.py``), SDPA ``sdpa.py``, the Triton kernels ``kernels/`` (imported on first use), the choice
+among them ``backends.py``, plugins ``plugin.py``. Nothing in this package may import Ray or model code.
 
-``q`` and ``k`` are given after RoPE; the spec applies QK-norm, the scale factor and sharpening. The dense
-reference is ``dense.py``; the fused FlexAttention path is ``flex.py`` (its mask and positions: ``masks.py``);
-the softmax path through ``scaled_dot_product_attention`` is ``sdpa.py``; the Triton kernels of LSSA, LSSAR and
-sharpened softmax are ``kernels/`` (imported on first use); which one runs is ``backends.py``;
-variants from plugins run through ``plugin.py`` (the public plugin API). No Ray imports anywhere in this package.
+Details: docs/attention.md (the math), docs/library.md#the-library (the API in use), docs/plugins.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Which implementation computes an attention call: the :class:`Backend` names and the one rule that picks one.
 
-This module owns the names (``auto``, ``dense``, ``flex``, ``sdpa``, ``triton``): the model config and the
-training config validate against :class:`Backend`, so a new backend is added here once. :func:`choose_backend`
-turns a requested backend, a spec, a device and a dtype into the concrete one, with no side effect (the memory plan
-asks it for a GPU it is not on); :func:`resolve_backend` is that, warning once per variant when a fallback is taken:
+Owns the names (``auto``, ``dense``, ``flex``, ``sdpa``, ``triton``: the model and training configs validate
+against :class:`Backend`, so a new backend is added here once) and the rule: :func:`choose_backend` turns a
+requested backend, a spec, a device and a dtype into the concrete one, with no side effect (the memory plan asks
+it about a GPU it is not on); :func:`resolve_backend` is that, warning once per variant when a fallback is taken.
+``auto`` is the fastest exact path on CUDA (SDPA, then the Triton kernels, then FlexAttention, then the dense
+reference for what has no fused form) and the dense reference anywhere else, so CPU results never depend on it.
 
-- ``auto`` on CUDA: the fastest exact path. SDPA (FlashAttention) for softmax with any scale override, QK-norm
-  (with or without a learned gain) or row bias; the Triton kernels (``kernels/``) for the l1-normalised exp,
-  softplus and sigmoid first stages sharpened or not, without bias, ALiBi or post-processing (LSSA, LSSAR,
-  sharpened softmax and sigmoid_l1, softplus: :func:`attnlab.attention.kernels.unsupported_reason`; float64
-  inputs excepted); the compiled FlexAttention calls for every other variant with a fused form
-  (:func:`attnlab.attention.flex.unfusable_reason`); the dense reference, after one warning per variant, for what
-  has none (only overrides).
-- ``auto`` anywhere else (CPU): the dense reference, so CPU results never depend on this choice.
-- ``sdpa``, ``triton``: on any device they can run on; a spec they cannot compute is refused (ValueError naming
-  why). The Triton kernels run on CUDA, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
-- ``flex``: FlexAttention (its unfused form on CPU, for tests); a variant without a fused form falls back to
-  the dense reference after one warning, as :func:`attnlab.attention.flex.attend_flex` does.
-- ``dense``: the reference.
+It must never compute a tensor or import Triton, Ray or model code: what a backend can compute is asked of its own
+module (:func:`attnlab.attention.sdpa.sdpa_unsupported_reason`,
+:func:`attnlab.attention.kernels.unsupported_reason`, :func:`attnlab.attention.flex.unfusable_reason`).
 
-No tensors are computed here; no Ray, no model code; Triton is not imported.
+Details: docs/attention.md#which-backend-runs.
 """
 
 from __future__ import annotations
@@ -40,7 +32,7 @@ class Backend(str, enum.Enum):
     A ``str`` enum: ``Backend.SDPA == "sdpa"``, and :meth:`parse` accepts the member or its value.
     """
 
-    AUTO = "auto"    # the fastest exact path for the spec and the device (see the module docstring)
+    AUTO = "auto"    # the fastest exact path for the spec and the device (docs/attention.md#which-backend-runs)
     DENSE = "dense"  # the reference: materialises the weights, chunked over query rows
     FLEX = "flex"    # FlexAttention: O(T) memory on CUDA, every variant with a fused form
     SDPA = "sdpa"    # scaled_dot_product_attention: softmax variants only, exactly

@@ -1,66 +1,20 @@
 """The fused path: every registered variant, and sharpening, with FlexAttention in O(T) memory.
 
-Entry points: :func:`attend_flex` (a variant, as ``attend(impl="flex")`` calls it) and, in the package,
-:func:`attend_log_scores` ``(q, k, v, first_stage: ScoreMod, sizes: Sizes, block_mask=None, p=None) -> out``:
-rows that are ``softmax(first stage)`` over the causal keys, times v, and given ``p`` (a float or a 0-d tensor)
-the sharpened form of those rows, with the deterministic backward below. Any first stage whose rows are a
-softmax of log-scores reuses it (the built-in variants pass :func:`first_stage_score_mod`); a
-:class:`ScoreMod` is ``fn(score, b, h, q_idx, kv_idx, *buffers)`` returning the log-score in float32 (float64
-for float64 inputs), ``-inf`` for a zero weight, with ``fn`` the same object from call to call (compiled
-kernels are keyed on it), and :class:`Sizes` the head dimension, T and the number of heads.
+Owns :func:`attend_flex` (``attend(impl="flex")``) and :func:`attend_log_scores`: the two-pass sharpening of any
+first stage whose rows are a softmax of log-scores (the built-in variants pass :func:`first_stage_score_mod`),
+with a backward that scatters into no captured buffer. A first stage is one call whose ``score_mod`` returns
+``log f(S)`` (``l1norm(f(S) * M) == softmax(log f(S))``); unnormalised rows come from its LSE, a sign-changing
+``f`` is split into two calls; QK-norm and ALiBi are done inside every ``score_mod``, in float32 or better.
+What has no fused form (only overrides) runs the dense reference after one warning per variant name.
 
-The idea (docs/attention.md#the-identity): for ``f >= 0``, ``l1norm(f(S) * M) == softmax(log f(S))`` over
-the visible keys, so the first stage is one FlexAttention call whose ``score_mod`` returns ``log f(scale_i * s
-+ bias_i)`` (``-inf`` where ``f`` is 0; the plain score for softmax), and its log-sum-exp is ``log Z_i``.
-Sharpening (docs/attention.md#the-two-pass-sharpening) is a second call whose ``score_mod`` reads that LSE,
-rebuilds ``A_ij = exp(log f - log Z_i)`` and returns ``p * log relu(N_i * A_ij - O_i)``: FlexAttention's softmax
-of it is ``relu(.)^p / sum relu(.)^p``, the row-max rescaling of the dense form is not needed in log space. The
-all-zero-row fallback of the dense reference (such a row keeps the un-sharpened ``A``) is decided before the
-second call from pass 1's row maximum: ``row i has mass <=> N_i * max_j A_ij > O_i``; for rows without mass the
-second ``score_mod`` returns pass 1's log-score, so FlexAttention itself yields ``A @ v`` there and no row of
-pass 2 is ever all ``-inf``.
+On CUDA the compiled kernels run, and an eager fallback past :data:`UNFUSED_MAX_TOKENS` is refused
+(:func:`unfused_refusal`); on CPU FlexAttention's unfused implementation runs, for the equivalence tests only.
 
-The backward (docs/attention.md#the-backward-of-the-two-passes): pass 2 reads ``log Z`` as a constant, so no
-FlexAttention call differentiates a captured buffer (inductor would scatter that gradient with ``atomic_add``
-inside the backward kernel: non-deterministic on a GPU). The gradient of ``log Z_i`` through pass 2 is
-``dO_i . w_i``; one more call without gradient gives ``w`` (``score_mod`` pass 2's score plus the log of its
-derivative), and ``out + (log Z - log Z.detach()) * w`` hands pass 1 that gradient as an LSE gradient, which
-FlexAttention's own backward takes. ``recentre_l1``'s second call is handled alike, through its LSE. The power
-``p`` may be a 0-d tensor (a captured buffer without gradient): one compiled graph serves every power.
+Never change the math here without the dense reference (``dense.py`` is the oracle; ``masks.py`` owns the causal
+mask and N_i); no Ray, no model code.
 
-Scores are upcast to float32 (float64 for float64 inputs) inside every ``score_mod``; bf16 inputs are
-allowed. QK-norm is done inside the ``score_mod`` too: FlexAttention gets the raw q and k, and the score is
-multiplied by the inverse norms ``1/|q_i|`` and ``1/|k_j|`` (float32 buffers). Normalising q and k first and
-rounding them back to bf16 would add logit noise of about ``scale * 2^-9`` (LSSA's scale reaches 40, and
-sharpening raises the weights to the power p): measured on CPU, bf16 LSSAR's error went from 14x to 1.8x that of
-the dense path in bf16. The norm buffers carry no gradient; :class:`RadialGradientRemoved` restores the
-gradient through the normalisation exactly (FlexAttention's ``g/|x|`` minus its component along ``x``), so no
-scattered buffer gradient is needed for them. A learned QK-norm gain (``qk_norm_gain='learned'``, the RMSNorm
-``sqrt(d) * gain * x/|x|``) multiplies q and k after that identity, outside FlexAttention: the score_mod's
-``1/|q_i|``, ``1/|k_j|`` still come from the raw q and k, the gains get their gradient through q and k, and the
-radial removal, being linear, stays exact. In bf16 the product ``gain * q`` is rounded once (as in SDPA).
-
-ALiBi (``position_bias='alibi'``) is one more term of the score, ``- m_h (i - j)``, added in the same score_mod
-before ``log f`` (:func:`attnlab.attention.masks.alibi_bias`, the slope computed from the head index): every
-pass that rebuilds the score (sharpening, recentre_l1, the sign split) sees it.
-
-Rows that are not normalised come from FlexAttention's row sums (docs/attention.md#unnormalised-rows): its
-output is ``sum_j f_ij v_j / Z_i`` and its LSE ``log Z_i``, so norm ``none`` is ``out * exp(lse)`` and ``count``
-that over N_i (a row with no visible weight: LSE ``-inf``, output exactly 0). An ``f`` that changes sign is
-split, ``f = f+ - f-`` (docs/attention.md#sign-changing-f): two calls with ``log f+`` and ``log f-`` give
-``U_i = Z+ out+ - Z- out-``, divided by ``Z+ + Z-`` for l1. ``negate`` is ``-out``, ``recentre`` subtracts
-``[i >= 3]`` times the causal mean of v, ``recentre_l1`` divides that by ``sum_j |A_ij - c_i|`` from a second
-call reading pass 1's LSE (as a constant, its gradient handed to pass 1 as above). What remains (overrides only: sharpening of anything but normalised non-negative
-rows, ``recentre_l1`` of other rows) uses the dense reference and says so once per variant name. The causal mask and N_i come
-from ``masks.py`` (the one place for them).
-
-On CUDA the compiled FlexAttention kernels are used; should dynamo give up on a call and run it eagerly
-(FlexAttention's unfused implementation, ``(B, H, T, T)`` scores), it is refused past
-:data:`UNFUSED_MAX_TOKENS` with the reason (:func:`unfused_refusal`). On CPU, compiled FlexAttention has no
-backward and no LSE, so the CPU path calls FlexAttention's unfused implementation: it materialises
-``(B, H, T, T)`` scores and exists for equivalence tests; ``attend(impl="auto")`` uses the dense reference on CPU.
-
-Never change the math here without the dense reference (``dense.py`` is the oracle); no Ray, no model code.
+Details: docs/attention.md#the-fused-path (the identity, the two passes and their backward, the row sums, the sign
+split, precision and gradients).
 """
 
 from __future__ import annotations
@@ -530,7 +484,7 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attenti
     q, k, v = q.to(work), k.to(work), v.to(work)
     sizes = Sizes(head_dim=q.shape[-1], seq_len=q.shape[-2], n_head=q.shape[-3])
     norms: tuple[torch.Tensor, ...] = ()
-    if spec.qk_norm:  # inside the score_mod, in float32 (see the module docstring)
+    if spec.qk_norm:  # inside the score_mod, in float32 (docs/attention.md#precision-and-gradients)
         norms = (inverse_norm(q), inverse_norm(k))
         q, k = RadialGradientRemoved.apply(q), RadialGradientRemoved.apply(k)
         if spec.learned_qk_gain:  # RMSNorm's sqrt(d) * gain, on the raw q and k (their norms are taken above)

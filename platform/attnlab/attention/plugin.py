@@ -1,25 +1,18 @@
-"""Attention variants from outside attnlab: the public plugin API (docs/plugins.md).
+"""Attention variants from outside attnlab: the public plugin API.
 
-A plugin is one Python file, or an importable module, that defines ``VARIANTS = [Variant(...), ...]``. Each
-:class:`Variant` gives its **reference** form (the dense oracle: the weights of a block of query rows) and at most
-one fused form (``log_score``: a FlexAttention score_mod in log space; or ``fused``: any O(T)-memory function),
-optionally the learned **params** a model layer holds and the per-token tensors it computes from the layer's
-input (**prepare**). Loaded, a variant is a :class:`attnlab.attention.spec.PluginSpec` that ``get_variant``, ``attend``,
-``GPTConfig(attention=name)``, evaluation's ``p_eval``, diagnostics and the memory plan accept like a built-in.
+A plugin is one Python file, or an importable module, that defines ``VARIANTS = [Variant(...), ...]``; loaded, a
+variant is a :class:`attnlab.attention.spec.PluginSpec` that the rest of attnlab accepts like a built-in. Owns
+the contract a plugin is written against (:class:`Variant`, :class:`Shape`, :class:`Rows`, :class:`Context`);
+where a plugin comes from (:func:`read_source`, re-exported from :mod:`attnlab.attention.plugin_source`;
+:func:`load_source`, which runs the bytes, never the files; :func:`load_plugin`, both; one line for a bad plugin:
+:class:`PluginError`); and how a loaded variant runs (:func:`attend_plugin`, :func:`reference_weights`,
+:func:`build_params`, :func:`prepare_state`).
 
-What it is for, in three parts:
+It must never import Ray or model code, run a plugin's code anywhere but :func:`load_source`, or let a plugin
+change a built-in variant (a name means one thing).
 
-- the contract a plugin is written against: :class:`Variant`, :class:`Shape`, :class:`Rows`, :class:`Context`;
-- where a plugin comes from: :func:`read_source` (:mod:`attnlab.attention.plugin_source`, re-exported here) reads
-  its bytes into a :class:`PluginSource` (origin, {relative path: bytes}, sha256), :func:`load_source` runs those
-  bytes (never the files: the same call works in a process that cannot read them), :func:`load_plugin` does both;
-  bad plugins get one line (:class:`PluginError`);
-- how a loaded variant runs: :func:`attend_plugin` (its reference chunked over rows, sharpening on top; or its
-  fused form) and :func:`reference_weights` (the weights, for diagnostics), both called by
-  :mod:`attnlab.attention`; :func:`build_params` and :func:`prepare_state` for the model layer.
-
-What it must never do: import Ray or model code, run a plugin's code anywhere but :func:`load_source`, or let a
-plugin change a built-in variant (a name means one thing).
+Details: docs/plugins.md#the-contract, docs/plugins.md#where-a-plugin-comes-from,
+docs/plugins.md#how-a-plugin-variant-travels-through-attnlab.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""``attnlab attention check``: does a plugin variant keep its contract? One verdict per check (docs/plugins.md#check).
+"""``attnlab attention check``: does a plugin variant keep its contract? One verdict per check.
 
-For each variant of a loaded plugin (:func:`check_variant`), on CPU, on small random inputs:
+Owns the checks of a loaded plugin's variants (:func:`check_variant`), run on CPU on small random inputs, in
+order: reference, causality (before any agreement: a disagreement that follows from a leak says so), fused vs
+reference in float64, ALiBi, sharpening, bf16 autocast, memory (the fused form must grow as O(T), FlexAttention
+calls counted as their CUDA kernel) and lowering (the compiled training graph through inductor as far as CPU
+allows). Every difference is printed with the tolerance it is judged against.
 
-1. ``reference``: its weights have the right shape and are finite; if it declares ``normalised``, every row is
-   non-negative and sums to 1.
-2. ``causality``: changing every token after row t (x, q, k, v) changes no output of rows <= t, for each form.
-   Before any agreement: a form that leaks the future disagrees with the other too, and such a disagreement is said
-   to follow from it.
-3. ``fused vs reference``: forward and backward (q, k, v, the layer input x, the variant's parameters) in float64,
-   without and with ALiBi; the largest difference and where it is (batch b, head h, query row or key).
-4. ``ALiBi``: the bias the context offers reaches the reference (a model with ``position: alibi`` relies on it).
-4b. ``sharpening``: for a ``normalised`` variant, ``p = 3`` on its reference gives finite outputs and gradients
-   (and how its fused form is sharpened); otherwise a power is refused.
-5. ``bf16 autocast``: finite outputs and gradients of each form under CPU bf16 autocast.
-6. ``memory``: the fused form's peak memory (forward and backward) at two lengths must grow as O(T); FlexAttention
-   calls count as their CUDA kernel (:func:`attnlab.attention.plugin.flex_calls_as_kernels`). Without a fused form
-   the reference's class is stated.
-7. ``lowering``: the compiled training graph (prepare + attention, forward and backward) lowered through inductor as
-   far as CPU allows: FlexAttention's lowering up to where it needs the GPU (the ``cuda_proxy`` way of
-   ``tests/test_cuda_proxy_attention.py``, with ``flex.cuda_code_path``); any other graph up to code generation. A
-   failure prints inductor's own cause in full and the docs/plugins.md section with its fix.
+It must never import Ray or model code. It runs the plugin's own code, so a plugin that hangs hangs it.
 
-Every difference is printed with the tolerance it is judged against.
-
-No Ray and no model code here; it runs the plugin's own code, so a plugin that hangs hangs it.
+Details: docs/plugins.md#check (what each check passes on, what it prints).
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """The fused softmax path: PyTorch's ``scaled_dot_product_attention`` (FlashAttention on CUDA) with the causal flag.
 
-It computes exactly the softmax variants: ``phi = exp``, ``norm = l1``, no post-processing, no sharpening, no
-output LayerNorm. Every scale override and QK-norm keep a softmax row a softmax row, so they are done on q
-before the kernel:
+Owns :func:`attend_sdpa` for the softmax rows it computes exactly (``phi = exp``, ``norm = l1``, no
+post-processing, sharpening or output LayerNorm): the scale and QK-norm (with a learned gain) are folded into q and
+k before the kernel, a per-row constant bias is dropped (a softmax row does not see it). What it cannot compute
+exactly, ALiBi included, is refused with a one-line ``ValueError`` (:func:`sdpa_unsupported_reason`).
 
-- the scale is a per-query-row factor (``1/sqrt(d)``, ``ln N_i / sqrt(d)``, ``ln d * ln N_i``,
-  ``coef * ln N_i``): ``(c_i q_i) . k_j == c_i (q_i . k_j)``, so it is folded into q (in float32, or float64
-  for float64 inputs) and the kernel runs with ``scale=1``; the plain ``1/sqrt(d)`` without QK-norm is passed
-  to the kernel as its own scale, so the standard case is the standard kernel call;
-- QK-norm L2-normalises q and k first (as ``F.normalize``, the dense reference's choice), and with a learned
-  gain (``qk_norm_gain='learned'``) multiplies them by ``sqrt(d) * gain`` (the RMSNorm of
-  ``softmax_qknorm``; the gains come from the model through ``qk_gain``);
-- a per-row constant bias (``neg_log_n``, ``neg_log_t``) adds the same number to every score of a row, which
-  a softmax row does not see: it is dropped.
+It must never approximate silently, nor change the math without the dense reference (``dense.py`` is the oracle).
+No Ray, no model code.
 
-ALiBi (``position_bias='alibi'``) is not served here: it would be an additive ``(H, T, T)`` float mask, which
-SDPA materialises (8 GB at 16K tokens and 8 heads) and which takes FlashAttention off; FlexAttention adds it in
-its ``score_mod`` in O(T) memory, so ``auto`` routes ALiBi specs to ``flex`` on CUDA.
-
-In bf16 the scaled, normalised q is rounded back to bf16 before the kernel: one more rounding of the logits
-(relative 2^-9, i.e. about 0.08 at LSSA-sized logits of 40) than the dense path has; the equivalence tests
-state the tolerance. Variants this path cannot compute exactly are refused with a one-line ``ValueError``
-(see :func:`sdpa_unsupported_reason`): nothing here silently approximates.
-
-No Ray, no model code; never change the math without the dense reference (``dense.py`` is the oracle).
+Details: docs/attention.md#the-sdpa-path (the folding, bf16 rounding), docs/attention.md#alibi (why not ALiBi).
 """
 
 from __future__ import annotations

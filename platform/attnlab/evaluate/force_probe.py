@@ -1,26 +1,17 @@
 """The force probe of Vafa et al. 2025: does a model trained on orbits carry the Newtonian force, and which law
 does the force it carries follow?
 
-What it is for: given a trained :class:`attnlab.model.orbit.OrbitGPT` and the orbit source it was trained on,
+Owns the probe of a trained :class:`attnlab.model.orbit.OrbitGPT`: two-body sequences from its orbit source
+(``OrbitData.probe_set``), the force magnitude on the body of every **planet** token predicted from the model's
+hidden state there (:func:`finetune_force_probe`, Vafa et al.'s transfer, or the cheaper
+:func:`linear_force_probe`), the symbolic fit of the **predicted** forces (:mod:`attnlab.evaluate.symbolic`)
+and :func:`force_values`, a result's reported numbers (``attnlab.evaluate.cell_rows`` makes the rows).
 
-1. build two-body sequences (``OrbitData.probe_set``: both masses drawn from ``[probe_mass_min,
-   probe_mass_max]``, the true force magnitude, separation and masses at every token);
-2. predict the force magnitude on the body of every **planet** token from the model's hidden state at that
-   token, either
-   - :func:`finetune_force_probe` (Vafa et al.'s "force_magnitude" transfer): a copy of the whole model with a
-     new linear head, fine-tuned on the probe-train sequences (every planet token) plus ``test_shots`` planet
-     tokens of each probe-test sequence (Vafa et al.: 9000 sequences fully, 1000 with 2 tokens each), or
-   - :func:`linear_force_probe` (cheaper): ridge regression from the frozen final hidden states;
-   the regression target is the standardised ``log F`` (Vafa et al. regress ``F`` itself; forces span several
-   decades, so in ``F`` the largest forces would decide everything);
-3. run symbolic regression and a power-law fit (:mod:`attnlab.evaluate.symbolic`) on the **predicted** forces
-   at the held-out planet tokens against ``(r, m1 = planet mass, m2 = star mass)``.
+It must never modify the model passed in (the fine-tune trains a copy), import Ray, the training loop or the
+study runner, or write files.
 
-:func:`force_values` gives a result's reported numbers (``attnlab.evaluate.cell_rows`` makes the rows). The model passed in is never modified (the
-fine-tune trains a copy). Unlike Vafa et al., the symbolic regression uses all held-out points (a random
-``n_points`` subsample), not the ones nearest to training states.
-
-It must never: import Ray, the training loop or the study runner; write files.
+Details: docs/orbits.md#what-a-trial-does (steps 4 and 5) and, for the probe's target and points,
+docs/orbits.md#where-it-differs-from-vafa-et-al
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Which force law do a set of forces follow? Symbolic regression and a power-law fit against distance and masses.
 
-What it is for: the last step of the orbit study (Vafa et al. 2025): given force magnitudes ``F`` at points
-``(r, m1, m2)`` (a probe's predictions, or the true forces as a check), recover an expression ``F = f(r, m1,
-m2)`` and say how far it is from Newton's ``G m1 m2 / r^2``.
-
-Two answers, both in :class:`ForceLaw`:
-
-- **Power law** (:func:`fit_power_law`): least squares of ``log F = a log m1 + b log m2 + c log r + k``. Newton
-  is ``(a, b, c) = (1, 1, -2)`` and ``exp(k) = G = 4 pi^2`` (AU, yr, Msun).
-- **Symbolic regression** with gplearn (genetic programming, pure Python, offline) over Vafa et al.'s
-  operators (``+``, ``*``, ``1/x``, ``sin``, ``cos``, ``exp``), on inputs and target divided by their geometric
-  means, scored by the mean absolute log-ratio to the target after the best overall constant
-  (``median(log F - log f)``): the search looks for the *form* of the law, the constant is fitted after.
-  Several restarts; the best penalised fitness wins. The expression is reported in ``r, m1, m2`` with the
-  constant (sympy-simplified, 4 significant digits), with its **local exponents** ``d log f / d log x`` for
-  ``x`` in ``r, m1, m2`` (medians over the points; their spread is 0 for an exact power law). The distance
-  from Newton is the largest of ``|exp_r + 2|``, ``|exp_m1 - 1|``, ``|exp_m2 - 1|``; ``is_newton`` when it
-  and the spread are at most ``tolerance`` (0.1).
+Owns the last step of the orbit study (Vafa et al. 2025): given force magnitudes ``F`` at points ``(r, m1, m2)``
+(a probe's predictions, or the true forces as a check), a :class:`ForceLaw` with a power-law fit
+(:func:`fit_power_law`) and a gplearn expression ``F = f(r, m1, m2)``, its local exponents and how far it is
+from Newton's ``G m1 m2 / r^2``.
 
 It must never: train or run a model, touch tokens or torch, or import Ray.
+
+Details: docs/orbits.md#the-force-law-fit.
 """
 
 from __future__ import annotations
@@ -61,7 +50,7 @@ class PowerLaw:
 
 @dataclass(frozen=True)
 class ForceLaw:
-    """What a set of forces says about the force law (see the module docstring)."""
+    """What a set of forces says about the force law (docs/orbits.md#the-force-law-fit)."""
 
     expression: str  # the symbolic-regression law in r, m1, m2, e.g. "39.48*m1*m2/r**2"
     program: str  # gplearn's form on the scaled inputs (X0 = r, X1 = m1, X2 = m2 over their geometric means)

@@ -1,29 +1,15 @@
 """Compiling the model with ``torch.compile``, for training and evaluation alike: one switch, one rule.
 
-:func:`compile_model` compiles a :class:`~attnlab.model.GPT` **in place** and returns the same object, so its
-``state_dict`` keys, checkpoints and attribute access do not change:
+Owns :func:`compile_model`: a :class:`~attnlab.model.GPT` compiled **in place** (its ``forward`` as one graph and
+each block on its own, with static shapes), so ``state_dict`` keys, checkpoints and attribute access never change;
+the rule for ``enabled=None`` (on for a model on CUDA, off elsewhere); and dynamo's recompile limits
+(:data:`RECOMPILE_LIMIT`). One compiled block serves every layer and every ``p_eval`` because the blocks take no
+layer index and get the power as a 0-d tensor (``model/gpt.py: power_as_tensor``): keep it so.
 
-- ``model(...)`` (``forward``: the training loss, logits) is compiled as one graph (the LM head and the
-  cross-entropy fuse with the blocks);
-- every block is compiled too (regional compilation), so ``hidden_states`` and ``token_stats`` (evaluation:
-  the LM head over chunks of positions stays eager, so 16x windows never materialise ``(B, T, vocab)``
-  logits) run compiled blocks; the blocks take no layer index, so one compiled block serves all layers.
+It must never change the model's weights or its modules' names. No Ray, no training loop here.
 
-Shapes are static (``dynamic=False``): each distinct (batch, length, attention spec, RoPE scaling, grad mode,
-autocast) is compiled once, the first time it is seen. The sharpening power is not part of it: the blocks get it
-as a 0-d tensor (``model/gpt.py: power_as_tensor``), so an evaluation sweep over ``p_eval`` values compiles one
-graph per (length, batch size) for the sharpened form and one for the unsharpened form. The dynamo recompile
-limit is raised to :data:`RECOMPILE_LIMIT` per code object; should it still be reached, the blocks run eagerly,
-and FlexAttention's own compiled instance refuses to run unfused on CUDA past a few thousand tokens
-(``attention/flex.py: unfused_refusal``) rather than allocate ``(B, H, T, T)`` scores. FlexAttention inside a compiled model is compiled by the enclosing graph (see
-``attention/flex.py``; ``tests/test_cuda_proxy_attention.py`` lowers that graph with inductor on CPU and counts
-compilations over training steps and evaluation lengths); outside one it uses its own compiled instance. The
-dense reference, where it still runs, is one chunk in a graph with gradients and an eager region without
-(``attention/dense.py``), never a loop unrolled into the graph. An ``on_attention`` observer makes
-``hidden_states`` run the blocks eagerly (diagnostics are not timed).
-
-``enabled=None`` means on for a model on CUDA, off elsewhere (on CPU inductor builds with the machine's C++
-compiler: minutes on a small machine). No Ray, no training loop here.
+Details: docs/gpu.md#compilation; what the CPU tests check of the compiled graphs:
+docs/gpu.md#what-is-checked-on-cpu-and-what-is-left-to-the-gpu.
 """
 
 from __future__ import annotations

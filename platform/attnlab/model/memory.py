@@ -1,45 +1,17 @@
-"""Per-GPU peak memory of a training step and of evaluation, estimated without a GPU (docs/gpu-memory.md).
+"""Per-GPU peak memory of a training step and of evaluation, estimated without a GPU.
 
-An analytic model: what lives at the peak of a step, counted tensor by tensor from the code of
-:mod:`attnlab.model.gpt` and :mod:`attnlab.train.loop`:
+Owns the memory plan: an analytic count of what is alive at the peak of a training micro-step and of an
+evaluation batch, tensor by tensor, from the code of :mod:`attnlab.model.gpt` and :mod:`attnlab.train.loop` (what
+a variant's dense path or a plugin's attention saves is traced once, on tiny CPU or meta tensors, under
+``saved_tensors_hooks``). :func:`estimate_train_step` and :func:`estimate_eval` return a :class:`MemoryEstimate`;
+:func:`largest_micro_batch` and :func:`largest_eval_batch` the largest batch that fits a budget. ``micro_batch:
+auto``, the cluster fit check and the GPU benches ask it.
 
-- ``params`` (fp32 master weights), ``grads`` (fp32; counted always: from the second micro-step of gradient
-  accumulation on, grads are live during the forward), ``optimizer`` (AdamW's two fp32 moments),
-  ``ddp_buckets`` (DDP's gradient buckets, one more fp32 copy of the grads, when ``ddp``), ``autocast_weights``
-  (bf16 copies of the weight matrices that autocast caches and the backward keeps).
-- ``activations``: what autograd saves per layer, per token (bytes per token below), plus the dense attention
-  weights, O(T^2), when the backend is ``dense``. The number of ``(rows x keys)`` tensors a variant's dense
-  path saves is read by running :func:`attnlab.attention.dense.attend_dense` once on a tiny CPU input under
-  ``saved_tensors_hooks`` (so LSSA with sharpening counts more than softmax, exactly).
-- ``loss_path``: the logits and the float32 cross-entropy (saved log-softmax output plus the gradient's
-  temporaries at the start of the backward: 12 x vocab bytes per token eager, fewer compiled).
-- ``transient``: the largest short-lived working set on top (the dense path's chunk of weights).
+A change to what gpt.py or loop.py keep alive must change the count here (tests/test_memory_plan.py holds it to
+CPU measurements). It must never allocate on a GPU, nor import Ray or cluster code.
 
-A variant from a plugin (docs/plugins.md#the-gpu-memory-plan) is counted from its own code: its parameters by
-building its parameter module on the meta device; what its attention saves per layer from its declared
-``saved_bytes`` (fused form), else by running the layer's ``prepare`` and attention once on meta tensors of the
-planned size under ``saved_tensors_hooks``; its evaluation working set as the peak of that run without gradients
-(torch's ``MemTracker`` on meta tensors). FlexAttention calls count as the CUDA kernel (their outputs, what they save
-and their gradients: ``plugin.flex_calls_as_kernels``).
-
-``MemoryEstimate.tensor_bytes`` is what ``torch.cuda.max_memory_allocated`` (or torch's ``MemTracker`` on
-CPU) would report; ``MemoryEstimate.total`` adds the allocator's fragmentation (``ALLOCATOR_OVERHEAD``) and
-the CUDA context with cuBLAS/Triton workspaces (``CUDA_CONTEXT_BYTES``): the figure checked against a GPU's
-memory. The bf16 and compiled coefficients are derived, not measured (no GPU here); ``make bench-gpu``
-prints measured peaks next to these estimates to calibrate them.
-
-Stable API (bench/gpu.py and the cluster check call it):
-
-- ``estimate_train_step(gpt_cfg, seq_len, micro_batch, precision="bf16", compiled=True, backend="auto",
-  *, ddp=False) -> MemoryEstimate``
-- ``estimate_eval(gpt_cfg, length, batch, precision="bf16", backend="auto") -> MemoryEstimate``
-- ``largest_micro_batch(gpt_cfg, seq_len, budget_bytes, *, precision, compiled, backend, ddp, divisor_of)
-  -> int`` (0 when not even one sequence fits)
-- ``largest_eval_batch(gpt_cfg, length, budget_bytes, *, precision, backend) -> int``
-- ``resolve_backend_name(gpt_cfg, backend)``: the concrete backend (``dense``/``flex``/``sdpa``/``triton``) on a GPU.
-
-``precision``: ``bf16`` (CUDA autocast) or ``fp32``; ``backend``: ``auto`` (what CUDA would pick for the
-variant), ``sdpa``, ``flex``, ``triton`` (O(T) memory) or ``dense`` (O(T^2)). No Ray, no cluster code, no GPU.
+Details: docs/gpu-memory.md (the API at its top), docs/gpu-memory.md#method (what is counted), and for plugins
+docs/plugins.md#the-gpu-memory-plan.
 """
 
 from __future__ import annotations

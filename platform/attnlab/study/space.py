@@ -1,27 +1,16 @@
 """A study's search space: the schema of its ``space:`` block (:class:`Axis`, :class:`Space`) and the one place
 its points are enumerated, each with the training config it trains (:class:`SearchSpace`).
 
-A **point** is a plain mapping ``{axis: value}`` (``attention``, ``scale``, ``p_train``, ``seed``, a training field
-such as ``lr``, or ``model.<field>``): what Tune hands a trial and a trial's status file records. A point's
-training config is the study's ``train:`` block as written with the point's fields set, validated once
-(:meth:`SearchSpace.config`); :class:`SearchPoint` is the typed pair.
+Owns what a point is (a plain mapping ``{axis: value}``, what Tune hands a trial and its status file records), its
+training config (the study's ``train:`` block with the point's fields set, validated once:
+:meth:`SearchSpace.config`; :class:`SearchPoint` is the typed pair), the points a search runs
+(:meth:`SearchSpace.points`, Optuna's :meth:`SearchSpace.suggest`) and the points checked before a study runs
+(:meth:`SearchSpace.checked`). The study's validation, the cluster fit check, the runner, ``attnlab study
+validate`` and each trial ask here, so they all see the same points.
 
-Every consumer asks here, so they see the same points:
+No other module enumerates points; this one must never do I/O or import Ray.
 
-- the study's validation: every checked point (:meth:`SearchSpace.checked`) must make a valid training config;
-- the cluster fit check (:mod:`attnlab.study.fit`): the memory of each distinct checked config;
-- the runner: the points a grid or random search runs (:meth:`SearchSpace.points`), Optuna's define-by-run
-  suggestions (:meth:`SearchSpace.suggest`), the warnings shown before the study starts;
-- ``attnlab study validate``'s printout: the trial count and the axes (:meth:`SearchSpace.describe`);
-- each trial: its point's config.
-
-A conditional axis (``when: [attention names]``) is sampled only for those variants, and every check sees it under
-each of them. The checked points of a sampled search (random, optuna) are each variant alone, then each value of
-each axis (a range's two ends) under every variant it applies to; of a grid, its every point (up to
-:data:`MAX_CHECKED_GRID`, then as a sampled search's). Seeds never change whether a config is valid: checked
-points carry none.
-
-No I/O, no Ray here.
+Details: docs/studies.md#the-search-space, docs/architecture.md#one-owner-for-each-fact.
 """
 
 from __future__ import annotations
@@ -319,8 +308,9 @@ class SearchSpace:
         return point
 
     def checked_points(self) -> list[dict]:
-        """The points every check sees (module docstring): a grid's every point without its seed, or each variant
-        alone then each axis value (a range's ends) under every variant the axis applies to; no duplicates."""
+        """The points every check sees (docs/studies.md#the-search-space): a grid's every point without its seed,
+        or each variant alone then each axis value (a range's ends) under every variant the axis applies to; no
+        duplicates."""
         if self.engine == "grid" and self.size() <= MAX_CHECKED_GRID:
             points = [{k: v for k, v in p.items() if k != "seed"} for p in self.grid()]
         else:

@@ -1,24 +1,16 @@
 """``attnlab study submit STUDY.yaml --address http://HEAD:8265``: run a study as a Ray Job on a running cluster.
 
-Packages the working directory (``runtime_env.working_dir``, leaving out the virtualenv, runs, results, data and
-git folders), submits ``attnlab study run STUDY.yaml ...`` with ``JobSubmissionClient``, prints the job id, the
-log command and the dashboard URL, and (unless ``--no-wait``) follows the job's log until it ends. The study is
-validated, and with ``--cluster`` its resources are checked against a cluster config, before anything is sent.
+Owns the submission: the study validated (and with ``--cluster`` checked against a cluster config) before
+anything is sent; the working directory packaged (:data:`PACKAGE_EXCLUDES` left out); the study's plugins read
+here, once, and shipped with the job (:func:`write_bundle`), so the cluster runs them as they were when submitted;
+where the job writes, checked before anything is uploaded (:func:`job_location`); the job's entrypoint
+(:func:`entrypoint`); then the job id, the log command and the dashboard URL, and the job's log followed unless
+``--no-wait``.
 
-The study's plugins (its ``plugins:`` and ``--plugin``) are read here, once, and shipped with the job as a small
-package in ``runtime_env.py_modules`` (:func:`write_bundle`: their sources by the path or module name as written);
-the job's driver loads them from it (``study run --plugin-bundle``), so a plugin outside the working directory,
-or one edited or deleted after submitting, runs as it was when submitted, and nothing reads a plugin file on the
-cluster. Each trial's training config then carries its plugin's bytes to the workers.
+It uses only Ray's Jobs SDK: it must never start Tune or train, and never read a plugin file on the cluster.
 
-Where the job writes (``--store``, ``--runs``) is checked here, before anything is uploaded (:func:`job_location`):
-the job runs in a temporary copy of the working directory, so a relative path is refused in one line, except on a
-cluster on this machine (``--address`` naming this host), where it is made absolute here. A URI is always allowed.
-
-The job's entrypoint does not depend on the head's PATH where it can avoid it (:func:`entrypoint`): on a cluster
-on this machine it runs this interpreter (``python -m attnlab``); on another machine it runs ``attnlab`` from the
-head's PATH after a check that says, in one line, how to fix a head started without it. Only the Jobs SDK is used
-here: no Tune, no training.
+Details: docs/plugins.md#on-a-cluster-ray-job-submit (the plugin bundle, where the job writes, the entrypoint),
+docs/studies.md#paths-uris-and-whole-file-writes.
 """
 
 from __future__ import annotations

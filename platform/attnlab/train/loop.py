@@ -1,24 +1,15 @@
 """The per-worker training loop, independent of Ray.
 
-``train_worker(cfg, session, run)`` runs on every worker: :func:`attnlab.train.parts.build_parts` builds its parts
-(the data, the model and optimizer, the validator with the stopping rule, the checkpointer, the metrics writer)
-and :func:`train_loop` steps them. A ``Session`` supplies what differs between a plain process and a Ray Train
-worker: rank and world size, device, DDP wrapping, the latest checkpoint, reporting (with an optional checkpoint),
-and all-reduce. ``LocalSession`` (here) runs one process with no Ray; ``attnlab.train.ray_train`` provides the Ray
-Train one. The run's own files (``attnlab.runfolder``) go straight to the run location, local or object storage.
+Owns :func:`train_worker` (on every worker: :func:`attnlab.train.parts.build_parts` builds the parts, then
+:func:`train_loop` steps them), :func:`train_here` (one plain process) and the :class:`Session` protocol: what
+differs between a plain process (:class:`LocalSession`, here) and a Ray Train worker
+(``attnlab.train.ray_train``): rank and world size, device, DDP wrapping, the latest checkpoint, reporting and
+all-reduce. The run's own files (``attnlab.runfolder``) go straight to the run location, local or object storage.
 
-The loop reads the loss on the host, and all-reduces it, only on the steps that log, validate or checkpoint: the
-steps between queue their work and never wait (a GPU keeps running while the CPU fetches the next batch). A diverged
-run (a non-finite loss) is found on the first such step after it, writes ``failure.json`` with the step its loss
-first went non-finite, and stops cleanly, before any checkpoint of its non-finite weights. With a stopping rule
-(``cfg.stop_when``) the first validation point that meets it ends the run there with a checkpoint whose metrics
-say ``stopped: reached``; a resumed run whose latest checkpoint says so trains no further; a run that reaches
-``steps`` without meeting it ends with ``stopped: cap``. With ``cfg.val_extrapolation`` the steps it names (every
-``every`` steps, the last one, and a step the stopping rule ends the run at) also measure the validation loss at
-longer lengths (``val_loss_at`` in that step's metrics line, written at once).
+It must never import Ray, nor make the host wait on a step that neither logs, validates nor checkpoints.
 
-Before every step the loop calls the fault-injection seam :func:`attnlab.faults.before_train_step` (a no-op unless a
-test replaced it): the crash tests fail a worker there, at the step and rank they choose.
+Details: docs/architecture.md#one-owner-for-each-fact (the parts and the sessions), docs/protocol.md#training
+(the recipe, validation at longer lengths, the stopping rule).
 """
 
 from __future__ import annotations
@@ -124,7 +115,16 @@ def train_here(cfg: TrainConfig, run: str | Path | Location, source: DataSource 
 
 def train_loop(parts: TrainParts) -> dict:
     """Step the parts from where the run stands to ``steps`` (or the stopping rule, or a divergence): log every
-    ``log_every`` steps, validate every ``val_every``, checkpoint every ``checkpoint_every`` and at the end."""
+    ``log_every`` steps, validate every ``val_every``, checkpoint every ``checkpoint_every`` and at the end.
+
+    The loss is read on the host, and all-reduced, only on the steps that log, validate or checkpoint: the steps
+    between queue their work and never wait (a GPU keeps running while the CPU fetches the next batch). A diverged
+    run (a non-finite loss) is found on the first such step after it, writes ``failure.json`` with the step its
+    loss first went non-finite, and stops cleanly, before any checkpoint of its non-finite weights. With
+    ``cfg.stop_when`` the first validation point that meets it ends the run there, with a checkpoint whose metrics
+    say ``stopped: reached`` (``stopped: cap`` at ``steps``); ``cfg.val_extrapolation``'s steps also measure the
+    validation loss at longer lengths. Before every step the fault seam :func:`attnlab.faults.before_train_step`
+    is called (a no-op unless a crash test replaced it)."""
     cfg, session, data, model = parts.cfg, parts.session, parts.data, parts.model
     rank, world = session.rank, session.world_size
     flops_per_token, peak = model.model.flops_per_token(cfg.seq_length), peak_flops(session.device)

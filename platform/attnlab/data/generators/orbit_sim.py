@@ -1,26 +1,14 @@
 """Newtonian N-body simulation of planetary systems in a plane: the physics under the orbit data source.
 
-What it is for: integrate batches of star + planet systems with a symplectic Wisdom-Holman map in Jacobi
-coordinates (Wisdom & Holman 1991; the kick-drift-kick form of Rein & Tamayo 2015's WHFast), and report at
-every observation time the positions, velocities and the true Newtonian force on every body. Units: AU,
-years, solar masses; ``G = 4 pi^2`` AU^3 yr^-2 Msun^-1.
+Owns the integration of batches of star + planet systems (a symplectic Wisdom-Holman map in Jacobi coordinates,
+each system with its own step) and reports, at every observation time, the positions, velocities and the true
+Newtonian force on every body, in AU, years and solar masses. A system's bytes never depend on the other systems
+of its batch, nor on how many observations are asked for.
 
-The map: each step of length ``h`` is a half kick by the planet-planet interaction, an exact Kepler drift of
-every Jacobi coordinate around the mass inside it (``mu_i = G M_i``), and another half kick. A two-body system
-has no interaction term, so it is integrated exactly (to rounding) whatever the step; a planetary system's
-energy error is bounded (no secular drift) and scales like ``(planet/star mass) x (h / P)^2``. Angular
-momentum is conserved to rounding. Each system gets its own step, ``h = dt / K`` with ``K`` the smallest
-integer that puts ``steps_per_orbit`` steps in its shortest Jacobi orbital period, so the result for a system
-never depends on the other systems of its batch, nor on how many observations are asked for: a longer run
-starts with the bytes of a shorter one.
+It must never: touch tokens, bins or torch (that is :mod:`attnlab.data.generators.orbits`), draw random numbers
+(initial conditions come in as arrays), or import Ray.
 
-Arrays are padded to a fixed number of bodies ``N`` per batch: body 0 is the star, bodies ``1..n`` the planets
-ordered by semi-major axis (the Jacobi hierarchy), padding bodies are massless and far away (they move, feel
-the system, and act on nothing). Sums over bodies run in a fixed order, so the same system gives the same bytes
-in any batch of the same ``N`` on one machine.
-
-It must never: touch tokens, bins or torch (that is :mod:`attnlab.data.generators.orbits`), draw random numbers (initial
-conditions come in as arrays), or import Ray.
+Details: docs/orbits.md#the-simulator (the map, the step, the padding, what is conserved).
 """
 
 from __future__ import annotations

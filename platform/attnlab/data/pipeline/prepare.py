@@ -1,31 +1,15 @@
 """``prepare()``: a document source -> shuffled, tokenised, verified token shards (``attnlab data prepare``).
 
-Two phases, each a list of independent work items run serially (``workers=1``) or as Ray tasks
-(:mod:`attnlab.data.pipeline.parallel`, the only Ray code here):
+Owns the preparation of a data folder: two phases of independent work items (tokenise one partition, assemble
+one shard), run serially or as Ray tasks through :mod:`attnlab.data.pipeline.parallel`, the only Ray code here;
+the work folder (``OUT/_work``, or on this machine's disk for a bucket: :func:`local_work_dir`) and its
+``plan.json``, from which a re-run with the same arguments resumes.
 
-1. **tokenise**: one item per source partition. Each document becomes ``[EOT] + tokens`` (GPT-2 BPE by default,
-   or UTF-8 bytes: :mod:`attnlab.data.tokenizer`);
-   the partition's documents go, in source order, to ``OUT/_work/part-NNNNN.arrow`` (one row per document).
-2. **assemble**: the driver numbers every document in source order (partition by partition), permutes
-   them with ``numpy.random.Generator(PCG64(seed)).permutation``, gives the validation split the longest
-   prefix of that order that fits in ``val_tokens`` (whole documents), and the train split the rest in
-   the same order. Each split's token stream is cut into ``shard_tokens``-token shards; one item per
-   shard gathers its tokens from the memory-mapped part files and writes ``train-NNNNN.arrow`` /
-   ``val-NNNNN.arrow``. Then ``manifest.json`` is written and ``_work`` removed.
+It must never let shard bytes depend on the number of workers, leave a half-written file, overwrite a folder
+prepared with other arguments, or import Ray at module level.
 
-Into object storage (``--out s3://...``) the work folder is on this machine's disk instead
-(:func:`local_work_dir`, kept for a re-run to resume from), so every intermediate byte is read once and only
-the shards and the manifest are uploaded: a tokenise task that runs on another machine of the Ray cluster
-leaves its part in ``OUT/_work``, copied here once after phase 1; phase 2 runs in this process, the part
-files memory-mapped, and records each uploaded shard's entry in the work folder so a re-run skips it
-without reading it back.
-
-Shard bytes depend only on the inputs, the seed and the sizes, never on the number of workers. Every
-file is written under a temporary name and renamed, so an interrupted run leaves only whole files; a
-re-run with the same arguments skips the finished partitions and shards (``_work/plan.json`` records the
-arguments; a folder prepared with other arguments, tokeniser or seed is refused, never overwritten).
-
-Never imports Ray at module level.
+Details: docs/data.md#preparing-attnlab-data-prepare (the phases, resuming), docs/protocol.md#preparation (the
+rule: tokens, order, splits, shards), docs/data.md#preparing-into-a-bucket-attnlab-data-prepare---out-s3.
 """
 
 from __future__ import annotations

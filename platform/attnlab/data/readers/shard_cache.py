@@ -1,27 +1,15 @@
 """Shards of a prepared folder on object storage: served by ranged reads at once, fetched once per node.
 
-A shard in a bucket is never read whole into memory. :class:`RemoteShard` finds the byte range of the
-shard's token values (and of its document offsets) from the Arrow IPC file's record-batch metadata (one
-small read at the head of the object), then
+Owns :class:`RemoteShard` (a shard's byte ranges from its Arrow IPC metadata; each window one ranged read until
+the shard is on this node's disk, then a slice of its memory map), :func:`fetch` (a shard into the node's cache,
+at most once per node: under a lock, checked against the manifest's sha256, renamed into place as
+``<sha256>.arrow``), :class:`Prefetcher` (a split's shards fetched on one background thread per process, once its
+first windows are served) and the cache folder (:func:`cache_root`).
 
-- serves each window ``[start, start + length)`` by one ranged read (``RandomAccessFile.read_at``) while
-  the shard is not on this node's disk, and
-- once it is, memory-maps the local copy (file-backed pages: the kernel may drop them, they are not the
-  process's anonymous memory) and slices it, zero copy.
+It must never read a shard whole into memory, cache bytes that fail their sha256, or import Ray, torch or
+``datasets``.
 
-:func:`fetch` copies a shard into the node's cache folder, at most once per node however many processes
-ask: under an exclusive lock on ``<sha256>.lock`` it streams the object to a temporary name, checks the
-bytes against the manifest's sha256, and renames it to ``<sha256>.arrow`` (atomic on one filesystem). The
-file name is the content hash, so a changed dataset (new manifest, new hashes) never reuses a stale copy.
-:class:`Prefetcher` runs :func:`fetch` over a split's shards on one background thread per process; several
-processes of a node take the shards' locks without blocking first, so they fetch different shards. It starts
-once the process has served its first windows of the split (or after 10 s), so the first batch's ranged reads
-do not queue behind the bulk transfer.
-
-The cache folder is ``$ATTNLAB_DATA_CACHE``, else ``<attnlab cache>/shards`` (``$ATTNLAB_CACHE_DIR``, else
-``$XDG_CACHE_HOME/attnlab`` or ``~/.cache/attnlab``): put it on the node's local disk.
-
-Never imports Ray, torch or ``datasets``.
+Details: docs/data.md#reading-attnlabdatareaderstokenstokenshards, docs/data.md#the-shard-cache.
 """
 
 from __future__ import annotations
