@@ -1,6 +1,6 @@
 """Helpers of the ``attnlab serve`` tests: a study written with the real layout writers, and the real server.
 
-:func:`write_study` writes a study's state with :class:`attnlab.study.state.StudyState` (spec, one status record per
+:func:`write_study` writes a study's state with :class:`attnlab.study.folder.StudyFolder` (spec, one status record per
 trial, each run's ``metrics.jsonl``) and its rows with :class:`attnlab.results.ResultsStore`, on a local folder or a
 bucket alike: the files a study run leaves, with known numbers. :func:`serving` runs the application under uvicorn
 on a free loopback port (a thread), and :func:`get` fetches a page with the standard library.
@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 
 from attnlab.results import ResultsStore
-from attnlab.study.state import StudyState
+from attnlab.study.folder import StudyFolder
 
 TRAIN_LEN = 64
 LENGTHS = (64, 128, 256)
@@ -52,10 +52,10 @@ def spec_json(name: str, engine: str = "grid") -> dict:
 
 
 def write_study(store_uri: str, runs_uri: str, name: str = "probe", engine: str = "grid",
-                ray: dict | None = None) -> StudyState:
+                ray: dict | None = None) -> StudyFolder:
     """A study with every trial status, metrics for each run and acc + val_loss rows for the finished ones;
     ``ray``: the cluster record ``attnlab study run`` writes (``Dashboard.record()``), none by default."""
-    state = StudyState(runs_uri, name)
+    state = StudyFolder(runs_uri, name)
     state.write_study(spec_json(name, engine), "fingerprint0", ray=ray)
     store = ResultsStore(store_uri)
     now = time.time()
@@ -90,7 +90,7 @@ def write_study(store_uri: str, runs_uri: str, name: str = "probe", engine: str 
     return state
 
 
-def add_val_loss_at(state: StudyState, key: str, lengths=(128, 256), every: int = 10) -> None:
+def add_val_loss_at(state: StudyFolder, key: str, lengths=(128, 256), every: int = 10) -> None:
     """Give run ``key``'s metrics the validation losses at longer lengths a run with ``eval.during_training``
     writes (``val_loss_at`` every ``every`` steps), with known numbers: ``4.5 + L / 1000 - 0.05 * step``."""
     run = state.run(key)

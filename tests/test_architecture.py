@@ -187,6 +187,9 @@ LONG_DOCSTRINGS_STILL_ALLOWED = {
     "attnlab.train.config",
     "attnlab.results.stats",
     "attnlab.export.templates.configuration_attnlab",
+    "attnlab.names",
+    "attnlab.study.folder",
+    "attnlab.study.stopping",
 }
 
 

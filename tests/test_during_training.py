@@ -172,13 +172,13 @@ def test_the_study_copies_the_setting_into_every_trials_training_config(tmp_path
     """plan_trial gives each trial's training config the study's eval.during_training, a config read back from a
     status file (made before the setting) included; the trial's key stays the same."""
     from attnlab.results import ResultsStore
-    from attnlab.study.state import StudyState
+    from attnlab.study.folder import StudyFolder
     from attnlab.study.trial import StudyContext, StudyData, plan_trial
 
     def context(spec):
         data = StudyData(resolved=COPY, fingerprint="f" * 16, vocab_size=64, label="synthetic:copy",
                          min_tokens=2**62, described="synthetic copy")
-        return StudyContext(spec=spec, state=StudyState(tmp_path / "runs", spec.name),
+        return StudyContext(spec=spec, state=StudyFolder(tmp_path / "runs", spec.name),
                             store=ResultsStore(tmp_path / "results"), data=data)
 
     plain, during = load_spec(_study()), load_spec(_study(during_training=ON))

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from attnlab.results import ResultsStore
-from attnlab.study.state import StudyState
+from attnlab.study.folder import StudyFolder
 from conftest import multiple_instance_errors
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -74,7 +74,7 @@ def test_two_studies_with_their_own_embedded_ray_run_side_by_side(tmp_path):
             assert f"study {name}: 1 trial(s) 1 complete; 1 trained this run" in out, out[-3000:]
             assert len(ResultsStore(str(folder / "results")).read(study=name, metric="val_loss")) == 1
             # its own cluster ended with it, and study.json says so: `attnlab serve` no longer links its dashboard
-            recorded = StudyState(str(folder / "runs"), name).saved_study().ray
+            recorded = StudyFolder(str(folder / "runs"), name).saved_study().ray
             assert recorded["embedded"] is True and recorded["stopped"] >= recorded["recorded"], recorded
             assert multiple_instance_errors(out) == []  # the drivers' output: every worker's log reaches it
             sessions = list(Path(ray_tmp).glob("ray/session_2*/logs"))

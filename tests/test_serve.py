@@ -1,7 +1,7 @@
 """``attnlab serve`` without a browser: the data layer on a known study, the real server's pages and JSON, bad input
 (a store, runs folder or study that does not exist, a bad flag), an ``s3://`` store and runs folder, and no Ray import.
 
-The study is written by the real layout writers (``StudyState``, ``ResultsStore``; see ``serve_util``); the pages
+The study is written by the real layout writers (``StudyFolder``, ``ResultsStore``; see ``serve_util``); the pages
 come from the application under uvicorn on a loopback port. The real-browser test is ``test_serve_browser.py``.
 """
 
@@ -23,7 +23,7 @@ from attnlab.results import ResultsStore, reports
 from attnlab.serve import data
 from attnlab.serve.app import ResultsCache, create_app, plotly_js
 from attnlab.serve.data import NotFound, open_sources
-from attnlab.study.state import StudyState
+from attnlab.study.folder import StudyFolder
 from serve_util import TRIALS, add_val_loss_at, get, get_json, serving, write_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_a_study_of_many_trials_is_listed_a_page_at_a_time(tmp_path):
     """500 trials: the page lists 50 at a time (running first), with the counts of them all; the losses and curves
     are those of the page's trials."""
     runs = str(tmp_path / "runs")
-    state = StudyState(runs, "many")
+    state = StudyFolder(runs, "many")
     state.write_study({"name": "many", "search": {"engine": "optuna"}}, "fp")
     for i in range(500):
         key = f"k{i:04d}"
@@ -221,14 +221,14 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     assert embedded["embedded"] and embedded["pid"] == os.getpid()
     write_study(store, runs, name="embedded-live", ray=embedded)
     write_study(store, runs, name="embedded-ended", ray=embedded)
-    StudyState(runs, "embedded-ended").record_cluster_stopped(pid=os.getpid() + 1)  # not its record: left alone
-    assert "stopped" not in StudyState(runs, "embedded-ended").saved_study().ray
-    StudyState(runs, "embedded-ended").record_cluster_stopped(pid=os.getpid())  # as the study's process ends
+    StudyFolder(runs, "embedded-ended").record_cluster_stopped(pid=os.getpid() + 1)  # not its record: left alone
+    assert "stopped" not in StudyFolder(runs, "embedded-ended").saved_study().ray
+    StudyFolder(runs, "embedded-ended").record_cluster_stopped(pid=os.getpid())  # as the study's process ends
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     write_study(store, runs, name="embedded-killed", ray={**embedded, "pid": int(dead.stdout)})
     write_study(store, runs, name="joined-ended", ray={**live, "stopped": 1.0, "embedded": False})
-    assert StudyState(runs, "live").saved_study().ray["dashboard"] == "http://127.0.0.1:41234"
-    assert StudyState(runs, "legacy").saved_study().ray is None
+    assert StudyFolder(runs, "live").saved_study().ray["dashboard"] == "http://127.0.0.1:41234"
+    assert StudyFolder(runs, "legacy").saved_study().ray is None
 
     sources = open_sources(store, runs)  # no --ray-dashboard
     assert sources.ray_dashboard is None
@@ -245,7 +245,7 @@ def test_the_page_links_the_dashboard_the_study_recorded_unless_told_otherwise(t
     for name in ("embedded-ended", "embedded-killed"):
         ended = data.study_info(sources, name)
         assert ended["links"]["ray_dashboard"] is None and ended["ray"]["stopped"] is True, name
-    assert StudyState(runs, "embedded-ended").saved_study().ray["stopped"] > 0
+    assert StudyFolder(runs, "embedded-ended").saved_study().ray["stopped"] > 0
     # the header outside a study page: the most recently started study's dashboard (a stopped one: never)
     assert data.header_dashboard(sources, [s for s in data.overview(sources)["studies"]
                                            if not s["name"].startswith(("embedded-live", "joined"))]) \

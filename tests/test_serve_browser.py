@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from attnlab.study.state import StudyState
+from attnlab.study.folder import StudyFolder
 
 from serve_util import add_val_loss_at, free_port, get, serving, write_study
 
@@ -191,7 +191,7 @@ def test_a_browser_watches_a_study_run_and_complete(ray_session, tmp_path):
                 assert page.inner_text("#best thead").split()[-1] == "val_loss"
 
                 # a study of 120 trials: 50 a page; "next" shows the next 50 without reloading the page
-                many = StudyState(str(runs), "many")
+                many = StudyFolder(str(runs), "many")
                 many.write_study({"name": "many"}, "fp")
                 for i in range(120):
                     many.write_status(f"k{i:04d}", status="complete", point={"seed": i}, steps=4, started=1.0 + i)

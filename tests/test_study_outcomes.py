@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from attnlab.cli import main
-from attnlab.states import TrialState
+from attnlab.states import TrialStatus
 from attnlab.study.runner import run_study, study_state
 from attnlab.study.spec import load_spec
 
@@ -85,7 +85,7 @@ def test_a_trial_that_dies_before_recording_its_run_leaves_a_status(ray_session,
     assert trial["point"] == {"attention": f"dies_{case}"} and trial["recorded_by"] == "driver"
     state = study_state(spec, str(runs))
     assert state.status(trial["train_key"])["reason"] == trial["reason"]  # the file, keyed by the run's key
-    assert summary.count(TrialState.FAILED) == 1  # `study run` exits 1
+    assert summary.count(TrialStatus.FAILED) == 1  # `study run` exits 1
 
     capsys.readouterr()
     assert main(["study", "status", str(path), "--runs", str(runs)]) == 0

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from attnlab.results import ResultsStore
-from attnlab.states import TrialState
+from attnlab.states import TrialStatus
 from attnlab.study.runner import run_study, study_state
 from attnlab.study.spec import load_spec
 from attnlab.study.trial import plan_trial
@@ -218,7 +218,7 @@ def test_diverged_and_crashed_trials_are_recorded_and_the_study_goes_on(ray_sess
     summary = run_study(load_spec(_write(tmp_path, study3)), store=store_uri, runs=runs, verbose=0)
     (died,) = summary.trials
     assert died["status"] == "failed" and "the trial's process died" in died["reason"], died
-    assert summary.count(TrialState.FAILED) == 1
+    assert summary.count(TrialStatus.FAILED) == 1
 
 
 def test_a_trial_that_died_before_recording_a_run_is_counted_failed(tmp_path):

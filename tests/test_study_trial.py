@@ -15,7 +15,7 @@ import pytest
 from attnlab.location import Location
 from attnlab.results import ResultsStore
 from attnlab.study.spec import StudySpec
-from attnlab.study.state import StudyState
+from attnlab.study.folder import StudyFolder
 from attnlab.study.claims import _parts, claim_point, release_point, start_registry
 from attnlab.study.trial import StudyContext, StudyData, plan_trial
 
@@ -30,13 +30,13 @@ def _spec() -> StudySpec:
 
 def test_the_context_carries_objects_that_pickle_as_themselves(tmp_path):
     spec = _spec()
-    state = StudyState(tmp_path / "runs", spec.name)
+    state = StudyFolder(tmp_path / "runs", spec.name)
     data = StudyData(resolved={"synthetic": "copy"}, fingerprint="f" * 16, vocab_size=64, label="synthetic:copy",
                      min_tokens=2**62, described="synthetic copy")
     ctx = StudyContext(spec=spec, state=state, store=ResultsStore(tmp_path / "results"), data=data, claims="attnlab-claims:twins:0")
     back = pickle.loads(pickle.dumps(ctx))
     assert isinstance(back.spec, StudySpec) and back.spec == spec
-    assert isinstance(back.state, StudyState) and back.state.loc == state.loc
+    assert isinstance(back.state, StudyFolder) and back.state.loc == state.loc
     assert isinstance(back.store, ResultsStore) and back.store.uri == str(tmp_path / "results")
     assert back.claims == "attnlab-claims:twins:0"
     assert back.data == data

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from attnlab.states import TrialState
+from attnlab.states import TrialStatus
 from attnlab.study.console import LiveView, trial_label
-from attnlab.study.state import StudyState, TrialStatus
+from attnlab.study.folder import StudyFolder, TrialRecord
 from attnlab.train import load_train_config
 
 
@@ -37,7 +37,7 @@ def test_presets_carry_a_recipe_that_fits_them_and_bad_recipes_are_warned_about(
 
 
 def test_the_live_view_prints_a_line_per_change(tmp_path):
-    state = StudyState(str(tmp_path), "watch")
+    state = StudyFolder(str(tmp_path), "watch")
     state.write_status("k1", status="running", point={"attention": "lssar"}, steps=10, run_dir="x")
     state.run("k1").write_text("metrics.jsonl", json.dumps({"step": 2, "train_loss": 5.5}) + "\n")
     state.write_status("k2", status="failed", point={"attention": "softmax", "lr": 1e6}, reason="RuntimeError: boom")
@@ -54,15 +54,15 @@ def test_the_live_view_prints_a_line_per_change(tmp_path):
     state.write_status("k1", status="complete", objectives={"val_loss@4x": 5.1})
     (line,) = view.lines()
     assert "complete" in line and "val_loss@4x 5.1000" in line
-    assert trial_label(TrialStatus.parse({"point": {"attention": "lssa", "p_train": False}})) == "lssa p_train=off"
+    assert trial_label(TrialRecord.parse({"point": {"attention": "lssa", "p_train": False}})) == "lssa p_train=off"
     # a point without an attention axis: the variant its config resolved; an older file saying config_hash reads alike
-    older = TrialStatus.parse({"config_hash": "k3", "point": {"seed": 1}, "attention": "softmax", "status": "cached"})
-    assert (trial_label(older), older.train_key, older.status) == ("softmax seed=1", "k3", TrialState.CACHED)
+    older = TrialRecord.parse({"config_hash": "k3", "point": {"seed": 1}, "attention": "softmax", "status": "cached"})
+    assert (trial_label(older), older.train_key, older.status) == ("softmax seed=1", "k3", TrialStatus.CACHED)
     # every status an older file holds reads as its member; a file without one (or with one never written) as UNKNOWN
     for written in ("running", "complete", "cached", "diverged", "pruned", "failed"):
-        assert TrialStatus.parse({"status": written}).status is TrialState(written)
-    assert TrialStatus.parse({}).status is TrialState.read("queued") is TrialState.UNKNOWN
-    state.write_status("k4", status=TrialState.PRUNED)  # written as its string
+        assert TrialRecord.parse({"status": written}).status is TrialStatus(written)
+    assert TrialRecord.parse({}).status is TrialStatus.read("queued") is TrialStatus.UNKNOWN
+    state.write_status("k4", status=TrialStatus.PRUNED)  # written as its string
     assert json.loads(Path(state.loc.path, "trials", "k4.json").read_text())["status"] == "pruned"
 
 
@@ -119,7 +119,7 @@ def test_the_plan_line_names_the_ray_dashboard_and_the_study_records_it(tmp_path
     assert lines[0] == "earlier Ray output" and lines[1].endswith(f" attnlab: {line}") and len(lines) == 2
 
     # the record attnlab serve reads, next to the spec
-    state = StudyState(str(tmp_path / "runs"), "planned")
+    state = StudyFolder(str(tmp_path / "runs"), "planned")
     state.write_study({"name": "planned"}, "fp")
     assert state.saved_study().ray is None and "ray" not in state.loc.read_json("study.json")
     state.write_study({"name": "planned"}, "fp", ray=board.record())
@@ -214,14 +214,14 @@ def test_a_quiet_study_with_optuna_and_trackers(ray_session, tmp_path):
     assert f"attnlab: {plan}" in Path(log).read_text()  # the log file names the dashboard too
     assert f"(raylet) {warning}" in Path(log).read_text()  # the raylet's warning went there
     # a cluster the study joined (RAY_ADDRESS) is not its own: serve keeps linking its dashboard after the study
-    recorded = StudyState(str(tmp_path / "runs"), "watched").saved_study().ray
+    recorded = StudyFolder(str(tmp_path / "runs"), "watched").saved_study().ray
     assert recorded["embedded"] is False and "stopped" not in recorded
     assert sum(" complete " in line for line in out.splitlines()) >= 1, out  # once failed in a full run: show why
     # TPE with seed 1 proposes lssar twice: the twin waits for the trial training it and reuses its run (one
     # training, never two at once in one run folder), and the summary counts both trials
     assert "study watched: 2 trial(s) on 1 distinct training run(s)" in out, out
     assert "1 complete; 1 trained this run" in out, out
-    state = StudyState(str(tmp_path / "runs"), "watched")
+    state = StudyFolder(str(tmp_path / "runs"), "watched")
     # Optuna: intermediate values at training steps, trials tied to their run and training key
     ot = optuna.load_study(study_name="watched", storage=state.optuna_url(None))
     # (the second lssar trial reuses the trained run and reports step 6 only)

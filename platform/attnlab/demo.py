@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from attnlab.errors import UserError
-from attnlab.states import TrialState
+from attnlab.states import TrialStatus
 
 DEFAULT_OUT = "demo-out"
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         summary = run_study(spec, store=store, runs=runs, resume=False if args.fresh else None,
                             curves_dir=out.child("curves", spec.name).uri, verbose=1 if args.verbose else 0,
                             quiet=not args.verbose, own_process=True)
-        ok = ok and bool(summary.count(TrialState.COMPLETE))
+        ok = ok and bool(summary.count(TrialStatus.COMPLETE))
     print(f"\ndemo done: tables above; curves in {out.child('curves').uri}; results store {store}")
     for spec in specs:
         metric = spec.objective[0].parts.metric

@@ -104,7 +104,7 @@ class Dashboard:
         return f"Ray dashboard: {self.url}" if self.url else f"Ray dashboard: none ({self.note})"
 
     def record(self) -> dict:
-        """What a study writes to its state for ``attnlab serve`` (``StudyState.write_study``); an embedded
+        """What a study writes to its state for ``attnlab serve`` (``StudyFolder.write_study``); an embedded
         cluster's also names this process (``host``, ``pid``: the cluster lives as long as it does)."""
         out = {"dashboard": self.url, "note": self.note, "recorded": time.time(), "embedded": self.embedded}
         if self.embedded:

@@ -54,9 +54,9 @@ class RunStatus(_FileValue):
     INCOMPLETE = "incomplete"  # no checkpoint yet, or the latest one is short of ``steps``
 
 
-class TrialState(_FileValue):
-    """A trial's status (named apart from :class:`attnlab.study.state.TrialStatus`, the whole status file read
-    back): the ``status`` of its run's status file (``<runs>/<study>/trials/<train_key>.json``),
+class TrialStatus(_FileValue):
+    """A trial's status, the one word for where a trial stands: the ``status`` of its run's status file
+    (``<runs>/<study>/trials/<train_key>.json``, read back whole as :class:`attnlab.study.folder.TrialRecord`),
     shown by the console and the web page."""
 
     RUNNING = "running"
@@ -70,24 +70,24 @@ class TrialState(_FileValue):
     UNKNOWN = "unknown"  # a status file without a (known) status: never written
 
     @classmethod
-    def read(cls, value, default=None) -> TrialState:
+    def read(cls, value, default=None) -> TrialStatus:
         return super().read(value, cls.UNKNOWN if default is None else default)
 
     @classmethod
-    def recorded(cls) -> tuple[TrialState, ...]:
+    def recorded(cls) -> tuple[TrialStatus, ...]:
         """The statuses a trial writes, in the order pages count them."""
         return tuple(s for s in cls if s is not cls.UNKNOWN)
 
     @property
     def succeeded(self) -> bool:
         """The run trained (or was found trained) and its cells are evaluated."""
-        return self in (TrialState.COMPLETE, TrialState.CACHED)
+        return self in (TrialStatus.COMPLETE, TrialStatus.CACHED)
 
     @property
     def has_reason(self) -> bool:
         """The trial ended without objectives, and its status file says why (``reason``)."""
-        return self in (TrialState.FAILED, TrialState.DIVERGED, TrialState.PRUNED, TrialState.INTERRUPTED,
-                        TrialState.SKIPPED)
+        return self in (TrialStatus.FAILED, TrialStatus.DIVERGED, TrialStatus.PRUNED, TrialStatus.INTERRUPTED,
+                        TrialStatus.SKIPPED)
 
 
-__all__ = ["RunStatus", "StopReason", "TrialState"]
+__all__ = ["RunStatus", "StopReason", "TrialStatus"]

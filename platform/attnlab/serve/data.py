@@ -1,8 +1,8 @@
 """The data behind ``attnlab serve``: studies, trials, training curves and results, read into plain dicts.
 
 Everything here reads; nothing writes, starts or stops anything. The study layout is
-:class:`attnlab.study.state.StudyState`'s, read back typed (each run's status as a
-:class:`~attnlab.study.state.TrialStatus`, the saved study as a :class:`~attnlab.study.state.SavedStudy`; each
+:class:`attnlab.study.folder.StudyFolder`'s, read back typed (each run's status as a
+:class:`~attnlab.study.folder.TrialRecord`, the saved study as a :class:`~attnlab.study.folder.SavedStudy`; each
 run's ``metrics.jsonl`` through :func:`attnlab.runfolder.read_metrics`); the results are :class:`attnlab.results.ResultsStore`'s rows, and the
 Table-4 layout, its cells and the best configuration come from :mod:`attnlab.results.reports`, the code of
 ``attnlab results table|best`` (nothing is recomputed here). Locations are :class:`attnlab.location.Location`
@@ -27,9 +27,9 @@ from attnlab.errors import UserError
 from attnlab.location import Location
 from attnlab.names import STUDY_NAME
 from attnlab.results import COMPLETE_METRIC, LAW_METRIC, METRICS, ResultsStore, StudyRows, reports
-from attnlab.study.state import STATUSES, STUDY_FILE, SavedStudy, StudyState, TrialStatus
+from attnlab.study.folder import STATUSES, STUDY_FILE, SavedStudy, StudyFolder, TrialRecord
 from attnlab.runfolder import METRICS_FILE, VAL_LOSS_AT, latest_losses, read_metrics
-from attnlab.states import TrialState
+from attnlab.states import TrialStatus
 
 DEFAULT_RAY_DASHBOARD = "http://127.0.0.1:8265"
 _HTTP_URL = re.compile(r"https?://[^\s\"'<>]+")
@@ -38,7 +38,7 @@ SELECTABLE = ("p_eval", "rope_scaling")
 PER_PAGE = 50  # trials per page of a study's trial list
 # Whose training curves a page of trials carries (``curves=``): the trials whose status is running (the default),
 # all of them, or none.
-CURVES = (TrialState.RUNNING.value, "all", "none")
+CURVES = (TrialStatus.RUNNING.value, "all", "none")
 
 
 class NotFound(UserError):
@@ -197,7 +197,7 @@ def study_info(sources: Sources, name: str) -> dict:
     and links that watch it elsewhere (Ray dashboard, TensorBoard, optuna-dashboard). NotFound when neither the
     runs folder nor the store knows it."""
     check_study_name(name)
-    state = StudyState(sources.runs, name)
+    state = StudyFolder(sources.runs, name)
     saved: SavedStudy | None = state.saved_study() if _exists(state.loc) else None
     has_results = _has_results(sources.store, name)
     if saved is None and not has_results:
@@ -242,7 +242,7 @@ def overview(sources: Sources) -> dict:
     studies = []
     for name, where in study_names(sources).items():
         info = study_info(sources, name)
-        runs = StudyState(sources.runs, name).trials() if where["has_state"] else []
+        runs = StudyFolder(sources.runs, name).trials() if where["has_state"] else []
         studies.append({**info, "trials": len(runs), "counts": _status_counts(runs),
                         "updated": max((r.updated or 0 for r in runs), default=None)})
     return clean({"runs": sources.runs.uri, "store": sources.store.uri,
@@ -274,7 +274,7 @@ _FINISHED_LOSSES_SIZE = 4096
 _FINISHED_LOCK = threading.Lock()
 
 
-def _finished_losses(run: Location, trial: TrialStatus) -> dict:
+def _finished_losses(run: Location, trial: TrialRecord) -> dict:
     """The last train and validation loss of a run that no longer trains (complete, cached, diverged, pruned,
     failed), from its ``metrics.jsonl``: read once per status record (a finished run's metrics do not change,
     and a status change rewrites the record), so a page of finished trials re-reads none of them."""
@@ -291,15 +291,15 @@ def _finished_losses(run: Location, trial: TrialStatus) -> dict:
     return losses
 
 
-def _trial(state: StudyState, trial: TrialStatus, with_curve: bool, now: float) -> dict:
+def _trial(state: StudyFolder, trial: TrialRecord, with_curve: bool, now: float) -> dict:
     key, status, steps, step, updated = trial.train_key or "?", trial.status, trial.steps, trial.step, trial.updated
     losses: dict = {}  # the run's latest losses (a finished run's last), from its metrics.jsonl
     curve = None
     # a run found trained in another study of the runs folder is read where it is (its status names it)
     run = Location.parse(trial.run_dir) if trial.run_dir else (state.run(key) if key != "?" else None)
-    if run is not None and (with_curve or status is TrialState.RUNNING):
+    if run is not None and (with_curve or status is TrialStatus.RUNNING):
         lines = read_metrics(run)
-        if lines and status is TrialState.RUNNING:
+        if lines and status is TrialStatus.RUNNING:
             # a live run's last report is newer than its status record
             written = run.fs.get_file_info(run.join(METRICS_FILE)).mtime
             if written is not None:
@@ -354,24 +354,24 @@ def trials(sources: Sources, name: str, curves: str = CURVES[0], page: int = 1, 
     if not isinstance(page, int) or page < 1:
         raise UserError(f"page={page!r}: give a whole number >= 1")
     info = study_info(sources, name)
-    state = StudyState(sources.runs, name)
+    state = StudyFolder(sources.runs, name)
     now = time.time()
     runs = state.trials() if info["has_state"] else []
-    runs.sort(key=lambda r: (r.status is not TrialState.RUNNING, r.started or 0, r.train_key or "?"))
+    runs.sort(key=lambda r: (r.status is not TrialStatus.RUNNING, r.started or 0, r.train_key or "?"))
     pages = max(1, math.ceil(len(runs) / per_page))
     page = min(page, pages)
     shown = runs[(page - 1) * per_page: page * per_page]
-    running = TrialState.RUNNING
+    running = TrialStatus.RUNNING
     items = [_trial(state, r, curves == "all" or (curves == running and r.status is running), now) for r in shown]
     counts = _status_counts(runs)
     first = (page - 1) * per_page + 1 if shown else 0
     return clean({"study": name, "trials": items, "counts": counts,
-                  "running": counts.get(TrialState.RUNNING.value, 0), "total": len(runs), "page": page, "pages": pages,
+                  "running": counts.get(TrialStatus.RUNNING.value, 0), "total": len(runs), "page": page, "pages": pages,
                   "per_page": per_page, "first": first, "last": first + len(shown) - 1 if shown else 0,
                   "signature": results_signature(sources, name), "now": now})
 
 
-def _status_counts(runs: list[TrialStatus]) -> dict[str, int]:
+def _status_counts(runs: list[TrialRecord]) -> dict[str, int]:
     """How many trials have each status a trial writes, those with none left out (keyed by the status string)."""
     counts = {s.value: sum(1 for r in runs if r.status is s) for s in STATUSES}
     return {s: n for s, n in counts.items() if n}

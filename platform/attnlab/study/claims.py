@@ -15,7 +15,7 @@ when the holder releases, and that the holder's process owns. Ray fails a borrow
 done and when its twin's process was killed without a word; it then takes the key over and resumes the run from
 its latest checkpoint. No status file is polled and nothing sleeps.
 
-The status files (:mod:`attnlab.study.state`) still say which trial holds a run, for the console and the page;
+The status files (:mod:`attnlab.study.folder`) still say which trial holds a run, for the console and the page;
 they are no longer what coordinates. Never imports torch; Ray only inside functions (and the actor's class is
 made a Ray actor where it is started).
 """

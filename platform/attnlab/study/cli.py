@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from attnlab.errors import UserError
-from attnlab.states import TrialState
+from attnlab.states import TrialStatus
 
 
 def add_parser(subparsers) -> None:
@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
                         own_process=True)
     # after the summary and the table: a study with a failed trial did not do what it was asked (exit 1), a trial
     # whose process died before it recorded a run included
-    return 1 if summary.count(TrialState.FAILED) else 0
+    return 1 if summary.count(TrialStatus.FAILED) else 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -106,7 +106,7 @@ def _status(args: argparse.Namespace) -> int:
     from attnlab.location import runs_location
     from attnlab.names import check_study_name
     from attnlab.study.console import status_lines
-    from attnlab.study.state import StudyState
+    from attnlab.study.folder import StudyFolder
 
     name = args.study
     if name.endswith((".yaml", ".yml")) or os.path.isfile(name):
@@ -121,7 +121,7 @@ def _status(args: argparse.Namespace) -> int:
         if name is None:
             raise UserError(f"{args.study}: the study file has no name:")
     check_study_name(name, field="STUDY")
-    state = StudyState(runs_location(args.runs), name)
+    state = StudyFolder(runs_location(args.runs), name)
     if state.saved_study() is None and not state.statuses():
         raise UserError(f"study {name}: nothing recorded at {state.loc.uri}; give the --runs it was run with")
     print("\n".join(status_lines(state)))

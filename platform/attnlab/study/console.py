@@ -1,5 +1,5 @@
 """The study's live view on the terminal: one compact line per trial whenever it changes (status, step, latest
-loss, time), read from the study's state (``attnlab.study.state``) and each running trial's metrics. It replaces
+loss, time), read from the study's state (``attnlab.study.folder``) and each running trial's metrics. It replaces
 Ray's and Tune's own output, which goes to a log file (``attnlab.ray_runtime.quiet_ray``: Ray's logging, Python
 warnings and the raylets' ``(raylet)`` messages to the driver).
 
@@ -14,8 +14,8 @@ import threading
 import time
 
 from attnlab.names import format_duration
-from attnlab.states import TrialState
-from attnlab.study.state import StudyState, TrialStatus
+from attnlab.states import TrialStatus
+from attnlab.study.folder import StudyFolder, TrialRecord
 from attnlab.runfolder import Progress, read_metrics
 
 
@@ -28,16 +28,16 @@ def say(line: str, log: str | None = None) -> None:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} attnlab: {line}\n")
 
 
-def trial_label(trial: TrialStatus) -> str:
+def trial_label(trial: TrialRecord) -> str:
     """What tells trials apart: the attention variant and the other searched settings of its point."""
     rest = ",".join(f"{k}={'off' if v is False else v}" for k, v in sorted(trial.point.items()) if k != "attention")
     return f"{trial.attention or '?'}" + (f" {rest}" if rest else "")
 
 
-def trial_detail(state: StudyState, trial: TrialStatus, progress: Progress) -> str:
+def trial_detail(state: StudyFolder, trial: TrialRecord, progress: Progress) -> str:
     """What a trial's line says after its status: a running trial's progress (``progress``, updated here from its
     metrics: step, losses, time left), a finished one's objectives, or why it ended without them."""
-    if trial.status is TrialState.RUNNING and trial.run_dir and trial.train_key:
+    if trial.status is TrialStatus.RUNNING and trial.run_dir and trial.train_key:
         try:
             progress.update(read_metrics(state.run(trial.train_key)))
         except (OSError, ValueError):
@@ -50,10 +50,10 @@ def trial_detail(state: StudyState, trial: TrialStatus, progress: Progress) -> s
     return ""
 
 
-def status_lines(state: StudyState) -> list[str]:
+def status_lines(state: StudyFolder) -> list[str]:
     """``attnlab study status``: the study's trials counted by status, then a line per trial (its status, point,
     run key and what :func:`trial_detail` says), running ones first."""
-    trials = sorted(state.trials(), key=lambda t: (t.status is not TrialState.RUNNING, t.started or 0,
+    trials = sorted(state.trials(), key=lambda t: (t.status is not TrialStatus.RUNNING, t.started or 0,
                                                    t.train_key or ""))
     counts: dict[str, int] = {}
     for trial in trials:
@@ -70,7 +70,7 @@ def status_lines(state: StudyState) -> list[str]:
 class LiveView:
     """Polls a study's trials every ``interval`` seconds and emits a line per change."""
 
-    def __init__(self, state: StudyState, emit=print, interval: float = 5.0):
+    def __init__(self, state: StudyFolder, emit=print, interval: float = 5.0):
         self.state = state
         self.emit = emit
         self.interval = interval

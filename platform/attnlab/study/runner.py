@@ -11,7 +11,7 @@ Locations: ``--store`` (the results store) and ``--runs`` (the runs folder) are 
 URIs; the defaults are ``$ATTNLAB_STORAGE/results`` and ``$ATTNLAB_STORAGE/runs`` when a cluster sets that prefix,
 else ``./results`` and ``./runs``; inside a Ray job's temporary working directory a relative location is refused
 (:func:`attnlab.location.store_location`, :func:`~attnlab.location.runs_location`).
-The state layout under ``<runs>/<study>/`` is :mod:`attnlab.study.state`'s. Running the study again
+The state layout under ``<runs>/<study>/`` is :mod:`attnlab.study.folder`'s. Running the study again
 restores the Tune experiment when its search is unchanged (a changed evaluation is fine: only new cells run).
 
 Never imports torch at module level; never deletes results or Tune state (``fresh`` moves the old Tune
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 from attnlab.errors import Interrupted, UserError
 from attnlab.location import runs_location, store_location
-from attnlab.states import TrialState
+from attnlab.states import TrialStatus
 from attnlab.study.space import SearchPoint
 from attnlab.study.claims import end_run, start_registry
 from attnlab.study.spec import StudySpec
 from attnlab.study.stages import stage_of
-from attnlab.study.state import StudyState
+from attnlab.study.folder import StudyFolder
 from attnlab.study.stopping import StopSignals, record_interrupted
 from attnlab.study.trackers import tracker_callbacks
 from attnlab.study.trial import StudyContext, StudyData, evaluate_missing, plan_trial, point_of, study_trial
@@ -45,12 +45,12 @@ if TYPE_CHECKING:
     from attnlab.results import ResultsStore
 
 
-def study_state(spec: StudySpec, runs: str | None = None) -> StudyState:
+def study_state(spec: StudySpec, runs: str | None = None) -> StudyFolder:
     """Where ``spec`` keeps its state: the runs folder (``--runs`` or the default, see the module docstring)."""
-    return StudyState(runs_location(runs), spec.name)
+    return StudyFolder(runs_location(runs), spec.name)
 
 
-def study_context(spec: StudySpec, state: StudyState, store: ResultsStore,
+def study_context(spec: StudySpec, state: StudyFolder, store: ResultsStore,
                   checked: list[SearchPoint] | None = None) -> StudyContext:
     """Resolve the study's data (``demo`` is built on first use, a relative path made absolute) and open it, once
     for the whole study: every point the study's validation checked (``checked``, when the caller has them) must
@@ -100,7 +100,7 @@ def stage_plan(ctx: StudyContext) -> str:
             continue
         checked.add(parent.train_key)
         step = parent_final_step(parent)
-        for run in [parent.run, *(StudyState(ctx.state.runs, name).run(parent.train_key)
+        for run in [parent.run, *(StudyFolder(ctx.state.runs, name).run(parent.train_key)
                                   for name in ctx.state.runs.list_names(hidden=False) if name != ctx.state.name)]:
             lines = read_metrics(run) if run.exists() else []
             reached = bool(lines) and int(lines[-1].get("step", 0)) >= step
@@ -203,11 +203,11 @@ class StudySummary:
     tensorboard_dir: str | None = None
     restored: bool = False
 
-    def count(self, status: TrialState) -> int:
-        return sum(1 for t in self.trials if TrialState.read(t.get("status")) == status)  # a member or its string
+    def count(self, status: TrialStatus) -> int:
+        return sum(1 for t in self.trials if TrialStatus.read(t.get("status")) == status)  # a member or its string
 
 
-def _check_state(spec: StudySpec, state: StudyState, resume: bool | None) -> bool:
+def _check_state(spec: StudySpec, state: StudyFolder, resume: bool | None) -> bool:
     """Whether to restore the Tune experiment; refuse to resume a study whose search changed."""
     from ray import tune
 
@@ -273,7 +273,7 @@ def run_study(spec: StudySpec, store: str | None = None, runs: str | None = None
     compact`` merges them later).
 
     SIGINT and SIGTERM stop it alike (:mod:`attnlab.study.stopping`): the trials that were running are recorded as
-    interrupted (``TrialState.INTERRUPTED``), the counts are printed, and it raises :class:`attnlab.errors.Interrupted`;
+    interrupted (``TrialStatus.INTERRUPTED``), the counts are printed, and it raises :class:`attnlab.errors.Interrupted`;
     running it again resumes them. ``own_process``: this process is the study's (the CLI's): when the signal took the
     Ray cluster too, the process ends itself with the study's last line instead of waiting on the cluster.
     """
@@ -401,7 +401,7 @@ def _run_study(spec: StudySpec, store: str | None, runs: str | None, resume: boo
     return summary
 
 
-def _record_cluster_stopped(state: StudyState) -> None:
+def _record_cluster_stopped(state: StudyFolder) -> None:
     try:
         state.record_cluster_stopped(pid=os.getpid())
     except Exception:  # noqa: BLE001 - the process is ending; a study.json that cannot be written keeps its link
@@ -426,7 +426,7 @@ def compact_results(store: ResultsStore, study: str) -> str | None:
     return done
 
 
-def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
+def _record_pruned(spec: StudySpec, state: StudyFolder, grid) -> None:
     """Trials the scheduler stopped never wrote their own final status: say so, with the step they reached."""
     objective = spec.objective[0].key
     for result in grid:
@@ -436,8 +436,8 @@ def _record_pruned(spec: StudySpec, state: StudyState, grid) -> None:
             continue
         current = state.status(key) or {}
         # failed too: stopping a trial kills its Train controller, which the trial sees as an error.
-        if TrialState.read(current.get("status")) in (TrialState.UNKNOWN, TrialState.RUNNING, TrialState.FAILED):
-            state.write_status(key, status=TrialState.PRUNED,
+        if TrialStatus.read(current.get("status")) in (TrialStatus.UNKNOWN, TrialStatus.RUNNING, TrialStatus.FAILED):
+            state.write_status(key, status=TrialStatus.PRUNED,
                                reason=f"stopped by {spec.scheduler.type} at step {metrics.get('step')} "
                                       f"({spec.scheduler.metric}={metrics.get(spec.scheduler.metric)})")
 
@@ -458,8 +458,8 @@ def _record_died(ctx: StudyContext, grid) -> None:
         reason = died_reason(result.error)
         mine = [t for t in statuses if t.get("point") == point]
         for t in mine:
-            if TrialState.read(t.get("status")) in (TrialState.RUNNING, TrialState.UNKNOWN):
-                state.write_status(t["train_key"], status=TrialState.FAILED, reason=reason)
+            if TrialStatus.read(t.get("status")) in (TrialStatus.RUNNING, TrialStatus.UNKNOWN):
+                state.write_status(t["train_key"], status=TrialStatus.FAILED, reason=reason)
         if mine:
             continue
         trial = (result.metrics or {}).get("trial_id")
@@ -472,7 +472,7 @@ def _record_died(ctx: StudyContext, grid) -> None:
 
             key = "unplanned-" + hashlib.sha256(json.dumps(point, sort_keys=True).encode()).hexdigest()[:16]
             planned = {}
-        state.write_status(key, point=point, trial=trial, run_dir=None, status=TrialState.FAILED, reason=reason,
+        state.write_status(key, point=point, trial=trial, run_dir=None, status=TrialStatus.FAILED, reason=reason,
                            recorded_by="driver", **planned)
 
 
@@ -521,11 +521,11 @@ def _print_counts(spec: StudySpec, summary: StudySummary, interrupted: str | Non
           + (f", {summary.evaluated} new evaluation cell(s) of earlier trials" if summary.evaluated else ""),
           flush=True)
     for t in summary.trials:
-        if TrialState.read(t.get("status")).has_reason:
+        if TrialStatus.read(t.get("status")).has_reason:
             print(f"  {t['status']}: {t.get('train_key')} {t.get('point')}: {t.get('reason')}", flush=True)
 
 
-def _report(spec: StudySpec, summary: StudySummary, state: StudyState, store: ResultsStore,
+def _report(spec: StudySpec, summary: StudySummary, state: StudyFolder, store: ResultsStore,
             curves_dir: str | None) -> None:
     """Print the results table, the trials that did not complete, and write the curves."""
     from attnlab.results import reports

@@ -5,7 +5,7 @@ The first signal during the search is Tune's own Ctrl-C: the handler Tune puts o
 SIGINT handler is turned off: ``TUNE_DISABLE_SIGINT_HANDLER``; this module stands for it, for both signals). Tune's
 loop ends, its experiment state is saved with the unfinished trials marked to resume, its trials are stopped, and
 ``tuner.fit`` returns; the runner then records the trials that were running as interrupted
-(:func:`record_interrupted`: ``TrialState.INTERRUPTED``, never pruned), prints the counts and raises
+(:func:`record_interrupted`: ``TrialStatus.INTERRUPTED``, never pruned), prints the counts and raises
 :class:`attnlab.errors.Interrupted`, whose line the CLI prints last, with the command that resumes the study. Outside
 the search (starting, the catch-up evaluation, the report), or a second time, the signal raises
 :class:`~attnlab.errors.Interrupted` where the driver is.
@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 
 from attnlab.errors import Interrupted
-from attnlab.states import TrialState
-from attnlab.study.state import StudyState
+from attnlab.states import TrialStatus
+from attnlab.study.folder import StudyFolder
 
 GCS_CHECK_S = 0.5  # how often the watcher asks whether the cluster's GCS still answers
 
@@ -159,7 +159,7 @@ class StopSignals:
             os._exit(128 + int(self.received))
 
 
-def record_interrupted(state: StudyState, stop: StopSignals) -> None:
+def record_interrupted(state: StudyFolder, stop: StopSignals) -> None:
     """After an interrupted search: each trial left running (its process was stopped with the search), or recorded
     failed by the stop itself (a Train run's controller stopped under it), is interrupted, with the step its run
     reached. The same command resumes it from its run's latest checkpoint."""
@@ -167,9 +167,9 @@ def record_interrupted(state: StudyState, stop: StopSignals) -> None:
 
     how = stop.received.name if stop.received is not None else "a signal"
     for record in state.statuses():
-        status = TrialState.read(record.get("status"))
-        if not (status is TrialState.RUNNING
-                or (status is TrialState.FAILED and (record.get("updated") or 0) >= stop.at)):
+        status = TrialStatus.read(record.get("status"))
+        if not (status is TrialStatus.RUNNING
+                or (status is TrialStatus.FAILED and (record.get("updated") or 0) >= stop.at)):
             continue
         key = record["train_key"]
         try:
@@ -177,7 +177,7 @@ def record_interrupted(state: StudyState, stop: StopSignals) -> None:
         except (OSError, ValueError):
             lines = []
         step = int(lines[-1].get("step", 0)) if lines else 0
-        state.write_status(key, status=TrialState.INTERRUPTED, step=step,
+        state.write_status(key, status=TrialStatus.INTERRUPTED, step=step,
                            reason=f"interrupted ({how}) at step {step} of {record.get('steps', '?')}; the same "
                                   "command resumes it from its run's latest checkpoint")
 

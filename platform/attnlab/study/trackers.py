@@ -23,7 +23,7 @@ from ray.air.integrations.mlflow import MLflowLoggerCallback
 
 from attnlab.errors import UserError
 from attnlab.study.spec import StudySpec
-from attnlab.study.state import StudyState
+from attnlab.study.folder import StudyFolder
 
 _PACKAGES = {"mlflow": ("mlflow", "mlflow-skinny"), "wandb": ("wandb", "wandb")}
 
@@ -54,7 +54,7 @@ def _require(tracker: str) -> None:
         raise UserError(f"trackers: {tracker} needs the {package} package ({module} is missing): pip install {package}")
 
 
-def mlflow_callback(spec: StudySpec, state: StudyState) -> StudyMLflowCallback:
+def mlflow_callback(spec: StudySpec, state: StudyFolder) -> StudyMLflowCallback:
     _require("mlflow")
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri and not state.loc.is_local:
@@ -75,6 +75,6 @@ def wandb_callback(spec: StudySpec) -> StudyWandbCallback:
     return StudyWandbCallback(project=project, group=spec.name, log_config=True)
 
 
-def tracker_callbacks(spec: StudySpec, state: StudyState) -> list:
+def tracker_callbacks(spec: StudySpec, state: StudyFolder) -> list:
     """Ray Tune's logger callbacks for the study's ``trackers`` (each run = one trial, steps = training steps)."""
     return [mlflow_callback(spec, state) if tracker == "mlflow" else wandb_callback(spec) for tracker in spec.trackers]

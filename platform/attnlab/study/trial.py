@@ -31,11 +31,11 @@ from attnlab.errors import UserError
 from attnlab.evaluate.plan import EvalCell, EvalConfig
 from attnlab.location import Location
 from attnlab.names import is_missing, same_optional_number
-from attnlab.states import RunStatus, StopReason, TrialState
+from attnlab.states import RunStatus, StopReason, TrialStatus
 from attnlab.study.claims import claim_point, release_point
 from attnlab.study.spec import StudySpec
 from attnlab.study.stages import ROOT, StagedSpace, stage_of
-from attnlab.study.state import StudyState
+from attnlab.study.folder import StudyFolder
 from attnlab.train.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class StudyContext:
     the objects they are (they pickle: Tune hands the context to every trial), never as strings re-parsed."""
 
     spec: StudySpec
-    state: StudyState  # <runs>/<study>
+    state: StudyFolder  # <runs>/<study>
     store: ResultsStore
     data: StudyData
     env: dict = field(default_factory=dict)  # attnlab's and the object store's settings, for every process
@@ -134,7 +134,7 @@ def plan_trial(ctx: StudyContext, point: dict, trial: str, cfg: TrainConfig | No
     return TrialPlan(point, cfg, key, find_run(ctx.state, key, cfg.steps), cells, row_context, stage, parent, data)
 
 
-def find_run(state: StudyState, train_key: str, steps: int) -> Location:
+def find_run(state: StudyFolder, train_key: str, steps: int) -> Location:
     """Where the run of ``train_key`` is: this study's own run folder when it has one (finished, or to resume), else
     a finished run of that key in another study of the same runs folder (reused, never copied: a run's key says
     what it trained, so ``proxy_text``'s finished runs serve another study's points and stages), else this study's
@@ -147,7 +147,7 @@ def find_run(state: StudyState, train_key: str, steps: int) -> Location:
     for name in state.runs.list_names(hidden=False):
         if name == state.name:
             continue
-        other = StudyState(state.runs, name).run(train_key)
+        other = StudyFolder(state.runs, name).run(train_key)
         if other.exists() and outcome(other, steps=steps).status is RunStatus.FINISHED:
             return other
     return own
@@ -176,14 +176,14 @@ def wait_for_parent(ctx: StudyContext, parent: TrialPlan, poll: float = 2.0) -> 
         if done.status is RunStatus.DIVERGED:
             return f"parent run {parent.train_key} diverged ({done.failure})"
         record = ctx.state.status(parent.train_key) or {}
-        status = TrialState.read(record.get("status"))
-        if status in (TrialState.FAILED, TrialState.PRUNED, TrialState.SKIPPED):
+        status = TrialStatus.read(record.get("status"))
+        if status in (TrialStatus.FAILED, TrialStatus.PRUNED, TrialStatus.SKIPPED):
             return f"parent run {parent.train_key} {status.value}: {record.get('reason')}"
         time.sleep(poll)
 
 
 # ------------------------------------------------------------------------------------------ step 2: train
-def train_step(plan: TrialPlan, state: StudyState, callbacks=list, here=None, on_report=None):
+def train_step(plan: TrialPlan, state: StudyFolder, callbacks=list, here=None, on_report=None):
     """Train unless the run already finished or diverged. Returns ``(outcome, trained: bool)``. ``here``: train in
     this process (a one-worker CPU trial: :meth:`StudySpec.trains_in_trial`), a function returning the data opened
     in it, each step's metrics going to ``on_report``; None: Ray Train, its reports going to the callbacks that
@@ -443,7 +443,7 @@ def study_trial(config: dict, context: StudyContext) -> None:
     # one trial per point: wait while a live twin of this study run holds the key (attnlab.study.claims)
     before = claim_point(context.claims, plan.train_key, trial)
     timing["claimed"] = time.time()
-    state.write_status(plan.train_key, **status, status=TrialState.RUNNING, started=time.time(), reason=None)
+    state.write_status(plan.train_key, **status, status=TrialStatus.RUNNING, started=time.time(), reason=None)
     try:
         if spec.eval.downstream is not None:  # a missing task folder or task: one line before any training
             from attnlab.evaluate.downstream import check_tasks
@@ -465,15 +465,15 @@ def study_trial(config: dict, context: StudyContext) -> None:
         base = {"train_key": plan.train_key, "run_dir": plan.run.uri, "step": plan.cfg.steps,
                 "timesteps_total": plan.cfg.steps, "steps_trained": steps, "cached": int(not trained and not evaluated)}
         if outcome.status is RunStatus.DIVERGED:
-            state.write_status(plan.train_key, status=TrialState.DIVERGED, reason=outcome.failure,
+            state.write_status(plan.train_key, status=TrialStatus.DIVERGED, reason=outcome.failure,
                                step=int(outcome.final.get("step", 0)), objectives=objectives,
                                timing={**timing, "reported": time.time()})
-            release_point(context.claims, plan.train_key, trial, TrialState.DIVERGED)
+            release_point(context.claims, plan.train_key, trial, TrialStatus.DIVERGED)
             tune.report({**base, **{k: float("nan") for k in objectives}, "diverged": 1})
             return
-        done = TrialState.CACHED if not trained and not evaluated else TrialState.COMPLETE
-        if done is TrialState.CACHED and TrialState.read(before.get("status")) is TrialState.COMPLETE:
-            done = TrialState.COMPLETE  # another trial of this `study run` trained it: a point proposed twice
+        done = TrialStatus.CACHED if not trained and not evaluated else TrialStatus.COMPLETE
+        if done is TrialStatus.CACHED and TrialStatus.read(before.get("status")) is TrialStatus.COMPLETE:
+            done = TrialStatus.COMPLETE  # another trial of this `study run` trained it: a point proposed twice
         stop = {"stopped": outcome.stopped} if plan.cfg.stop_when is not None else {}
         state.write_status(plan.train_key, status=done, objectives=objectives, trained=trained,
                            evaluated_cells=evaluated, step=steps, finished=time.time(),
@@ -483,8 +483,8 @@ def study_trial(config: dict, context: StudyContext) -> None:
                      **({"stopped": outcome.stopped.value} if stop and outcome.stopped else {})})
     except BaseException as exc:  # an error, or Tune stopping the trial: its twins stop waiting either way
         if isinstance(exc, Exception):
-            state.write_status(plan.train_key, status=TrialState.FAILED, reason=failure_reason(exc))
-        release_point(context.claims, plan.train_key, trial, TrialState.FAILED if isinstance(exc, Exception) else None)
+            state.write_status(plan.train_key, status=TrialStatus.FAILED, reason=failure_reason(exc))
+        release_point(context.claims, plan.train_key, trial, TrialStatus.FAILED if isinstance(exc, Exception) else None)
         raise
 
 
@@ -501,7 +501,7 @@ def skip_child(ctx: StudyContext, point: dict, trial: str, parent: TrialPlan, wh
     reason = f"skipped: {why}"
     print(f"attnlab: stage {stage_of(point)} run {key} ({point}) {reason}", flush=True)
     ctx.state.write_status(key, point=point, trial=trial, run_dir=None, config=cfg.model_dump(mode="json"),
-                           attention=cfg.gpt_config().attention, steps=cfg.steps, status=TrialState.SKIPPED,
+                           attention=cfg.gpt_config().attention, steps=cfg.steps, status=TrialStatus.SKIPPED,
                            reason=reason, started=time.time())
     tune.report({"train_key": key, "step": cfg.steps, "timesteps_total": cfg.steps, "skipped": 1,
                  **{o.key: float("nan") for o in ctx.spec.objective}})
@@ -516,8 +516,8 @@ def evaluate_missing(ctx: StudyContext, log=print) -> int:
     pending = []
     current = set(ctx.spec.plugin_hashes().values())
     for record in ctx.state.statuses():
-        status = TrialState.read(record.get("status"))
-        if not (status.succeeded or status is TrialState.DIVERGED) or not record.get("config"):
+        status = TrialStatus.read(record.get("status"))
+        if not (status.succeeded or status is TrialStatus.DIVERGED) or not record.get("config"):
             continue
         plugin = record["config"].get("plugin") or {}
         if plugin and plugin.get("sha256") not in current:

@@ -29,11 +29,11 @@ import uuid
 from dataclasses import dataclass
 
 from attnlab.location import Location
-from attnlab.states import TrialState
+from attnlab.states import TrialStatus
 
 TUNE_DIR, RUNS_DIR, TRIALS_DIR, EVENTS_DIR, CURVES_DIR, STUDY_FILE = "tune", "runs", "trials", "events", "curves", \
     "study.json"
-STATUSES = TrialState.recorded()  # what a status file's status may say (attnlab.states.TrialState)
+STATUSES = TrialStatus.recorded()  # what a status file's status may say (attnlab.states.TrialStatus)
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SavedStudy:
     spec: dict
     fingerprint: str | None
     ray: dict | None  # {"dashboard": URL or None, "note", "recorded", "embedded" (+ "host", "pid"), "stopped"}:
-    # ray_runtime.Dashboard.record(), "stopped" once an embedded cluster ended (StudyState.record_cluster_stopped)
+    # ray_runtime.Dashboard.record(), "stopped" once an embedded cluster ended (StudyFolder.record_cluster_stopped)
     objectives: tuple  # attnlab.study.spec.Objective, in the spec's order (those that no longer parse left out)
 
     @classmethod
@@ -77,13 +77,13 @@ class SavedStudy:
 
 
 @dataclass(frozen=True)
-class TrialStatus:
+class TrialRecord:
     """A training run's status file (``trials/<train_key>.json``) read back typed: what the console and the page
-    show of it. The file is a mapping its trial updates (:meth:`StudyState.write_status`); fields a file written
+    show of it. The file is a mapping its trial updates (:meth:`StudyFolder.write_status`); fields a file written
     by an older attnlab lacks read as None."""
 
     train_key: str | None
-    status: TrialState  # UNKNOWN for a file without a status the enum knows
+    status: TrialStatus  # UNKNOWN for a file without a status the enum knows
     trial: str | None  # the Tune trial that holds the run
     point: dict
     attention: str | None  # the variant trained, as its TrainConfig resolved it
@@ -98,10 +98,10 @@ class TrialStatus:
     stage: str | None = None  # a study with stages: the stage's name (None for the study's own points)
 
     @classmethod
-    def parse(cls, record: dict) -> TrialStatus:
+    def parse(cls, record: dict) -> TrialRecord:
         record = _with_train_key(record) or {}
         point = dict(record.get("point") or {})
-        return cls(train_key=record.get("train_key"), status=TrialState.read(record.get("status")),
+        return cls(train_key=record.get("train_key"), status=TrialStatus.read(record.get("status")),
                    trial=record.get("trial"), point=point,
                    attention=record.get("attention") or point.get("attention"), reason=record.get("reason"),
                    steps=record.get("steps"), step=record.get("step"), objectives=dict(record.get("objectives") or {}),
@@ -118,7 +118,7 @@ def _with_train_key(record: dict | None) -> dict | None:
     return record
 
 
-class StudyState:
+class StudyFolder:
     """The state of study ``name`` in the runs folder ``runs``."""
 
     def __init__(self, runs: str | Location, name: str):
@@ -127,7 +127,7 @@ class StudyState:
         self.loc = self.runs.child(name)
 
     def __repr__(self) -> str:
-        return f"StudyState({self.loc.uri!r})"
+        return f"StudyFolder({self.loc.uri!r})"
 
     @property
     def tune(self) -> Location:
@@ -174,9 +174,9 @@ class StudyState:
         self.loc.write_json(f"{TRIALS_DIR}/{train_key}.json", record)
         return record
 
-    def trials(self) -> list[TrialStatus]:
-        """Every training run's status, typed (:class:`TrialStatus`), ordered by train key."""
-        return [TrialStatus.parse(record) for record in self.statuses()]
+    def trials(self) -> list[TrialRecord]:
+        """Every training run's status, typed (:class:`TrialRecord`), ordered by train key."""
+        return [TrialRecord.parse(record) for record in self.statuses()]
 
     def statuses(self) -> list[dict]:
         """Every training run's status record as written, ordered by train key."""
