@@ -1,65 +1,19 @@
-"""The study spec: the schema of one YAML file in ``studies/``, validated into a typed tree (pydantic v2, extra
-fields refused).
+"""The study spec: the schema of one YAML file in ``studies/`` (:class:`StudySpec`, pydantic v2, extra fields
+refused) and its loading (:func:`load_spec`).
 
-A study **embeds** the two configurations the rest of attnlab uses, rather than a second language remapped into
-them: ``train:`` is a :class:`attnlab.train.config.TrainConfig` (the base training config of every trial, the
-fields ``attnlab train --config`` reads) and ``eval:`` is an :class:`attnlab.evaluate.plan.EvalConfig` (what
-``attnlab eval`` builds from its flags). Around them: the trials' own resources, a search engine, a search
-space (each point sets fields of ``train``), objectives and a pruning scheduler. Every problem is ONE line
-naming the field, the value and what is allowed (``UserError``), YAML syntax errors included.
+Owns what a study file may say. It embeds the two configurations the rest of attnlab uses rather than a second
+language remapped into them: ``train:`` is a :class:`attnlab.train.config.TrainConfig`, ``eval:`` an
+:class:`attnlab.evaluate.plan.EvalConfig`. Around them: the trials' resources, the search engine, the objectives
+(:func:`parse_objective`), the scheduler, the stores and trackers, and the ``plugins:``, read into their sources and
+loaded before the rest is validated. The search space is :mod:`attnlab.study.space`'s (with stages,
+:mod:`attnlab.study.stages`'s): :meth:`StudySpec.search_space` hands it the blocks, and validation asks it whether
+every checked point makes a valid training config.
 
-The search space (the ``space:`` block's axes, the points they make and each point's training config) is
-:mod:`attnlab.study.space`'s: :meth:`StudySpec.search_space` hands it the study's ``train``, ``space`` and
-``search``, and validation asks it whether every point makes a valid training config.
+Every problem is one line naming the field, the value and what is allowed (``UserError``), YAML syntax errors
+included. It must never import Ray or Optuna, touch the network, or read anything but the YAML file and its
+plugins: its validators open no data (``train.data`` is checked from its text alone).
 
-Never imports Ray or Optuna, never touches the network or the file system beyond reading the YAML file and its
-plugins (run by :mod:`attnlab.attention.plugin`, which registers their variants): its
-validators open no data (``train.data`` is checked from its text alone, :func:`attnlab.data.source.check_data`).
-
-Shape (``name`` and ``train.preset`` / ``train.data`` required)::
-
-    name: smoke                       # letters, digits and . _ + - (it names folders)
-    plugins: [plugins/fox.py, mylab.attention]   # attention plugins: .py paths (relative to the working directory,
-                                      # as every path of a study) or module names; their variants join the registry
-    train:                            # a TrainConfig: every trial's training config before its point is applied
-      preset: tiny
-      data: demo                      # demo | a prepared folder (path or s3://, gs:// URI) | {synthetic: TASK, ...}
-      steps: 40                       # or tokens: N (a budget; steps = ceil(N / tokens_per_step))
-      lr: 1.0e-3
-      workers: 1                      # Ray Train workers per trial; gpus_per_worker: 0 (CPU) or > 0
-      cpus_per_worker: 0.5
-      model: {n_layer: 2}             # overrides of the preset
-    eval: {multiples: [1, 2, 4, 8, 16], p_eval: [none, 15], rope_scaling: [ntk], max_tokens: 16384}
-    resources: {max_concurrent_trials: 1, trial_cpus: 0.5}   # the Tune trial driver and how many run at once;
-                                              # train_in_trial: false (Ray Train even for one CPU worker)
-    search: {engine: grid|random|optuna, num_samples: 8, seed: 0, sampler: tpe|random|nsgaii}
-    space:
-      attention: [softmax, lssa, lssar]
-      scale: [logd_logn, 2.5]                 # or {low: 1.0, high: 8.0} (a coefficient of ln N)
-      p_train: {values: [off, 3, 15], when: [softmax, lssa]}   # off: no sharpening; default: the variant's own
-      seeds: [0, 1]
-      lr: [3e-4, 1e-3]                        # any training field that changes the weights; model.<field>
-    objective: val_loss@16x                   # or a list: [val_loss@1x, val_loss@16x] (Pareto front)
-    scheduler: {type: asha, grace_period: 20, reduction_factor: 2}   # or none
-    optuna_storage: sqlite:////abs/optuna.db  # Optuna RDB URL; default SQLite next to the study state
-    store: results                            # results store (path or URI)
-    trackers: [mlflow, wandb]                 # opt-in: Tune's MLflow / W&B logger callbacks
-
-Axes (:class:`attnlab.study.space.Axis`): a plain list is a choice; a mapping ``{values: [...]}`` or ``{low,
-high[, log][, step]}`` is a choice or a range (int range when both bounds are integers, float otherwise), and
-``when: [attention names]`` makes the axis conditional: it is only sampled for those attention variants
-(elsewhere the field keeps its ``train`` value). RoPE scaling and p_eval are not searched: every trial is
-evaluated with all of ``eval``'s settings.
-
-Plugins (docs/plugins.md#plugins-in-studies) are read into their sources (bytes and sha256) and loaded before the
-rest of the study is validated (``space.attention`` may then name their variants); the sources travel with the
-spec, and each trial's training config carries the one its attention comes from. A relative path is relative to
-the working directory; one that exists only next to the study file, or differently in both places, is refused.
-
-Objective syntax: ``METRIC@AT[,p_eval=P][,rope=R]`` where ``AT`` is a multiple of the training length (``16x``)
-or a length in tokens (``1024``, ``16k``); ``p_eval`` defaults to ``none`` (as trained) and ``rope`` to the
-first ``eval.rope_scaling``. A list entry may be ``{metric: ..., mode: min|max}``; the mode defaults to the
-metric's direction (loss: min, accuracy: max).
+Details: docs/studies.md#every-field, docs/studies.md#the-search-space, docs/plugins.md#plugins-in-studies.
 """
 
 from __future__ import annotations
