@@ -1,40 +1,17 @@
-"""A training run's folder: the one owner of its files' format. Training writes them (rank 0, or every rank,
-straight to the run's location); the study's console, the trial and ``attnlab serve`` read them and the run's
-outcome back from here, never through the trainer. The folder may be local or on object storage; nothing is left
-on a worker's own disk, so the process that reads the outcome may sit on another node than the one that trained.
+"""A training run's folder: the one owner of its files' format (``metrics.jsonl``, ``provenance.json``,
+``failure.json``, the replica checksums) and of what is read back from them.
 
-Layout of a run folder (``RUN``)::
+Training writes the files (rank 0, or every rank, straight to the run's location, local or a bucket); the trial,
+the study's console and ``attnlab serve`` read them here, never through the trainer: a run's outcome
+(:func:`outcome`: finished, diverged or incomplete), its metrics typed (:func:`decode_metrics`, the one place that
+reads what older runs wrote), its progress (:class:`Progress`, :func:`watch`, :func:`latest_losses`) and its recorded
+config as the stages that may not import training read it (:class:`TrainRecord`). It also holds
+:class:`ValExtrapolation`, which the training and evaluation configs both hold and may not import from each other.
 
-    RUN/metrics.jsonl          one JSON object per report (step, train_loss, lr, grad_norm, tokens_per_s, mfu:
-                               null where the device's peak is unknown, val_loss when measured; with a stopping
-                               rule the last one says stopped: reached or cap; with ``val_extrapolation`` its
-                               steps carry val_loss_at: {"<length in tokens>": mean loss}), rewritten whole
-                               (object storage has no append)
-    RUN/provenance.json        config, train_key, git, versions, hardware, data fingerprint, FLOPs (a run written
-                               before train_key was its name says config_hash: :func:`recorded_train_key`)
-    RUN/failure.json           only when the run diverged: {"reason", "step", "kind"}
-    RUN/replicas/rankN.sha256  each DDP rank's final weights (replicas must end byte-identical)
-    RUN/checkpoint_*/          Ray Train's checkpoints (RUN/checkpoints/step_*/ for a plain-process run)
+It must never import Ray or torch, nor leave anything on a worker's own disk: the reader may sit on another node.
 
-The training config a run records (in ``provenance.json`` and every checkpoint) is ``TrainConfig.model_dump(mode=
-"json")``, the one serialised form of :class:`attnlab.train.config.TrainConfig`. Training reads it back whole
-(``TrainConfig.model_validate``); the stages that may not import training (evaluation) read it here, typed, as a
-:class:`TrainRecord`.
-
-Metrics are read back typed (:func:`decode_metrics`), the one place that reads what older runs wrote: ``stopped``
-as a :class:`attnlab.states.StopReason` (lines and checkpoints of runs before it was the one field also said
-``stop_reached``: dropped, read only when ``stopped`` is missing) and ``mfu`` as a float or None (older lines say
-``"unknown"``).
-
-It also watches a run's progress (:class:`Progress`, :func:`watch`): the step, the losses and an estimate of
-the time left, read from ``metrics.jsonl`` by whoever waits for the run; :func:`latest_losses` is a run's latest
-(a finished run's last) train and validation loss, as the console and ``attnlab serve`` show it.
-
-:class:`ValExtrapolation` is the setting of validation at longer lengths while a run trains (a study's
-``eval.during_training``, the training config's ``val_extrapolation``), and :data:`VAL_LOSS_AT` the metrics key
-its measurements go under. It is defined here because both the training config (``attnlab.train``) and the
-evaluation config (``attnlab.evaluate``) hold it, and neither may import the other: this module is below both,
-and it owns the metrics lines the setting adds to. No Ray, no torch here.
+Details: docs/cli.md#what-a-run-folder-holds (the layout), docs/architecture.md#one-owner-for-each-fact,
+docs/protocol.md#validation-at-longer-lengths.
 """
 
 from __future__ import annotations
