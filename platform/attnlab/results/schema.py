@@ -1,37 +1,18 @@
-"""The results-row schema: one long-format row per measured number, and the checks that refuse bad rows.
+"""The results-row schema: one long-format row per measured number (:data:`COLUMNS`), the registered metrics
+(:data:`METRICS`, :func:`register_metric`), and the checks that refuse bad rows.
 
-A row says *what was measured* (``metric``, ``value``), *on what* (``eval_len``, ``window_mode``,
-optional ``layer``/``bucket``/``n_tokens``), *for which configuration* (``attention``, ``scale``,
-``p_train``, ``p_eval``, ``rope_scaling``, ``train_len``, ``preset``, ``data``, ``seed``) and *where it
-came from* (``study``, ``trial``, ``train_key``, ``step``, ``tokens``, ``git_sha``, ``created_at``).
-Every stored file carries ``schema_version`` (a column and a file-metadata entry); readers fill
-columns that an older file lacks with nulls.
+Owns what a row may say: *what was measured* (``metric``, ``value``), *on what* (``eval_len``, ``window_mode``,
+``layer``, ``bucket``, ``n_tokens``), *for which configuration* (:data:`CONFIG_COLUMNS`) and *where it came from*
+(``study``, ``trial``, ``train_key``, ``eval_key``, ``step``, ``git_sha``, ...), its ``schema_version``
+(:data:`SCHEMA_VERSION`, a column and a file-metadata entry), and how older rows' names read today
+(:data:`INPUT_ALIASES`: ``config_hash`` is ``train_key``; :func:`current_label`: ``yarn`` before schema 9 is
+``yarn_paper``). An unregistered metric is refused, never dropped silently; NaN and infinite values are kept.
 
-Conventions:
-- ``p_train`` / ``p_eval``: the sharpening power, null = no sharpening (the string ``"none"`` is
-  accepted on input and stored as null).
-- ``value`` may be NaN or infinite: a diverged run must still be recordable.
-- ``metric`` must be a registered name (:data:`METRICS`); typos would otherwise vanish silently from
-  tables. Add new metrics with :func:`register_metric`.
-- ``train_key`` is the training run's identity (``TrainConfig.train_key``): the store keeps a run's rows
-  together by it (``attnlab.results.store``), and ``eval_key`` is the evaluation cell's
-  (``attnlab.evaluate.plan.EvalCell.key``): a study re-run measures only cells whose key has no rows.
-- ``trial`` is the Tune trial that measured the row (a study; a study's catch-up evaluation of new cells names
-  the trial that trained the run), or the run folder's name (``attnlab eval``, or its ``--trial``). It labels; it
-  identifies nothing: reports take a run's final step by ``train_key`` (rows of schema 1-5 stored the run's key
-  there too).
-- ``metric="complete"`` marker rows (written by stores of schema version 1) are read and ignored by reports.
-- ``plugin_sha256``: for a variant from an attention plugin, the sha256 of the plugin's source the run trained
-  with (its train key includes it); a configuration column, so two versions of a plugin are never averaged or
-  compared as one. Null for a built-in variant, and in rows of schema versions 1-6.
+It must never import Ray, hold pandas-only logic or do file I/O: pure Python and pyarrow, read by the store and
+the reports alike.
 
-Older stores (schema versions 1-5) have no ``train_key`` column: they stored the same key as ``config_hash``
-("hash of the full trial configuration", always the run's ``TrainConfig.train_key`` in practice) and, in a study,
-as ``trial``. Their rows read with ``train_key`` filled from ``config_hash``. attnlab's own writers send
-``train_key``; a row written by older code outside the package may still say ``config_hash``
-(:data:`INPUT_ALIASES`): the store keeps it as ``train_key``, and filters may name it too.
-
-This module is pure Python + pyarrow: no Ray, no pandas-only logic, no file I/O.
+Details: docs/protocol.md#results-rows (the conventions), docs/results-store.md#rows-and-schema-versions (the
+versions).
 """
 
 from __future__ import annotations
