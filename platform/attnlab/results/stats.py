@@ -1,25 +1,17 @@
-"""Small-sample statistics for reports: a confidence interval per cell and a two-sample test per comparison.
+"""Small-sample statistics for reports (few seeds, typically 2-5 per configuration): a confidence interval per
+cell, a two-sample or paired test per comparison, Holm's correction for a family, and what a design can detect.
 
-What the reports use, and why (few seeds, typically 2-5 per configuration):
+Owns the numbers behind every interval and verdict: the Student t interval of a cell (:func:`t_interval`), Welch's t
+with an exact permutation test (:func:`two_sample_test`), the paired t with an exact sign-flip test
+(:func:`paired_test`), :func:`holm` and :func:`detectable_difference`. It is also the one home of the rule for
+bounded metrics (accuracies in [0, 1]): a cell of ``2 <= n <= SMALL_N`` runs shows its runs' values
+(:func:`shows_seed_values`); otherwise intervals and error bars are clipped to the range (:func:`clip_interval`,
+:func:`clipped_bar`, :func:`difference_bounds`). Unbounded metrics (losses) are untouched.
 
-- **Cell interval**: the two-sided Student t interval of the mean over runs (seeds),
-  ``mean ± t(1 - alpha/2, n - 1) · s / sqrt(n)`` with ``s`` the sample std (ddof=1). It assumes the runs are
-  independent draws from a roughly normal distribution; with n = 2 it is very wide (t = 12.7), which is the
-  honest answer. n < 2 gives no interval.
-- **Comparison**: the difference of means ``b - a`` with the Welch-Satterthwaite t interval and Welch's
-  two-sided t test (unequal variances; SciPy ``ttest_ind(equal_var=False)``), plus an exact two-sided
-  permutation test of the difference of means over all splits of the pooled runs (SciPy
-  ``permutation_test``), which needs no normality but cannot go below ``2 / C(n_a + n_b, n_a)`` (0.1 for
-  3 vs 3 runs). Either side with fewer than 2 runs: no test (the result says so).
-- **Bounded metrics** (accuracies in [0, 1], :data:`attnlab.results.schema.METRIC_BOUNDS`): a t interval knows
-  nothing of the range, so with n = 2 an accuracy of 0.5 reads [-4.3, 5.3]. The rule, here and nowhere else:
-  a cell with ``2 <= n <= SMALL_N`` runs shows its runs' own values instead of an interval
-  (:func:`shows_seed_values`); otherwise the interval is clipped to the range (:func:`clip_interval`), and so
-  are std error bars (:func:`clipped_bar`). A difference of two means may be negative: its interval is kept
-  inside ``[-(high - low), high - low]`` (:func:`difference_bounds`). Unbounded metrics (losses) are untouched.
+Pure numbers in, numbers out: it must never read a results store, import Ray, or plot. SciPy is imported lazily so
+that importing the reports stays cheap.
 
-Pure numbers in, numbers out: this module never reads a results store, imports Ray, or plots. SciPy is
-imported lazily so that importing the reports stays cheap.
+Details: docs/protocol.md#reports-and-statistics (the formulas, their assumptions and floors).
 """
 
 from __future__ import annotations
