@@ -1,51 +1,19 @@
-"""Rotary position embeddings (RoPE) and their extensions beyond the training length, at evaluation or in training.
+"""Rotary position embeddings (RoPE) and their scalings beyond the training length, at evaluation or in training.
 
-docs/protocol.md#rope and #rope-scalings: base 10000, ``inv_freq_m = base^(-2m/d)``. At an evaluation
-length ``L > L_train`` (``s = L / L_train``) the RoPE scalings (:data:`attnlab.names.ROPE_SCALINGS`) change it:
+Owns what every RoPE scaling of :data:`attnlab.names.ROPE_SCALINGS` (``none``, ``ntk``, ``pi``, ``yarn`` as its
+reference code computes it, ``yarn_paper`` as the paper's equation reads, ``dynamic``) gives a forward of ``L``
+tokens by a model trained at ``L_train``: the inverse frequencies and the logit multiplier
+(:func:`rope_frequencies`), and the cos/sin tables with ``sqrt(multiplier)`` folded into both (:func:`rope_tables`),
+so every attention variant and backend sees the multiplied logits. One function serves evaluation and training: a
+stage's scaling in training (:class:`TrainedScaling`) is static at every length (``dynamic`` excepted), and an
+evaluation-time scaling beyond the stage's length applies on top of it, relative to that length. At ``L <=
+L_train`` every scaling is ``none``.
 
-- ``none``: the trained frequencies;
-- ``ntk`` (docs/protocol.md#ntk-aware-scaling, docs/choices.md#ntk-formula): the base becomes
-  ``base * s ** (d / (d - 2))`` (inferred formula);
-- ``pi`` (docs/protocol.md#position-interpolation; Chen et al. 2023, arXiv 2306.15595): positions scaled by
-  ``1 / s``, i.e. every frequency divided by ``s``;
-- ``yarn`` (docs/protocol.md#yarn; Peng et al. 2023, arXiv 2309.00071) **as its reference code computes it**
-  (jquesnelle/yarn ``LlamaYaRNScaledRotaryEmbedding.yarn``, transformers' ``_compute_yarn_parameters``): pair ``m``
-  keeps its frequency below ``low = floor(m(beta = 32))``, is interpolated (``theta / s``) from
-  ``high = ceil(m(alpha = 1))``, and the blend is **linear in the pair index** between them, where
-  ``m(r) = d ln(L_train / (2 pi r)) / (2 ln base)`` is the pair that turns ``r`` times over ``L_train``; cos and sin
-  are multiplied by ``0.1 ln s + 1`` (the logits by its square). Tested against transformers over a grid
-  (tests/test_rope_reference.py);
-- ``yarn_paper`` (an ablation): the paper's equation, the blend linear in the **rotation count**
-  ``r_m = L_train / lambda_m`` between ``alpha`` and ``beta``, the same temperature. attnlab called this ``yarn``
-  until the reference's ramp replaced it; the two differ by far more than one pair's blend (at head dim 64, 128 ->
-  512 tokens: pair 0 runs at 0.72 of its frequency where the reference keeps it, and the largest relative
-  difference in inverse frequency is 0.48; docs/protocol.md#yarn has the table);
-- ``dynamic`` (transformers' ``_compute_dynamic_ntk_parameters``, as Lu et al. 2024 fine-tune with it): the base
-  follows the forward's length, ``base * (f L / L_train - (f - 1)) ** (d / (d - 2))`` for ``L > L_train``, with its
-  factor ``f`` a parameter (``dynamic:2``); with ``f = 1`` it is ``ntk``.
+A change to what a scaling's name computes must raise its version in :data:`attnlab.names.ROPE_SEMANTICS`, so a
+run or a row of the older meaning is never found as one of the new. It must never import Ray or attention math.
 
-At ``L <= L_train`` every scaling is ``none``.
-
-**In training** (a context-extension stage, docs/stages.md): a model fine-tuned at ``L_new`` from a parent trained
-at ``L_original`` with scaling ``m`` and factor ``f`` (default ``L_new / L_original``; a stage may set it apart,
-as YaRN's recipe does: ``rope_scaling: {method: yarn, factor: 16}`` at 4x) uses, at every length, the frequencies
-(and YaRN's multiplier) that ``m`` gives with factor ``f`` for a model trained at ``L_original``: static, as
-YaRN's and PI's fine-tunes use them (:class:`TrainedScaling`); ``dynamic`` is the exception, its base following the
-forward's length at every length, as transformers runs it. It is what such a model is evaluated with "as trained"
-(evaluation ``none``). An evaluation-time scaling beyond ``L_new`` is applied on top of it, relative to ``L_new``:
-``ntk`` and ``dynamic`` change the base the trained scaling starts from, ``pi`` divides the trained frequencies
-by ``L / L_new``, ``yarn`` and ``yarn_paper`` blend them with their ramp over ``L_new`` and multiply the logits
-again. One function serves training and evaluation.
-
-:func:`rope_frequencies` gives the inverse frequencies and the
-logit multiplier of one forward; :func:`rope_tables` turns them into the cos/sin tables, with
-``sqrt(multiplier)`` folded into both (so ``q . k`` after RoPE carries the multiplier for every attention
-variant and backend, as YaRN's reference code and transformers' ``attention_factor`` do).
-
-:data:`attnlab.names.ROPE_SEMANTICS` is the version of what each scaling's name computes; a train key and an
-evaluation cell's key carry it (:func:`attnlab.names.rope_identity`), so a run or a row of an older meaning is never
-found as one of the new.
-No Ray, no attention math here.
+Details: docs/protocol.md#rope-scalings (the formulas and their sources), docs/protocol.md#rope-scaling-in-training,
+docs/protocol.md#yarn (the two ramps compared); tests/test_rope_reference.py holds them to transformers'.
 """
 
 from __future__ import annotations
