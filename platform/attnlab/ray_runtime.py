@@ -1,32 +1,17 @@
 """Connecting to Ray: the one place that decides which cluster attnlab runs on.
 
-``ensure_ray()`` joins the cluster ``RAY_ADDRESS`` names (a ``ray job submit`` driver gets it set), or the one
-this process already joined, or starts an embedded local Ray. Local clusters get auth disabled and usage stats
-off unless the user chose otherwise.
+Owns :func:`ensure_ray` (keep the cluster this process joined, else join the one ``RAY_ADDRESS`` names, else start
+an embedded local Ray, started again when a start times out or loses its dashboard port), the environment every
+process of that cluster gets (local defaults the user did not set; ``RAY_API_SERVER_ADDRESS``, the cluster's own
+dashboard, so that Ray Train's placement-group cleaner never scans the machine and fails when it finds several
+clusters), :func:`dashboard` (where the joined cluster's dashboard is, or why there is none: a study prints it and
+records it for ``attnlab serve``) and the quiet console (:func:`quiet_ray`: Ray's own output to a log file).
 
-Several Ray clusters on one machine (two studies at once, a study and a ``train``, or a ``ray start`` cluster
-beside another): Ray's own helpers that find "the" cluster without being told would see several and fail with
-``Found multiple active Ray instances``. The one that matters is the State API query of Ray Train's
-``PlacementGroupCleaner`` (``ray.train.v2._internal.state.util.is_actor_alive`` -> ``StateApiClient()`` ->
-``get_address_for_submission_client(None)``): it runs in a detached actor where neither ``RAY_ADDRESS`` nor
-``RAY_API_SERVER_ADDRESS`` is set, so it falls back to scanning the machine for ``gcs_server`` processes; the
-exception kills its monitor thread, and the placement group of a Train run whose controller dies (a trial stopped
-by ASHA, a killed driver) is never removed. So every process of the cluster attnlab uses gets
-``RAY_API_SERVER_ADDRESS`` = that cluster's own dashboard:
+No other module calls ``ray.init``; this one must never import attnlab's science, data or study code, and is one
+of the thin Ray layer's modules (tests/test_architecture.py's ``RAY_MODULES``).
 
-- an embedded cluster: its dashboard port is chosen here and the variable set before the cluster starts, so every
-  process of that cluster inherits it;
-- a cluster named by ``RAY_ADDRESS`` (a ``ray job submit`` driver, or ``RAY_ADDRESS=host:port attnlab ...``): its
-  dashboard address is read from its GCS and put in this driver's job ``runtime_env`` ``env_vars``, which every
-  task and actor of the job, detached ones included, inherits. The processes of ``ray start`` were started
-  before attnlab ran, so this is the only way to reach them.
-
-A local start that fails (it timed out, or lost its dashboard port) is made again, once its processes are stopped
-and its session folder removed (``_start_local``).
-
-``dashboard()`` says where the dashboard of the cluster this process joined is (the port chosen here for an
-embedded one, the GCS's record for any other, or that there is none): a study prints it on its plan line and
-records it for ``attnlab serve`` (``attnlab.study.runner``).
+Details: docs/studies.md#which-ray-cluster-a-command-joins (why the variable), docs/watching.md#watching-a-running-study
+(the dashboard), docs/watching.md#stopping-a-study-and-resuming-it (a local start made again).
 """
 
 from __future__ import annotations
@@ -136,7 +121,8 @@ def dashboard() -> Dashboard:
 
 def _api_server_runtime_env() -> dict | None:
     """``{"env_vars": {RAY_API_SERVER_ADDRESS: ...}}`` for the job runtime env of a driver joining the cluster
-    ``RAY_ADDRESS`` names (see the module docstring); None when it is already set or cannot be found."""
+    ``RAY_ADDRESS`` names (why: docs/studies.md#which-ray-cluster-a-command-joins); None when it is already set or
+    cannot be found."""
     address = os.environ.get("RAY_ADDRESS", "")
     if os.environ.get(API_SERVER_ENV) or "://" in address or address in ("", "local"):
         return None
