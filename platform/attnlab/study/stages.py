@@ -1,29 +1,19 @@
-"""A study's stages (docs/stages.md): training runs that start from the final weights of another stage's runs, e.g.
-a context extension fine-tuned at a longer length with a RoPE scaling in training.
+"""A study's stages: training runs that start from the final weights of another stage's runs, e.g. a context
+extension fine-tuned at a longer length with a RoPE scaling in training.
 
-The schema of one entry of a study's ``stages:`` list is :class:`Stage`; the study's own ``train:``/``space:`` are
-its root stage, named :data:`ROOT` (``pretrain``)::
+Owns the schema of one entry of a study's ``stages:`` (:class:`Stage`; the study's own ``train:``/``space:`` are
+the root stage, :data:`ROOT`, ``pretrain``), the order of the stages and their checks (:func:`check_stages`: a grid,
+no pruning scheduler, no cycle), and :class:`StagedSpace`: the root's points, then each stage's in dependency order
+(a child point per parent point and combination of the stage's axes, its axes prefixed by the stage's name), and a
+child's training config from its parent's (the stage's fields set, ``original_len`` the lineage's first length,
+``init_from`` once the parent's key is known: the weights only, a fresh optimiser and schedule).
 
-    stages:
-      - name: extend                 # letters, digits and . _ + -
-        from: pretrain               # the stage whose runs are the parents (pretrain, or an earlier stage's name)
-        when: [softmax, lssar]       # the parents' attention variants that get this stage (default: every one)
-        train: {seq_len: 512, steps: 40, lr: 3.0e-4, warmup_steps: 4}   # overrides of the parent's training config
-        space:                       # the stage's own axes (seeds and attention are the parents')
-          rope_scaling: {values: [none, pi, ntk, yarn, "yarn:16", "dynamic:2"], when: [softmax]}
+A stage must never change what makes the parent's weights fit (the model, the attention) or what the study sets
+(the seeds, the lineage: :data:`NOT_IN_STAGE`). It must never do I/O or import Ray: finding and waiting for a
+parent's run is :mod:`attnlab.study.trial`'s.
 
-A scaling's factor (``yarn:16``, or ``{method: yarn, factor: 16}`` in ``train:``) is set apart from ``seq_len``;
-without one it is ``seq_len / original_len``. Each parent point (a point of the ``from`` stage) whose attention is in ``when`` makes one child point per
-combination of the stage's axes. A child point is flat: the parent point's keys, ``stage`` (the stage's name) and
-the stage's axes prefixed by the stage's name (``extend.rope_scaling``), so no axis of a stage hides one of its
-parent's. A child's training config is its parent's, with the stage's ``train:`` and axes set, ``original_len`` the
-lineage's first length (evaluation multiples count from it, and a RoPE scaling scales from it) and, once the study
-knows the parent's key, ``init_from`` (:class:`attnlab.train.config.InitFrom`): the weights only, a fresh optimiser
-and the stage's own schedule.
-
-:class:`StagedSpace` is the search space of a study with stages: the root's points, then every stage's, in the
-order of the stages' dependencies (a grid runs them in that order; a child waits for its parent's run). No I/O, no
-Ray here.
+Details: docs/stages.md (the schema, a child point, identity and reuse, bad input),
+docs/protocol.md#rope-scaling-in-training.
 """
 
 from __future__ import annotations
@@ -49,7 +39,7 @@ NOT_IN_STAGE = {"preset": "a stage keeps its parent's model", "model": "a stage 
 
 
 class Stage(BaseModel):
-    """One entry of ``stages:`` (module docstring)."""
+    """One entry of ``stages:`` (its fields: docs/stages.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
 
@@ -148,7 +138,7 @@ def stage_of(point: dict) -> str:
 
 class StagedSpace(SearchSpace):
     """The search space of a study with stages: the root's points (:class:`SearchSpace`), then each stage's, in
-    dependency order. :meth:`config` builds a child's training config from its parent's (module docstring), without
+    dependency order. :meth:`config` builds a child's training config from its parent's (docs/stages.md), without
     ``init_from``: the study sets it when it knows the parent's key (:meth:`with_parent`)."""
 
     def __init__(self, train: TrainConfig, space: Space, stages: list[Stage], engine: str = "grid",
