@@ -1,28 +1,18 @@
 """What to evaluate: the typed evaluation config, and the cells it expands into, each with its own identity.
 
-``EvalConfig`` is the one evaluation configuration: a study file's ``eval:`` block is one, and ``attnlab eval``
-builds one from its flags. For a model trained at ``train_len`` it expands into :class:`EvalCell`\\ s, one per
-(kind, length, p_eval, RoPE scaling, window mode): ``windows`` cells give val_loss / acc / bpb / loss buckets,
-``passkey`` cells passkey accuracy, ``diagnostics`` cells per-layer attention entropy and sink mass, and a
-``force`` cell (orbit models, ``force_probe:``) the force probe and the law recovered from it
-(:mod:`attnlab.evaluate.force_probe`), and ``downstream`` cells (``downstream:``) one lm-evaluation-harness task
-each (:mod:`attnlab.evaluate.downstream`).
+Owns :class:`EvalConfig`, the one evaluation configuration (a study file's ``eval:`` block is one, ``attnlab
+eval`` builds one from its flags) with its defaults (:data:`DEFAULT_EVAL_TOKENS` target tokens at every length,
+whatever the device), and :class:`EvalCell`: one per (kind, length, p_eval, RoPE scaling, window mode), of the kinds
+``windows``, ``passkey``, ``diagnostics``, ``force`` and ``downstream``. A cell's key (:meth:`EvalCell.key`, the
+rows' ``eval_key``) hashes the training run's key, the checkpoint step, the evaluation data's fingerprint and
+everything that changes the cell's numbers, so a study re-run measures only cells with no rows.
 
-A cell's key (:meth:`EvalCell.key`) hashes the training run's key, the checkpoint step, the evaluation data's
-fingerprint and everything that changes the cell's numbers (length, p_eval, rope, window mode, token budget,
-passkey trials); every results row carries it (``eval_key``), so adding a p_eval value, a length or a RoPE
-setting to a study evaluates only the new cells, and re-running an unchanged study evaluates nothing.
+Whatever changes a cell's numbers must be in its key. ``during_training`` is no cell: the training run measures it
+(:class:`attnlab.runfolder.ValExtrapolation`). This module must never import Ray or torch, nor measure anything:
+that is :mod:`attnlab.evaluate.measure`'s.
 
-``during_training`` is not a cell: it is measured by the training run itself (the training config's
-``val_extrapolation``, :class:`attnlab.runfolder.ValExtrapolation`, the one type both configs hold) and goes to the
-run's ``metrics.jsonl``, not to the results store.
-
-Token budget (docs/protocol.md#evaluation): ``max_tokens`` target tokens at every length, whatever the
-device (default :data:`DEFAULT_EVAL_TOKENS`): ``max_tokens // L`` non-overlapping windows at length ``L`` (fewer
-when the validation split runs out; each row records ``n_tokens``). With lengths that are powers of two times
-the training length and a power-of-two budget, every length scores the same tokens.
-
-No Ray, no torch here.
+Details: docs/protocol.md#evaluation (the cells and their keys), docs/protocol.md#token-budget,
+docs/protocol.md#steps-and-identities.
 """
 
 from __future__ import annotations
