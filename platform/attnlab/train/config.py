@@ -1,26 +1,19 @@
 """The one typed training configuration: every knob of a run, validated, with errors naming the field.
 
-A study embeds it (a study file's ``train:`` block is a ``TrainConfig`` whose searched fields each trial
-sets: :meth:`attnlab.study.space.SearchSpace.config`), ``attnlab train --config FILE`` reads the same fields, and a
-checkpoint stores it. It owns every default: nothing else restates one.
+Owns :class:`TrainConfig` and every default (the paper's recipe, llm.c's GPT-2 124M, and each preset's own in
+:data:`PRESET_RECIPES`): nothing else restates one. A study's ``train:`` block is one (each trial's searched fields set
+by :meth:`attnlab.study.space.SearchSpace.config`), ``attnlab train --config FILE`` reads the same fields, and a
+checkpoint stores it. It also owns a run's identity, :attr:`TrainConfig.train_key`, over what changes the weights
+(run settings such as ``micro_batch`` and the worker count are not part of it), and resolves ``micro_batch: auto``
+from the memory plan (:mod:`attnlab.model.memory`) and the GPU a worker finds.
 
-Between processes (a Ray Train worker) the object itself travels, pickled. Its one serialised form is
-``model_dump(mode="json")``, every field written: what ``provenance.json``, every checkpoint and a study's trial
-status files record. ``TrainConfig.model_validate`` reads it back whole; :class:`attnlab.runfolder.TrainRecord` is
-the typed view of it for the stages that may not import training (evaluation).
+Between processes the object itself travels, pickled; its one serialised form is ``model_dump(mode="json")``, every
+field written, which ``provenance.json``, every checkpoint and a study's status files record, and
+``model_validate`` reads back whole (evaluation reads it as :class:`attnlab.runfolder.TrainRecord`). It must never
+import Ray, nor evaluation code.
 
-Defaults are the paper's recipe (docs/protocol.md#training, llm.c's GPT-2 124M): AdamW(0.9, 0.95), lr 6e-4, 700
-warm-up steps then cosine decay to 0, weight decay 0.1 on 2-D weights only, gradient clipping 1.0,
-524,288 tokens per step reached by gradient accumulation whatever the number of workers, bf16 autocast on
-CUDA. A study overrides any field. No Ray here.
-
-``micro_batch: auto`` picks the largest micro-batch whose estimated peak memory
-(:mod:`attnlab.model.memory`) fits the GPU, among the divisors of the sequences each worker takes per step,
-so ``tokens_per_step`` is kept through gradient accumulation (docs/gpu-memory.md). On a worker it reads the
-device's ``total_memory`` (times ``gpus_per_worker`` when that is a fraction: a GPU shared between trials);
-``attnlab study validate --cluster`` uses the cluster's GPU type; without a GPU it resolves to
-:data:`CPU_AUTO_MICRO_BATCH` (or the largest divisor below it). A fraction of a GPU per worker is refused with
-more than one worker (NCCL refuses two ranks on one GPU).
+Details: docs/protocol.md#training (the defaults), docs/gpu-memory.md#micro_batch-auto,
+docs/stages.md#identity-and-reuse (what a key promises), docs/architecture.md#one-owner-for-each-fact.
 """
 
 from __future__ import annotations
@@ -190,7 +183,7 @@ class TrainConfig(BaseModel):
     # a stopping rule checked at each validation point, e.g. {metric: val_acc, at_least: 0.99}; None: train `steps`
     stop_when: StopWhen | None = None
     tokens_per_step: int = Field(default=524_288, gt=0)
-    # sequences per worker per micro-step, or auto: the largest that fits the GPU (module docstring)
+    # sequences per worker per micro-step, or auto: the largest that fits the GPU (docs/gpu-memory.md#micro_batch-auto)
     micro_batch: int | Literal["auto"] = 64
     # optimiser (llm.c recipe)
     lr: float = Field(default=6e-4, gt=0)
