@@ -1,28 +1,19 @@
 """Names and small parsers that every layer of attnlab agrees on: each has exactly one definition, here.
 
-- ``GPT2_VOCAB``: the size of GPT-2's BPE vocabulary (the model's default, what the tokeniser produces);
-- ``ROPE_SCALINGS``: the RoPE scalings, at evaluation and in training (``ntk``: NTK-aware base beyond the
-  training length, ``none``: the trained base, ``pi``: linear position interpolation, ``yarn``: YaRN as its
-  reference code and transformers compute it, ``yarn_paper``: the ramp as the paper's equation reads (an ablation),
-  ``dynamic``: transformers' dynamic NTK, its factor a parameter) — see docs/protocol.md#rope-scalings; ``both``
-  (a list's shorthand) stays ``ntk`` and ``none``;
-- ``RopeScaling`` / ``parse_rope``: a scaling with its optional factor, from ``yarn``, ``dynamic:2`` or
-  ``{method: yarn, factor: 16}`` (one line naming the field for a factor below 1 or on ``none``); ``check_scaling``:
-  an evaluation-time one (only ``dynamic`` takes a factor there);
-- ``ROPE_SEMANTICS`` / ``rope_identity`` / ``recorded_rope_method``: the version of what each scaling's name
-  computes, what a scaling contributes to a train key or an evaluation key, and the scaling an older record meant
-  (``yarn`` before version 2 was the paper's ramp, now ``yarn_paper``);
-- ``DEFAULT_MULTIPLES``: evaluation lengths as multiples of the training length (1x..16x);
-- ``STUDY_NAME``: the rule a study name follows (it names folders in the runs folder and the results store);
-- ``parse_optional_number``: ``none``/``null``/``~`` -> None, else a number (p_eval, p_train, ...);
-- ``parse_length`` / ``parse_lengths``: ``1024``, ``1k``, ``16k`` -> tokens;
-- ``parse_at``: a length (``16384``, ``16k``) or a multiple of the training length (``16x``);
-- ``is_missing``: None, NaN or pandas' NA, the ways rows read back from a store spell "no value";
-- ``format_duration``: elapsed times and ETAs as progress lines print them;
-- ``check_int``: a function argument that must be an integer (numpy's included, bool refused) of at least a minimum.
+Owns the shared names: GPT-2's vocabulary size (:data:`GPT2_VOCAB`), the RoPE scalings (:data:`ROPE_SCALINGS`)
+and the version of what each name computes (:data:`ROPE_SEMANTICS`, :func:`rope_identity`: what a scaling
+contributes to a train key or an evaluation key), the default evaluation multiples and the rule a study name
+follows (:data:`STUDY_NAME`). And the parsers of what users write in several places: a RoPE scaling with its factor
+(:func:`parse_rope`; :func:`check_scaling` at evaluation), an optional number (``none`` -> None), lengths (``1k``,
+``16k``), a length or a multiple of the training length (``16x``: :func:`parse_at`), a value missing from rows read
+back (:func:`is_missing`), and durations as progress lines print them. Each bad value is one ``UserError`` line
+naming the field.
 
-Pure Python: no torch, no Ray, no pandas import at module level (the results store and the study spec
-import this without pulling in the model).
+A name or parser two modules need is defined here and nowhere else. It must stay pure Python: no torch, no Ray and
+no pandas import at module level (the results store and the study spec import it without pulling in the model).
+
+Details: docs/protocol.md#rope-scalings (what each scaling computes), docs/stages.md#identity-and-reuse (a
+scaling's version in keys), docs/architecture.md#architecture-which-module-owns-what (layer 0-1).
 """
 
 from __future__ import annotations
@@ -35,10 +26,15 @@ from typing import NamedTuple
 
 from attnlab.errors import UserError
 
-GPT2_VOCAB = 50257
+GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary: the model's default, what the tokeniser produces
+# The RoPE scalings, at evaluation and in training (model/rope.py, docs/protocol.md#rope-scalings): ntk (NTK-aware
+# base beyond the training length), none (the trained base), pi (linear position interpolation), yarn (as its
+# reference code and transformers compute it), yarn_paper (the ramp as the paper's equation reads: an ablation),
+# dynamic (transformers' dynamic NTK, its factor a parameter).
 ROPE_SCALINGS = ("ntk", "none", "pi", "yarn", "yarn_paper", "dynamic")
 ROPE_BOTH = ("ntk", "none")  # what ``rope_scaling: both`` / ``--rope both`` means
-DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)
+DEFAULT_MULTIPLES = (1, 2, 4, 8, 16)  # evaluation lengths as multiples of the training length (1x..16x)
+# The rule a study name follows: it names folders in the runs folder and the results store.
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 STUDY_NAME_RULE = "letters, digits and . _ + - (it names folders), starting with a letter or digit, at most 200"
 _NONE_WORDS = ("none", "null", "~", "")
