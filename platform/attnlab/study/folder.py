@@ -1,24 +1,16 @@
 """Where a study keeps its state, under ``<runs>/<study>/`` (``<runs>`` is the runs folder, ``--runs``: a local
-folder or object storage), and how the study's files are read and written. The one place that knows this layout
-(``attnlab serve`` reads it too)::
+folder or object storage), and how the study's files are read and written.
 
-    <runs>/<study>/study.json               the saved study: its spec as written and its search fingerprint (a
-                                            resumed search must match), and the Ray dashboard of the cluster its
-                                            latest run runs on, and when that cluster stopped if the run started
-                                            it (read back typed: :class:`SavedStudy`)
-    <runs>/<study>/tune/                    the Tune experiment (trial logs, TensorBoard files, searcher state)
-    <runs>/<study>/runs/<train_key>/        each training run (metrics.jsonl, provenance.json, checkpoints)
-    <runs>/<study>/trials/<train_key>.json  each training run's status: running, complete, cached, diverged,
-                                            pruned, interrupted, failed, skipped; its train_key, the Tune trial
-                                            that holds it (trial), its point, reason, config, objectives, progress
-                                            (the driver writes it for a trial that died before it could)
-    <runs>/<study>/events/*.json            one file per training started (a counter for people and tests)
-    <runs>/<study>/curves/                  the study's figures
-    <runs>/<study>/optuna.db                the Optuna SQLite file when the runs folder is local
+Owns that layout, the one place that knows it (:class:`StudyFolder`; ``attnlab serve`` reads it too): the saved
+study (``study.json``, read back typed as a :class:`SavedStudy`), each training run's status file
+(``trials/<train_key>.json``, read back as a :class:`TrialRecord`), the events counted per training started, the
+figures' folder, each run's folder and the Optuna storage URL; and the one place that reads the older
+``config_hash`` of files written before the run's key was named ``train_key``.
 
-Every file is written whole (``attnlab.location``); nothing is appended, so the layout works on a bucket.
-Files written before the run's key was named ``train_key`` say ``config_hash``: they are read here, the one place
-that knows the older name. No Ray, no torch here.
+Every file is written whole (:mod:`attnlab.location`): nothing may be appended, so the layout works on a bucket.
+It must never import Ray or torch.
+
+Details: docs/watching.md#the-runs-folder (the layout), docs/studies.md#paths-uris-and-whole-file-writes.
 """
 
 from __future__ import annotations
