@@ -1,27 +1,16 @@
 """Stopping a study: SIGINT (Ctrl-C) and SIGTERM (what ``timeout``, systemd, Slurm and Kubernetes send) end
 ``attnlab study run`` alike, as an outcome, not a crash.
 
-The first signal during the search is Tune's own Ctrl-C: the handler Tune puts on SIGUSR1 while its loop runs (its
-SIGINT handler is turned off: ``TUNE_DISABLE_SIGINT_HANDLER``; this module stands for it, for both signals). Tune's
-loop ends, its experiment state is saved with the unfinished trials marked to resume, its trials are stopped, and
-``tuner.fit`` returns; the runner then records the trials that were running as interrupted
-(:func:`record_interrupted`: ``TrialStatus.INTERRUPTED``, never pruned), prints the counts and raises
-:class:`attnlab.errors.Interrupted`, whose line the CLI prints last, with the command that resumes the study. Outside
-the search (starting, the catch-up evaluation, the report), or a second time, the signal raises
-:class:`~attnlab.errors.Interrupted` where the driver is.
+Owns the study's signal handlers (:class:`StopSignals`, a context manager around one ``run_study``): the first
+signal during the search stops Tune as its own Ctrl-C does, and anywhere else, or a second time, it raises
+:class:`attnlab.errors.Interrupted` where the driver is; the watcher that ends the study itself when the signal has
+also ended its embedded Ray cluster; and :func:`record_interrupted`, which marks the trials that were running as
+interrupted (never pruned) with the step their runs reached.
 
-The handlers are installed as the study starts and again once Ray has started (:meth:`StopSignals.install`):
-``ray.init`` puts its own SIGTERM handlers in place, a native one of which prints a stack dump (``*** SIGTERM received
-at time=...``) and aborts.
+It must never lose a trial's state or print Ray's stack dump: the same command resumes the study, and the last line
+says so (the exit status is 128 + the signal). It never imports Ray: signals, files and a TCP connection.
 
-A signal sent to a whole process group (``timeout``; a terminal's Ctrl-C reaches Ray's processes too, but they ignore
-SIGINT) or to every process of a job (Slurm, systemd) also ends the study's own embedded Ray cluster: Tune's clean-up
-then waits on a GCS that is gone until Ray aborts the process, 60 s later ("Failed to connect to GCS"). So after the
-first signal a watcher checks the cluster's GCS port; when it no longer answers, the study is recorded and reported
-from there and, in a process that is the study's own (the CLI), the process ends with the same last line (and a
-process ending after an interrupted study skips Ray's shutdown when its cluster is gone).
-
-No Ray here: signals, files and a TCP connection.
+Details: docs/watching.md#stopping-a-study-and-resuming-it.
 """
 
 from __future__ import annotations
@@ -55,7 +44,15 @@ def gcs_answers(address: str, timeout: float = 1.0) -> bool:
 
 
 class StopSignals:
-    """SIGINT and SIGTERM during one ``run_study`` (a context manager; see the module docstring)."""
+    """SIGINT and SIGTERM during one ``run_study`` (a context manager).
+
+    The first signal during the search (:meth:`search`) is Tune's own Ctrl-C: the handler Tune puts on SIGUSR1 while
+    its loop runs is called (Tune's SIGINT handler is turned off, ``TUNE_DISABLE_SIGINT_HANDLER``: this class stands
+    for it, for both signals). Tune's loop ends, its experiment state is saved with the unfinished trials marked to
+    resume, its trials are stopped and ``tuner.fit`` returns; the runner then records the trials that were running
+    (:func:`record_interrupted`), prints the counts and raises :meth:`interrupted`, whose line the CLI prints last,
+    with the command that resumes the study. Outside the search, or a second time, the signal raises
+    :class:`~attnlab.errors.Interrupted` where the driver is."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -72,7 +69,9 @@ class StopSignals:
 
     # ------------------------------------------------------------------------------------------ handlers
     def install(self) -> None:
-        """(Re)install the handlers: as the study starts, and once Ray has started (over its own)."""
+        """(Re)install the handlers: as the study starts, and once Ray has started, over its own: ``ray.init`` puts
+        its own SIGTERM handlers in place, a native one of which prints a stack dump (``*** SIGTERM received at
+        time=...``) and aborts."""
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach the main thread only
         for sig in self.SIGNALS:
@@ -120,10 +119,13 @@ class StopSignals:
 
     # ------------------------------------------------------------------------------------------ a cluster that went
     def watch_cluster(self, gcs_address: str | None, report: Callable[[], None], own_process: bool) -> None:
-        """Once a signal comes, watch the cluster's GCS at ``gcs_address``. If it stops answering while the search
-        is still stopping, ``report`` (record the interrupted trials, print the counts) runs from the watcher; with
-        ``own_process`` (the process is the study's: the CLI) the process then ends with the study's last line, and
-        a process ending after an interrupted study skips Ray's shutdown when the cluster is gone (it would wait
+        """Once a signal comes, watch the cluster's GCS at ``gcs_address``. A signal sent to a whole process group
+        (``timeout``; a terminal's Ctrl-C reaches Ray's processes too, but they ignore SIGINT) or to every process of
+        a job (Slurm, systemd) also ends the study's embedded cluster, and Tune's clean-up then waits on a GCS that
+        is gone until Ray aborts the process 60 s later ("Failed to connect to GCS"). If it stops answering while the
+        search is still stopping, ``report`` (record the interrupted trials, print the counts) runs from the watcher;
+        with ``own_process`` (the process is the study's: the CLI) the process then ends with the study's last line,
+        and a process ending after an interrupted study skips Ray's shutdown when the cluster is gone (it would wait
         on it, then abort, after that last line)."""
         if gcs_address:
             self._cluster = (gcs_address, report, own_process)
