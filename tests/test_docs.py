@@ -206,26 +206,42 @@ def test_the_readme_study_excerpt_is_the_study_file():
 # --- result tables: written from a store by the command each names (issue 52) ---------------------------------------
 
 def test_tables_writes_each_block_from_the_store_and_checks_it(tmp_path, capsys):
+    """A table, a family of verdicts (in a ```text fence) and a block of two commands are written from the store as
+    the commands print them; a study the store lacks keeps its block; then --check finds nothing to change."""
+    from attnlab.cli import main
     from attnlab.results import ResultsStore
 
     store = ResultsStore(str(tmp_path / "store"))
     rows = [dict(study="t4", trial=f"{a}-s{s}", attention=a, scale="logd_logn", p_train=None, p_eval=None,
                  rope_scaling="none", step=100, tokens=409600, eval_len=n, train_len=64, window_mode="nonoverlap",
-                 metric="val_loss", value=v + s / 10, seed=s, train_key=f"h-{a}-{s}", git_sha="abc1234")
-            for a, v in (("softmax", 3.0), ("lssar", 2.5)) for s in (0, 1) for n in (64, 256) ]
+                 metric="val_loss", value=v + s / 10 + n / 1000, seed=s, train_key=f"h-{a}-{s}", git_sha="abc1234")
+            for a, v in (("softmax", 3.0), ("lssar", 2.5)) for s in (0, 1, 2) for n in (64, 256)]
     store.write(rows, key="t4-rows")
-    command = "attnlab results table --study t4 --digits 2"
+    table = "attnlab results table --study t4 --digits 2"
+    family = "attnlab results compare --study t4 --a softmax --b lssar --at 1x --at 4x --unpaired --digits 3"
+    two = "attnlab results table --study t4 --where eval_len=64 --digits 2 ; attnlab results compare --study t4 " \
+          "--a softmax --b lssar --at 4x"
     page = tmp_path / "page.md"
-    page.write_text(f"# A page\n\n<!-- table study=t4: {command} -->\n| stale |\n<!-- end table -->\n\n"
-                    "<!-- table study=absent: attnlab results table --study absent -->\n| kept |\n<!-- end table -->\n")
+    marked = [("t4", c, "| stale |") for c in (table, family, two)] + [
+        ("absent", "attnlab results table --study absent", "| kept |")]
+    page.write_text("# A page\n" + "".join(f"\n<!-- table study={s}: {c} -->\n{body}\n<!-- end table -->\n"
+                                            for s, c, body in marked))
     tables = _load(ROOT / "docs" / "tables.py")
     assert tables.main(["--store", store.uri, "--check", str(page)]) == 1
     assert tables.main(["--store", store.uri, str(page)]) == 0
     written = page.read_text()
     assert "| stale |" not in written and "| kept |" in written
-    capsys.readouterr()
-    from attnlab.cli import main
 
-    assert main(tables.argv_of(command) + ["--store", store.uri]) == 0
-    assert capsys.readouterr().out.rstrip("\n") + "\n" == tables.blocks(written)[0]["body"]
+    def out(command):
+        capsys.readouterr()
+        assert main(tables.argv_of(command) + ["--store", store.uri]) == 0
+        return capsys.readouterr().out.rstrip("\n")
+
+    first, second = tables.commands(two)
+    assert [b["body"] for b in tables.blocks(written)[:3]] == [
+        out(table) + "\n",
+        "```text\n" + out(family) + "\n```\n",
+        out(first) + "\n\n```text\n" + out(second) + "\n```\n",
+    ]
+    assert "family of 2 comparison(s)" in written and "Holm" in written
     assert tables.main(["--store", store.uri, "--check", str(page)]) == 0
