@@ -1,6 +1,8 @@
 """Docs that run: every script under docs/ and bench/ imports (docs/probe-seeds/analyse.py also redraws its
 figures), every ``<file>.md#anchor`` that code, studies or docs point to is a heading (or an explicit anchor) of
-that file, and the README stays a front door whose Python block runs and whose commands parse as written."""
+that file, the README stays a front door whose Python block runs and whose commands parse as written, and every
+result table of docs/findings.md is a block that docs/tables.py writes from its study's store by the command it
+names."""
 
 from __future__ import annotations
 
@@ -244,4 +246,77 @@ def test_tables_writes_each_block_from_the_store_and_checks_it(tmp_path, capsys)
         out(first) + "\n\n```text\n" + out(second) + "\n```\n",
     ]
     assert "family of 2 comparison(s)" in written and "Holm" in written
+    assert tables.main(["--store", store.uri, "--check", str(page)]) == 0
+
+
+def test_every_result_table_is_a_block_that_names_its_study_and_a_command():
+    """A result table of docs/ sits in a ``<!-- table study=NAME: COMMAND -->`` block (docs/tables.py writes it from a
+    store): each of its commands (`` ; `` between two) parses with attnlab's own parser, is a results table, compare
+    or laws, and reads that study, and a ``--pairs`` file it names is the repository's and lists comparisons;
+    docs/findings.md has no table outside a block, so none is retyped."""
+    from attnlab.cli import build_parser
+    from attnlab.results.reports import read_pairs
+
+    tables = _load(ROOT / "docs" / "tables.py")
+    seen = 0
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        for block in tables.blocks(text):
+            seen += 1
+            for command in tables.commands(block["command"]):
+                try:
+                    argv = tables.argv_of(command)
+                    args = build_parser().parse_args(argv)
+                except (SystemExit, ValueError) as exc:
+                    pytest.fail(f"{path.name}: a table's command does not parse ({exc}): {command}")
+                assert args.results_command in tables.REPORTS and args.study == block["study"], (path.name, command)
+                pairs = tables.pairs_file(argv)
+                if pairs is not None:
+                    assert pairs.is_file() and read_pairs(str(pairs)), (path.name, command)
+        assert text.count("<!-- table study=") == len(tables.blocks(text)), f"{path.name}: a malformed table marker"
+    findings = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
+    outside = re.sub(tables.BLOCK.pattern, "", findings, flags=tables.BLOCK.flags)
+    assert not re.findall(r"^\|", outside, re.M), "docs/findings.md has a table outside a marked block"
+    assert seen
+
+
+def _rows_shaped_as(study: str) -> list[dict]:
+    """Rows of every metric the docs' blocks read, in the shape ``studies/<study>.yaml`` writes them (its grid's
+    points and their knobs, its evaluation lengths, p_eval and RoPE settings), with made-up values."""
+    import random
+
+    from attnlab.study.spec import load_spec
+    from attnlab.study.trial import knob_label
+
+    spec = load_spec(ROOT / "studies" / f"{study}.yaml")
+    train_len, rng = spec.train.seq_len, random.Random(study)
+    return [dict(study=study, trial=f"t{i}", attention=point["attention"], scale="s", p_train=None, p_eval=p_eval,
+                 rope_scaling=rope, step=100, tokens=1000, eval_len=int(m * train_len), train_len=train_len,
+                 window_mode="nonoverlap", metric=metric, value=rng.random(), seed=point["seed"],
+                 knobs=knob_label(spec, point), train_key=f"k{i}", git_sha="abc1234")
+            for i, point in enumerate(spec.search_space().grid()) for p_eval in spec.eval.p_eval
+            for rope in spec.eval.rope_scaling for m in spec.eval.multiples
+            for metric in ("val_loss", "acc", "coord_err_au")]
+
+
+@pytest.mark.parametrize("study", ["proxy_text", "baselines", "plugins_proxy", "probe_copy", "orbits"])
+def test_a_studys_blocks_in_findings_are_written_from_a_store_of_its_shape(study, tmp_path, monkeypatch):
+    """The commands of the shipped blocks run as written (their pins pick one configuration each, a --pairs file is
+    found from any folder) against a store shaped as the study writes its rows; only that study's blocks change."""
+    from attnlab.results import ResultsStore
+
+    store = ResultsStore(str(tmp_path / "store"))
+    store.write(_rows_shaped_as(study), key="rows")
+    page = tmp_path / "findings.md"
+    shutil.copy(ROOT / "docs" / "findings.md", page)
+    monkeypatch.chdir(tmp_path)
+    tables = _load(ROOT / "docs" / "tables.py")
+    before = page.read_text(encoding="utf-8")
+    assert tables.main(["--store", store.uri, str(page)]) == 0
+    after = page.read_text(encoding="utf-8")
+    mine = [(b["study"], b["command"]) for b in tables.blocks(before)]
+    assert [(b["study"], b["command"]) for b in tables.blocks(after)] == mine
+    changed = [b["command"] for b, a in zip(tables.blocks(before), tables.blocks(after)) if b["body"] != a["body"]]
+    assert changed == [c for s, c in mine if s == study] and changed
+    assert tables.BLOCK.sub("", before) == tables.BLOCK.sub("", after)
     assert tables.main(["--store", store.uri, "--check", str(page)]) == 0
