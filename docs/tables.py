@@ -6,11 +6,16 @@ A table sits in a marked block:
     | variant | ... |
     <!-- end table -->
 
-``python docs/tables.py --store URI`` runs each block's command against that store (``--store URI`` added to it)
-and writes its output between the markers; a block whose study is not in the store is left as it is, and said
-so. ``--check`` changes nothing and exits 1 when a block differs from what its command prints. ``--study NAME``:
-only that study's blocks. Files: docs/*.md by default. tests/test_docs.py checks that every block names its study
-and a command that parses, and that every table of docs/findings.md is in a block.
+A block's command is an ``attnlab results table``, ``results compare`` (a verdict, or several as one Holm family:
+several ``--b``/``--at``, or ``--pairs FILE`` with FILE relative to the repository's root) or ``results laws``; a
+table whose columns are several metrics names one command per metric, separated by `` ; ``. Its body is what
+the commands print, one after another (a comparison's text in a ```text fence).
+
+``python docs/tables.py --store URI`` runs each block's commands against that store (``--store URI`` added to
+each) and writes their output between the markers; a block whose study is not in the store is left as it is, and
+said so. ``--check`` changes nothing and exits 1 when a block differs from what its commands print. ``--study
+NAME``: only that study's blocks. Files: docs/*.md by default. tests/test_docs.py checks that every block names
+its study and commands that parse and read it, and that every table of docs/findings.md is in a block.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ if str(ROOT / "platform") not in sys.path:
 
 BLOCK = re.compile(r"^<!-- table study=(?P<study>[A-Za-z0-9_.-]+): (?P<command>attnlab [^\n]*?) -->\n"
                    r"(?P<body>.*?)^<!-- end table -->$", re.S | re.M)
+SEPARATOR = re.compile(r"\s;\s")  # between the commands of one block
+REPORTS = ("table", "compare", "laws")  # the `attnlab results` reports a block may run
 
 
 def blocks(text: str):
@@ -36,24 +43,50 @@ def blocks(text: str):
     return list(BLOCK.finditer(text))
 
 
+def commands(command: str) -> list[str]:
+    """The commands a block names: one, or several separated by `` ; ``."""
+    return [part.strip() for part in SEPARATOR.split(command)]
+
+
 def argv_of(command: str) -> list[str]:
-    """The block's command as the arguments of ``attnlab`` (the leading word dropped)."""
+    """One command as the arguments of ``attnlab`` (the leading word dropped)."""
     words = shlex.split(command)
-    if words[:1] != ["attnlab"]:
-        raise ValueError(f"a table's command must start with 'attnlab': {command}")
+    if words[:2] != ["attnlab", "results"] or len(words) < 3 or words[2] not in REPORTS:
+        raise ValueError(f"a table's command must be 'attnlab results {'|'.join(REPORTS)} ...': {command}")
     return words[1:]
 
 
-def render(command: str, store: str) -> str:
-    """What ``command`` prints against ``store`` (its output, ending in one newline)."""
+def pairs_file(argv: list[str]) -> Path | None:
+    """The ``--pairs FILE`` of a ``results compare``, as a path from the repository's root; None without one."""
+    for i, word in enumerate(argv):
+        if word.startswith("--pairs="):
+            return ROOT / word.split("=", 1)[1]
+        if word == "--pairs" and i + 1 < len(argv):
+            return ROOT / argv[i + 1]
+    return None
+
+
+def _run(argv: list[str], store: str) -> str:
     from attnlab.cli import main
 
+    at_root = []  # a --pairs file is the repository's, wherever this runs from
+    for i, word in enumerate(argv):
+        if word.startswith("--pairs=") or (i and argv[i - 1] == "--pairs"):
+            word = ("--pairs=" if word.startswith("--pairs=") else "") + str(pairs_file(argv))
+        at_root.append(word)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = main(argv_of(command) + ["--store", store])
+        status = main(at_root + ["--store", store])
     if status not in (0, None):
-        raise RuntimeError(f"{command} --store {store} exited {status}")
-    return out.getvalue().rstrip("\n") + "\n"
+        raise RuntimeError(f"attnlab {shlex.join(argv)} --store {store} exited {status}")
+    text = out.getvalue().rstrip("\n")
+    return f"```text\n{text}\n```" if argv[:2] == ["results", "compare"] else text
+
+
+def render(command: str, store: str) -> str:
+    """What the block's ``command`` prints against ``store``: each command's output (a comparison's in a ```text
+    fence), a blank line between two, ending in one newline."""
+    return "\n\n".join(_run(argv_of(one), store) for one in commands(command)) + "\n"
 
 
 def update(path: Path, store: str, study: str | None = None, check: bool = False) -> tuple[int, int, int]:

@@ -1,6 +1,8 @@
 """Docs that run: every script under docs/ and bench/ imports (docs/probe-seeds/analyse.py also redraws its
 figures), every ``<file>.md#anchor`` that code, studies or docs point to is a heading (or an explicit anchor) of
-that file, and the README stays a front door whose Python block runs and whose commands parse as written."""
+that file, the README stays a front door whose Python block runs and whose commands parse as written, and every
+result table of docs/findings.md is a block that docs/tables.py writes from its study's store by the command it
+names."""
 
 from __future__ import annotations
 
@@ -206,26 +208,115 @@ def test_the_readme_study_excerpt_is_the_study_file():
 # --- result tables: written from a store by the command each names (issue 52) ---------------------------------------
 
 def test_tables_writes_each_block_from_the_store_and_checks_it(tmp_path, capsys):
+    """A table, a family of verdicts (in a ```text fence) and a block of two commands are written from the store as
+    the commands print them; a study the store lacks keeps its block; then --check finds nothing to change."""
+    from attnlab.cli import main
     from attnlab.results import ResultsStore
 
     store = ResultsStore(str(tmp_path / "store"))
     rows = [dict(study="t4", trial=f"{a}-s{s}", attention=a, scale="logd_logn", p_train=None, p_eval=None,
                  rope_scaling="none", step=100, tokens=409600, eval_len=n, train_len=64, window_mode="nonoverlap",
-                 metric="val_loss", value=v + s / 10, seed=s, train_key=f"h-{a}-{s}", git_sha="abc1234")
-            for a, v in (("softmax", 3.0), ("lssar", 2.5)) for s in (0, 1) for n in (64, 256) ]
+                 metric="val_loss", value=v + s / 10 + n / 1000, seed=s, train_key=f"h-{a}-{s}", git_sha="abc1234")
+            for a, v in (("softmax", 3.0), ("lssar", 2.5)) for s in (0, 1, 2) for n in (64, 256)]
     store.write(rows, key="t4-rows")
-    command = "attnlab results table --study t4 --digits 2"
+    table = "attnlab results table --study t4 --digits 2"
+    family = "attnlab results compare --study t4 --a softmax --b lssar --at 1x --at 4x --unpaired --digits 3"
+    two = "attnlab results table --study t4 --where eval_len=64 --digits 2 ; attnlab results compare --study t4 " \
+          "--a softmax --b lssar --at 4x"
     page = tmp_path / "page.md"
-    page.write_text(f"# A page\n\n<!-- table study=t4: {command} -->\n| stale |\n<!-- end table -->\n\n"
-                    "<!-- table study=absent: attnlab results table --study absent -->\n| kept |\n<!-- end table -->\n")
+    marked = [("t4", c, "| stale |") for c in (table, family, two)] + [
+        ("absent", "attnlab results table --study absent", "| kept |")]
+    page.write_text("# A page\n" + "".join(f"\n<!-- table study={s}: {c} -->\n{body}\n<!-- end table -->\n"
+                                            for s, c, body in marked))
     tables = _load(ROOT / "docs" / "tables.py")
     assert tables.main(["--store", store.uri, "--check", str(page)]) == 1
     assert tables.main(["--store", store.uri, str(page)]) == 0
     written = page.read_text()
     assert "| stale |" not in written and "| kept |" in written
-    capsys.readouterr()
-    from attnlab.cli import main
 
-    assert main(tables.argv_of(command) + ["--store", store.uri]) == 0
-    assert capsys.readouterr().out.rstrip("\n") + "\n" == tables.blocks(written)[0]["body"]
+    def out(command):
+        capsys.readouterr()
+        assert main(tables.argv_of(command) + ["--store", store.uri]) == 0
+        return capsys.readouterr().out.rstrip("\n")
+
+    first, second = tables.commands(two)
+    assert [b["body"] for b in tables.blocks(written)[:3]] == [
+        out(table) + "\n",
+        "```text\n" + out(family) + "\n```\n",
+        out(first) + "\n\n```text\n" + out(second) + "\n```\n",
+    ]
+    assert "family of 2 comparison(s)" in written and "Holm" in written
+    assert tables.main(["--store", store.uri, "--check", str(page)]) == 0
+
+
+def test_every_result_table_is_a_block_that_names_its_study_and_a_command():
+    """A result table of docs/ sits in a ``<!-- table study=NAME: COMMAND -->`` block (docs/tables.py writes it from a
+    store): each of its commands (`` ; `` between two) parses with attnlab's own parser, is a results table, compare
+    or laws, and reads that study, and a ``--pairs`` file it names is the repository's and lists comparisons;
+    docs/findings.md has no table outside a block, so none is retyped."""
+    from attnlab.cli import build_parser
+    from attnlab.results.reports import read_pairs
+
+    tables = _load(ROOT / "docs" / "tables.py")
+    seen = 0
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        for block in tables.blocks(text):
+            seen += 1
+            for command in tables.commands(block["command"]):
+                try:
+                    argv = tables.argv_of(command)
+                    args = build_parser().parse_args(argv)
+                except (SystemExit, ValueError) as exc:
+                    pytest.fail(f"{path.name}: a table's command does not parse ({exc}): {command}")
+                assert args.results_command in tables.REPORTS and args.study == block["study"], (path.name, command)
+                pairs = tables.pairs_file(argv)
+                if pairs is not None:
+                    assert pairs.is_file() and read_pairs(str(pairs)), (path.name, command)
+        assert text.count("<!-- table study=") == len(tables.blocks(text)), f"{path.name}: a malformed table marker"
+    findings = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
+    outside = re.sub(tables.BLOCK.pattern, "", findings, flags=tables.BLOCK.flags)
+    assert not re.findall(r"^\|", outside, re.M), "docs/findings.md has a table outside a marked block"
+    assert seen
+
+
+def _rows_shaped_as(study: str) -> list[dict]:
+    """Rows of every metric the docs' blocks read, in the shape ``studies/<study>.yaml`` writes them (its grid's
+    points and their knobs, its evaluation lengths, p_eval and RoPE settings), with made-up values."""
+    import random
+
+    from attnlab.study.spec import load_spec
+    from attnlab.study.trial import knob_label
+
+    spec = load_spec(ROOT / "studies" / f"{study}.yaml")
+    train_len, rng = spec.train.seq_len, random.Random(study)
+    return [dict(study=study, trial=f"t{i}", attention=point["attention"], scale="s", p_train=None, p_eval=p_eval,
+                 rope_scaling=rope, step=100, tokens=1000, eval_len=int(m * train_len), train_len=train_len,
+                 window_mode="nonoverlap", metric=metric, value=rng.random(), seed=point["seed"],
+                 knobs=knob_label(spec, point), train_key=f"k{i}", git_sha="abc1234")
+            for i, point in enumerate(spec.search_space().grid()) for p_eval in spec.eval.p_eval
+            for rope in spec.eval.rope_scaling for m in spec.eval.multiples
+            for metric in ("val_loss", "acc", "coord_err_au")]
+
+
+@pytest.mark.parametrize("study", ["proxy_text", "baselines", "plugins_proxy", "probe_copy", "orbits"])
+def test_a_studys_blocks_in_findings_are_written_from_a_store_of_its_shape(study, tmp_path, monkeypatch):
+    """The commands of the shipped blocks run as written (their pins pick one configuration each, a --pairs file is
+    found from any folder) against a store shaped as the study writes its rows; only that study's blocks change."""
+    from attnlab.results import ResultsStore
+
+    store = ResultsStore(str(tmp_path / "store"))
+    store.write(_rows_shaped_as(study), key="rows")
+    page = tmp_path / "findings.md"
+    shutil.copy(ROOT / "docs" / "findings.md", page)
+    monkeypatch.chdir(tmp_path)
+    tables = _load(ROOT / "docs" / "tables.py")
+    before = page.read_text(encoding="utf-8")
+    assert tables.main(["--store", store.uri, str(page)]) == 0
+    after = page.read_text(encoding="utf-8")
+    mine = [(b["study"], b["command"]) for b in tables.blocks(before)]
+    assert [(b["study"], b["command"]) for b in tables.blocks(after)] == mine
+    changed = [b["command"] for b, a in zip(tables.blocks(before), tables.blocks(after)) if b["body"] != a["body"]]
+    assert changed == [c for s, c in mine if s == study] and changed
+    assert tables.BLOCK.sub("", before) == tables.BLOCK.sub("", after)
     assert tables.main(["--store", store.uri, "--check", str(page)]) == 0
