@@ -16,10 +16,12 @@ tests' task folder, against attnlab's own harness model. Bad input is checked in
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -272,6 +274,79 @@ def report(exported, gpt2_export, tmp_path_factory):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["expected_gpt2_ids"] = get_encoding().encode_ordinary(text)
     return result
+
+
+# ------------------------------------------------------------------------------------------ the copies
+# Template code that shares a name with a module its template copies from, on purpose (the copies' docstring).
+OWN_CODE = {"attention_attnlab.py": {"check_scaling"},  # a ValueError where attnlab.names raises its UserError
+            "plugin_attnlab.py": {"PluginError",  # a ValueError: attnlab's is its UserError
+                                  "_SourceFinder"}}  # reads config.json's record, not a PluginSource
+
+
+def test_the_templates_copies_are_attnlabs_code_verbatim():
+    """Every block under a ``# Copied from`` line is its source's text, no template uses a name it does not define,
+    and no template function shadows its source's unmarked: read from the files, before any model is built."""
+    from attnlab.export import copies
+
+    problems = copies.check()
+    assert not problems, "\n".join(problems)
+    marked = {}
+    for template in sorted(copies.TEMPLATES.glob("*.py")):
+        marked[template.name] = {c.source for c in copies.find_copies(template)[0]}
+    assert {"attnlab.attention.dense.weights_for_rows", "attnlab.attention.dense.sharpen",
+            "attnlab.attention.chunked.attend_chunked", "attnlab.attention.masks.alibi_bias",
+            "attnlab.attention.spec.AttentionSpec", "attnlab.model.rope.rope_frequencies",
+            "attnlab.model.rope.apply_rope"} <= marked["attention_attnlab.py"]
+    assert {"attnlab.attention.plugin.Variant", "attnlab.attention.plugin.reference_weights"} <= \
+        marked["plugin_attnlab.py"]
+    assert {"attnlab.model.gpt.MLP", "attnlab.model.gpt.SwiGLU", "attnlab.model.gpt.power_as_tensor"} <= \
+        marked["modeling_attnlab.py"]
+    for name, sources in marked.items():
+        modules = {source.rsplit(".", 1)[0] for source in sources}
+        theirs = set()
+        for module in modules:
+            tree = ast.parse(copies.source_path(f"{module}.x").read_text())
+            theirs |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        ours = {n.name for n in ast.parse((copies.TEMPLATES / name).read_text()).body
+                if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        copied = {source.rsplit(".", 1)[1] for source in sources}
+        assert (ours & theirs) - copied == OWN_CODE.get(name, set()), name
+
+
+def test_an_edited_source_fails_the_check_until_fix_copies_rewrites_the_template(tmp_path):
+    """The check reads the sources themselves: an edit of attnlab's dense.py (here, a copy of it) is a difference,
+    ``fix`` rewrites the block from it, a copy that now calls a helper its template lacks is listed, and so is a
+    marker naming nothing."""
+    from attnlab.export import copies
+
+    templates, package = tmp_path / "templates", tmp_path / "attnlab"
+    shutil.copytree(copies.TEMPLATES, templates, ignore=shutil.ignore_patterns("__pycache__"))
+    for template in templates.glob("*.py"):
+        for copy in copies.find_copies(template)[0]:
+            path = copies.source_path(copy.source)
+            (package / path.relative_to(copies.PACKAGE)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, package / path.relative_to(copies.PACKAGE))
+    assert copies.check(templates, package) == []
+    dense = package / "attention" / "dense.py"
+    dense.write_text(dense.read_text().replace("return 1.0 / math.sqrt(d)\n", "return 2.0 / math.sqrt(d)\n", 1))
+    problems = copies.check(templates, package)
+    assert len(problems) == 1 and "attnlab.attention.dense.length_scale" in problems[0], problems
+    assert "make fix-copies" in problems[0]
+    fixed, problems = copies.fix(templates, package)
+    assert (fixed, problems) == (["attention_attnlab.py: attnlab.attention.dense.length_scale"], [])
+    assert "return 2.0 / math.sqrt(d)\n" in (templates / "attention_attnlab.py").read_text()
+    rope = package / "model" / "rope.py"
+    rope.write_text(rope.read_text().replace("return 1.0 / (base ** (", "return _unit() / (base ** (", 1) +
+                    "\n\ndef _unit():\n    return 1.0\n")
+    fixed, problems = copies.fix(templates, package)
+    assert fixed == ["attention_attnlab.py: attnlab.model.rope.inverse_frequencies"]
+    assert problems == ["attention_attnlab.py: inverse_frequencies uses _unit, which attention_attnlab.py neither "
+                        "defines nor imports (copy it too)"]
+    plugin = templates / "plugin_attnlab.py"
+    plugin.write_text(plugin.read_text().replace("# Copied from attnlab.attention.plugin.Shape\n",
+                                                 "# Copied from attnlab.attention.plugin.Shapes\n"))
+    assert any("attnlab.attention.plugin.Shapes: attnlab.attention.plugin has no top-level def, class or "
+               "assignment Shapes" in line for line in copies.check(templates, package))
 
 
 # ------------------------------------------------------------------------------------------ the logits

@@ -28,18 +28,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-ROPE_SCALINGS = ("ntk", "none", "pi", "yarn", "yarn_paper", "dynamic")
-
-
-def _scaling_ok(value) -> bool:
-    """A name of ROPE_SCALINGS but dynamic, or dynamic:F with a factor F >= 1."""
-    method, colon, factor = str(value).partition(":")
-    if method != "dynamic":
-        return method in ROPE_SCALINGS and not colon
-    try:
-        return float(factor) >= 1
-    except ValueError:
-        return False
+from .attention_attnlab import ROPE_SCALINGS, check_scaling
 
 
 class AttnlabConfig(PreTrainedConfig):
@@ -59,7 +48,6 @@ class AttnlabConfig(PreTrainedConfig):
     position: str = "rope"  # rope | nope | alibi
     bias: bool = True
     mlp_hidden: int = 3072
-    norm_eps: float = 1e-5
     attention: dict | None = None  # the variant: attnlab AttentionSpec fields, or {"name": ...} of a plugin variant
     plugin: dict | None = None  # a plugin variant's source: origin, kind, entry, sha256, files {path: text}
     p_eval: float | None = None
@@ -79,9 +67,7 @@ class AttnlabConfig(PreTrainedConfig):
 
     def validate_attnlab(self) -> None:
         """One line naming the field and what is allowed, for a value the model cannot run with."""
-        if not _scaling_ok(self.rope_scaling):
-            raise ValueError(f"rope_scaling={self.rope_scaling!r} is not allowed: use one of "
-                             f"{', '.join(ROPE_SCALINGS[:-1])} or dynamic:F (a factor F >= 1)")
+        check_scaling(self.rope_scaling)
         if self.trained_rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"trained_rope_scaling={self.trained_rope_scaling!r} is not allowed: use one of "
                              f"{', '.join(ROPE_SCALINGS)}")
