@@ -186,7 +186,6 @@ LONG_DOCSTRINGS_STILL_ALLOWED = {
     "attnlab.evaluate.plan",
     "attnlab.train.config",
     "attnlab.results.stats",
-    "attnlab.export.templates.configuration_attnlab",
     "attnlab.names",
     "attnlab.study.folder",
     "attnlab.study.stopping",
