@@ -19,7 +19,7 @@ FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 TEST_STAMP := $(VENV)/.attnlab-test-installed
 OUT    ?= demo-out
 
-.PHONY: setup setup-test browser demo test bench bench-gpu gpu-check clean-venv
+.PHONY: setup setup-test browser demo test fix-copies bench bench-gpu gpu-check clean-venv
 
 # setup: torch and the package, what `make demo` needs; setup-test adds the extras the tests use (pytest, moto,
 # lm-evaluation-harness, transformers for the export tests, the trackers, playwright), kept out of the demo's set-up.
@@ -69,6 +69,11 @@ TEST_WORKERS ?= 2
 test:
 	$(MAKE) --no-print-directory -j2 setup-test browser
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+# The export templates' blocks under a `# Copied from attnlab.MODULE.NAME` line, rewritten from attnlab's sources
+# after an edit of a copied function (docs/export.md#the-modeling-code); tests/test_export.py fails until they are.
+fix-copies: setup
+	$(PY) -m attnlab.export.copies --fix
 
 bench: setup
 	$(PY) bench/attention.py

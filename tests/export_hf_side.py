@@ -9,15 +9,21 @@ trust_remote_code=True)`` and reports, as one JSON object on the last line of st
   (saved by the test beside the folder), and which modeling modules ran (none may come from attnlab);
 - ``generate``: the tokens ``model.generate`` produced (with and without ``use_cache``);
 - ``errors``: the one-line error of a job expected to fail (a tampered plugin);
-- ``tokenizer``: ids the exported tokenizers give for a text.
+- ``tokenizer``: per tokenizer and call (``AutoTokenizer`` with and without ``trust_remote_code``, ``GPT2Tokenizer``),
+  the ids it gives for a text, whether transformers asked to run the folder's code (stdin is at end of file, so
+  a prompt is answered no at once) and the warnings transformers logged. These jobs run first, before any model is
+  loaded, so nothing transformers registered for a model changes what they see.
 
 Each job's failure is caught and reported under its name, so one broken case does not hide the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
+import io
 import json
+import logging
 import sys
 import traceback
 
@@ -32,7 +38,7 @@ class _NoAttnlab(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _NoAttnlab())
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Tokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()
@@ -79,8 +85,34 @@ def _error(job: dict) -> str:
     return "loaded"
 
 
-def _tokenizer(job: dict) -> list[int]:
-    return AutoTokenizer.from_pretrained(job["folder"], trust_remote_code=True)(job["text"]).input_ids
+PROMPT = "Do you wish to run the custom code?"  # transformers' question (dynamic_module_utils)
+TOKENIZER_CALLS = {
+    "AutoTokenizer": lambda folder: AutoTokenizer.from_pretrained(folder),
+    "AutoTokenizer(trust_remote_code=True)": lambda folder: AutoTokenizer.from_pretrained(folder,
+                                                                                          trust_remote_code=True),
+    "GPT2Tokenizer": lambda folder: GPT2Tokenizer.from_pretrained(folder),
+}
+
+
+def _tokenizer(job: dict) -> dict:
+    """Each call's ids for the text, whether it asked to run custom code, and transformers' warnings meanwhile."""
+    out = {}
+    for call, load in TOKENIZER_CALLS.items():
+        records, printed = [], io.StringIO()
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append
+        root = logging.getLogger("transformers")
+        root.addHandler(handler)
+        hf_logging.set_verbosity_warning()
+        try:
+            with contextlib.redirect_stdout(printed):
+                tokenizer = load(job["folder"])
+        finally:
+            hf_logging.set_verbosity_error()
+            root.removeHandler(handler)
+        out[call] = {"ids": tokenizer(job["text"]).input_ids, "prompted": PROMPT in printed.getvalue(),
+                     "warnings": [record.getMessage() for record in records]}
+    return out
 
 
 def main(path: str) -> None:
@@ -93,7 +125,7 @@ def main(path: str) -> None:
     except ImportError:
         report["attnlab_importable"] = False
     run = {"logits": _logits, "generate": _generate, "errors": _error, "tokenizer": _tokenizer}
-    for job in jobs:
+    for job in sorted(jobs, key=lambda job: job["kind"] != "tokenizer"):  # the tokenizers first (docstring)
         try:
             report[job["kind"]][job["name"]] = run[job["kind"]](job)
         except Exception:  # noqa: BLE001 - reported per job

@@ -173,11 +173,6 @@ def test_the_checks_see_the_imports_and_flag_an_upward_one():
 # and links the doc (docs/*.md, with its anchor) that holds the details (issue 52). Lines are counted as
 # ``len(ast.get_docstring(tree, clean=False).splitlines())``.
 DOCSTRING_MAX_LINES = 20
-# Modules still over the limit, being shortened in other branches. Empty this list as they land: a module that is
-# no longer over the limit fails the test until it is taken off, so the list never names one that is short.
-LONG_DOCSTRINGS_STILL_ALLOWED = {
-    "attnlab.export.templates.configuration_attnlab",
-}
 
 
 def _docstring_lines(path: Path) -> int:
@@ -190,13 +185,9 @@ def _long_docstrings(modules: dict[str, Path]) -> dict[str, int]:
 
 
 def test_module_docstrings_are_at_most_20_lines():
-    long = _long_docstrings(MODULES)
-    new = sorted(f"{name}: {n} lines" for name, n in long.items() if name not in LONG_DOCSTRINGS_STILL_ALLOWED)
-    assert not new, (f"module docstrings over {DOCSTRING_MAX_LINES} lines (say what the module owns and must never "
-                     f"do, and link the docs/*.md section that holds the details):\n" + "\n".join(new))
-    stale = sorted(LONG_DOCSTRINGS_STILL_ALLOWED - set(long))
-    assert not stale, ("take these off LONG_DOCSTRINGS_STILL_ALLOWED: their docstrings are "
-                       f"{DOCSTRING_MAX_LINES} lines or under now (or the module is gone): {stale}")
+    long = sorted(f"{name}: {n} lines" for name, n in _long_docstrings(MODULES).items())
+    assert not long, (f"module docstrings over {DOCSTRING_MAX_LINES} lines (say what the module owns and must never "
+                      f"do, and link the docs/*.md section that holds the details):\n" + "\n".join(long))
 
 
 def test_the_docstring_count_flags_a_long_module_docstring(tmp_path):

@@ -108,6 +108,9 @@ def model_card(cfg: GPTConfig, *, record: dict, train: dict, tokenizer: str, p_e
         "model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)",
         "tokenizer = AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True)",
         "```", "",
+        f"The tokenizer ({tokenizer}) is in GPT-2's format: `GPT2Tokenizer.from_pretrained(FOLDER)` loads it too, "
+        "running none of this folder's code. Without `trust_remote_code`, `AutoTokenizer` first asks whether to run "
+        "it (config.json names it) and then loads the same tokenizer.", "",
         "`model.generate` recomputes the whole sequence at every step (no KV cache: the RoPE scalings and some "
         "variants depend on the current length). Pad on the right only.", "",
     ]

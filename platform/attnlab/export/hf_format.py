@@ -2,10 +2,11 @@
 ``model.safetensors`` and the modeling code, from a checkpoint's recorded configs and weights.
 
 The modeling code is four files of this package's ``templates/`` folder (real Python, read as package data),
-copied as they are: ``configuration_attnlab.py``, ``modeling_attnlab.py``, ``attention_attnlab.py`` (the variants'
-math, RoPE, ALiBi) and ``plugin_attnlab.py`` (a plugin variant's source run without attnlab). ``config.json`` names
-them in ``auto_map`` and carries the model's fields: attnlab's ``GPTConfig`` and its attention variant resolved to
-the fields of ``AttentionSpec`` (or a plugin variant's name and recorded source, with its sha256).
+written as they are: ``configuration_attnlab.py``, ``modeling_attnlab.py``, ``attention_attnlab.py`` (the variants'
+math, RoPE, ALiBi) and ``plugin_attnlab.py`` (a plugin variant's source run without attnlab), whose math is attnlab's
+own code, copied (:mod:`attnlab.export.copies` checks it). ``config.json`` names them in ``auto_map`` and carries
+the model's fields: attnlab's ``GPTConfig`` and its attention variant resolved to the fields of ``AttentionSpec`` (or
+a plugin variant's name and recorded source, with its sha256).
 
 Weights keep attnlab's names below ``model.`` (``model.blocks.0.attn.c_attn.weight``, ...); the LM head is tied to
 the embedding and not stored. Imports the model and attention packages (the config) and safetensors; no transformers.
@@ -23,7 +24,6 @@ import torch
 from attnlab.attention.spec import AttentionSpec, PluginSpec
 from attnlab.errors import UserError
 from attnlab.model.config import GPTConfig
-from attnlab.model.gpt import RMS_EPS
 
 TEMPLATES = ("configuration_attnlab.py", "modeling_attnlab.py", "attention_attnlab.py", "plugin_attnlab.py")
 AUTO_MAP = {"AutoConfig": "configuration_attnlab.AttnlabConfig",
@@ -60,7 +60,7 @@ def hf_config(cfg: GPTConfig, *, eot_id: int, p_eval: float | None, rope_scaling
         "dtype": "float32",
         "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
         "train_len": cfg.train_len, "rope_base": float(cfg.rope_base), "block": cfg.block, "position": cfg.position,
-        "bias": bool(cfg.bias), "mlp_hidden": cfg.mlp_hidden, "norm_eps": RMS_EPS,
+        "bias": bool(cfg.bias), "mlp_hidden": cfg.mlp_hidden,
         "attention": attention_fields(spec),
         "plugin": plugin,
         "p_eval": p_eval,

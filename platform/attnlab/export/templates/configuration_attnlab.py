@@ -1,45 +1,23 @@
-"""The configuration of a GPT trained with attnlab and exported by ``attnlab export`` (transformers' remote code:
-load with ``AutoConfig.from_pretrained(folder, trust_remote_code=True)``; attnlab itself is not needed).
+"""The configuration of a GPT trained with attnlab, as transformers' remote code written by ``attnlab export``
+(``AutoConfig.from_pretrained(folder, trust_remote_code=True)``; attnlab itself is not needed).
 
-The fields are attnlab's ``GPTConfig`` as the run trained it (sizes, ``block`` gpt2 or llama, ``position`` rope, nope
-or alibi, the RoPE base and training length) and the attention variant's resolved form (``attention``: the fields
-of attnlab's ``AttentionSpec``; ``plugin``: a plugin variant's recorded source). Two fields choose how the model
-runs, with the run's values as defaults, and may be changed after loading (``model.config.p_eval = 4``):
+It owns config.json's fields: attnlab's ``GPTConfig`` as the run trained it (sizes, ``block``, ``position``, the RoPE
+base, ``train_len``; a fine-tune's ``trained_rope_scaling``, its factor and ``original_len``), the variant's resolved
+``AttentionSpec`` fields (``attention``) or a plugin's recorded source (``plugin``), and the two fields that choose
+how the model runs and may change after loading (``model.config.p_eval = 4``): ``p_eval``, the sharpening power, and
+``rope_scaling``, attnlab's name of an evaluation-time scaling. attnlab's names of scalings are stored under
+attnlab's prefix (``attnlab_rope_scaling``, ...; ``attribute_map`` reads and writes them as ``rope_scaling``, ...):
+transformers reads a ``rope_scaling`` key as its own RoPE dictionary. A value the model cannot run with is one line
+naming the field. It computes nothing of the model (modeling_attnlab.py).
 
-- ``p_eval``: the sharpening power (None: no sharpening; an LSSAR run's default is its trained p);
-- ``rope_scaling``: ``none``, ``ntk``, ``pi``, ``yarn`` (as YaRN's reference code and transformers compute it),
-  ``yarn_paper`` (the paper's ramp) or ``dynamic:F`` (transformers' dynamic NTK, factor F) beyond ``train_len``
-  (ignored by NoPE and ALiBi models).
-  It is attnlab's name of a scaling, not transformers' RoPE dictionary, so config.json stores it under
-  ``attnlab_rope_scaling`` (``attribute_map`` makes ``config.rope_scaling`` read and write it): a reader of
-  config.json that does not run this code (``AutoTokenizer`` without ``trust_remote_code``) would take a
-  ``rope_scaling`` key for that dictionary and fail.
-
-A run fine-tuned at ``train_len`` from a parent trained at ``original_len`` with a RoPE scaling in training (an
-attnlab context-extension stage) records that scaling as ``trained_rope_scaling`` (``pi``, ``ntk``, ``yarn``, ``yarn_paper`` or
-``dynamic``; ``none``: trained once, or fine-tuned with plain RoPE) and its factor as ``trained_rope_factor`` (None:
-``train_len / original_len``), stored as ``attnlab_trained_rope_scaling`` and ``attnlab_trained_rope_factor`` beside
-``attnlab_rope_scaling`` (attnlab's names of scalings, under attnlab's prefix, apart from transformers' RoPE keys).
-It is part of the model, not a choice to change: the model uses that scaling's frequencies at every length (dynamic's
-base following the length), and ``rope_scaling`` then acts on top of it beyond ``train_len``.
+Details: attnlab's docs/export.md#p_eval-and-rope_scaling.
 """
 
 from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-ROPE_SCALINGS = ("ntk", "none", "pi", "yarn", "yarn_paper", "dynamic")
-
-
-def _scaling_ok(value) -> bool:
-    """A name of ROPE_SCALINGS but dynamic, or dynamic:F with a factor F >= 1."""
-    method, colon, factor = str(value).partition(":")
-    if method != "dynamic":
-        return method in ROPE_SCALINGS and not colon
-    try:
-        return float(factor) >= 1
-    except ValueError:
-        return False
+from .attention_attnlab import ROPE_SCALINGS, check_scaling
 
 
 class AttnlabConfig(PreTrainedConfig):
@@ -59,7 +37,6 @@ class AttnlabConfig(PreTrainedConfig):
     position: str = "rope"  # rope | nope | alibi
     bias: bool = True
     mlp_hidden: int = 3072
-    norm_eps: float = 1e-5
     attention: dict | None = None  # the variant: attnlab AttentionSpec fields, or {"name": ...} of a plugin variant
     plugin: dict | None = None  # a plugin variant's source: origin, kind, entry, sha256, files {path: text}
     p_eval: float | None = None
@@ -79,9 +56,7 @@ class AttnlabConfig(PreTrainedConfig):
 
     def validate_attnlab(self) -> None:
         """One line naming the field and what is allowed, for a value the model cannot run with."""
-        if not _scaling_ok(self.rope_scaling):
-            raise ValueError(f"rope_scaling={self.rope_scaling!r} is not allowed: use one of "
-                             f"{', '.join(ROPE_SCALINGS[:-1])} or dynamic:F (a factor F >= 1)")
+        check_scaling(self.rope_scaling)
         if self.trained_rope_scaling not in ROPE_SCALINGS:
             raise ValueError(f"trained_rope_scaling={self.trained_rope_scaling!r} is not allowed: use one of "
                              f"{', '.join(ROPE_SCALINGS)}")

@@ -2,17 +2,17 @@
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``, with no network and no attnlab.
 
 Read top to bottom, it is attnlab's model (attnlab/model/gpt.py): GPT-2's block (pre-LayerNorm with biases, tanh-GELU
-MLP) or Llama's (pre-RMSNorm, SwiGLU, no biases), tied input/output embeddings, no position table; RoPE (rotating q
-and k, with the ``rope_scaling`` chosen in the config, on top of the ``trained_rope_scaling`` of a run fine-tuned
-with one), NoPE or ALiBi; the attention variant of the run (``attention_attnlab.py``: every built-in variant,
-sharpened with ``p_eval``; or an attnlab plugin's own code, ``plugin_attnlab.py``). Its logits are attnlab's to
-float32 rounding.
+MLP) or Llama's (pre-RMSNorm, SwiGLU, no biases), tied input/output embeddings, no position table; RoPE (with the
+``rope_scaling`` chosen in the config, on top of the ``trained_rope_scaling`` of a run fine-tuned with one), NoPE or
+ALiBi; the run's attention variant on attnlab's dense backend (``attention_attnlab.py``, sharpened with ``p_eval``;
+or a plugin's own code, ``plugin_attnlab.py``). The norms, the MLPs and the sharpening power as a tensor are
+attnlab's code under ``# Copied from`` lines; the transformers classes, the attention layer and the block are this
+folder's (attnlab's carry its backends and diagnostics). Its logits are attnlab's.
 
-Generation: ``model.generate`` works, with **no KV cache**: every step runs the whole sequence again. That is what
-the variants need: the NTK base (and PI/YaRN) depend on the current length, ``sigmoid_ramapuram`` reads ``-ln T``, and
-a variant whose rows are normalised over the whole row is recomputed, so each new token is exactly the model's
-prediction for the sequence so far. An ``attention_mask`` may mark padding after a sequence (right padding), never
-before it or inside it: positions are counted from the first token.
+Generation: ``model.generate`` works, with **no KV cache**: every step runs the whole sequence again, as the variants
+need (the NTK base and PI/YaRN depend on the current length, ``sigmoid_ramapuram`` reads ``-ln T``, a row normalised
+over the whole row is recomputed). An ``attention_mask`` may mark padding after a sequence (right padding), never
+before it or inside it: positions are counted from the first token. Details: attnlab's docs/export.md.
 """
 
 from __future__ import annotations
@@ -26,30 +26,64 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
-from .attention_attnlab import Spec, apply_rope, attend, rope_tables
+from .attention_attnlab import AttentionSpec, PluginSpec, TrainedScaling, apply_rope, attend_dense, scaled_rope_tables
 from .configuration_attnlab import AttnlabConfig
-from .plugin_attnlab import Shape, load_plugin
+from .plugin_attnlab import Shape, attend_reference, build_params, load_variant, prepare_state
+
+# Copied from attnlab.model.gpt.RMS_EPS
+RMS_EPS = 1e-5
+
+# Copied from attnlab.model.gpt.GRAPH_POWER
+GRAPH_POWER = 1.0
 
 
-def attention_spec(config: AttnlabConfig) -> Spec:
-    """The variant the config describes, with ``config.p_eval`` as its sharpening power."""
+# Copied from attnlab.model.gpt.power_as_tensor
+def power_as_tensor(spec: AttentionSpec, device) -> tuple[AttentionSpec, torch.Tensor | None]:
+    """``(spec the blocks see, p)``: a sharpened spec as the same spec with ``p = GRAPH_POWER`` and its power as a
+    0-d float64 tensor on ``device`` (a tensor's value does not specialise a compiled graph; a float would, one
+    graph per ``p_eval``); an unsharpened spec as itself and None (a second graph: one pass, not two)."""
+    if spec.p is None:
+        return spec, None
+    return spec.replace(p=GRAPH_POWER), torch.tensor(spec.p, dtype=torch.float64, device=device)
+
+
+def attention_spec(config: AttnlabConfig) -> AttentionSpec | PluginSpec:
+    """The variant the config describes (a built-in's ``AttentionSpec`` fields, or a plugin's variant), with
+    ``config.p_eval`` as its sharpening power."""
     fields = dict(config.attention or {})
     fields.pop("source", None)
     fields["p"] = None if config.p_eval is None else float(config.p_eval)
-    if config.plugin is not None:
-        plugin = load_plugin(config.plugin, fields["name"])
-        if fields["p"] is not None and not plugin.variant.normalised:
-            raise ValueError(f"p_eval={config.p_eval} is not allowed for attention {plugin.name!r}: its rows are not "
-                             "declared normalised; use p_eval=None")
-        return Spec(name=fields["name"], p=fields["p"], position_bias=fields.get("position_bias", "none"),
-                    plugin=plugin)
-    return Spec(**fields)
+    if config.plugin is None:
+        return AttentionSpec(**fields)
+    variant = load_variant(config.plugin, fields["name"])
+    if fields["p"] is not None and not variant.normalised:
+        raise ValueError(f"p_eval={config.p_eval} is not allowed for attention {variant.name!r}: its rows are not "
+                         "declared normalised; use p_eval=None")
+    return PluginSpec(name=fields["name"], variant=variant, p=fields["p"],
+                      position_bias=fields.get("position_bias", "none"), origin=config.plugin["origin"],
+                      sha256=config.plugin["sha256"])
 
 
+def trained_scaling(config: AttnlabConfig) -> TrainedScaling | None:
+    """The RoPE scaling a run was fine-tuned with (attnlab's ``GPTConfig.trained_scaling``), None when it was not."""
+    if config.trained_rope_scaling == "none" or config.original_len is None:
+        return None
+    return TrainedScaling(config.trained_rope_scaling, config.original_len, config.trained_rope_factor)
+
+
+def attend(q, k, v, spec: AttentionSpec | PluginSpec, qk_gain=None, state=None, p=None) -> torch.Tensor:
+    """attnlab's ``attend`` on its dense backend: a built-in variant's dense reference, or a plugin's reference."""
+    if isinstance(spec, PluginSpec):
+        return attend_reference(q, k, v, spec, state, p=p)
+    return attend_dense(q, k, v, spec, qk_gain=qk_gain, p=p)
+
+
+# Copied from attnlab.model.gpt.make_norm with GPTConfig->AttnlabConfig, cfg->config
 def make_norm(config: AttnlabConfig) -> nn.Module:
+    """The block's normalisation: LayerNorm (gpt2; with bias when ``config.bias``) or RMSNorm with a gain (llama)."""
     if config.block == "llama":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+        return nn.RMSNorm(config.n_embd, eps=RMS_EPS)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
 class AttnlabAttention(nn.Module):
@@ -60,18 +94,17 @@ class AttnlabAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_scaled = True
         spec = attention_spec(config)
-        self.shape = Shape(config.n_embd, config.n_head, config.n_embd // config.n_head)
+        self.layer_shape = Shape(config.n_embd, config.n_head, config.n_embd // config.n_head)
         if spec.learned_qk_gain:  # QK-norm's learned per-channel gains (softmax_qknorm, softmax_qknorm_logn)
-            self.q_gain = nn.Parameter(torch.ones(self.shape.head_dim))
-            self.k_gain = nn.Parameter(torch.ones(self.shape.head_dim))
-        if spec.plugin is not None:
-            params = spec.plugin.build_params(self.shape)
-            if params is not None:  # a plugin variant's learned parameters (blocks.N.attn.plugin.*)
-                for module in params.modules():
-                    module.plugin_init = True
-                self.plugin = params
+            self.q_gain = nn.Parameter(torch.ones(self.layer_shape.head_dim))
+            self.k_gain = nn.Parameter(torch.ones(self.layer_shape.head_dim))
+        plugin = build_params(spec, self.layer_shape) if isinstance(spec, PluginSpec) else None
+        if plugin is not None:  # a plugin variant's learned parameters (blocks.N.attn.plugin.*)
+            for module in plugin.modules():
+                module.plugin_init = True
+            self.plugin = plugin
 
-    def forward(self, x, cos, sin, spec: Spec):
+    def forward(self, x, cos, sin, spec: AttentionSpec | PluginSpec, p: torch.Tensor | None = None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -79,28 +112,39 @@ class AttnlabAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gain = (self.q_gain, self.k_gain) if spec.learned_qk_gain else None
         state = None
-        if spec.plugin is not None:
-            state = spec.plugin.prepare(x, getattr(self, "plugin", None), self.shape)
-        y = attend(q, k, v, spec, qk_gain=gain, state=state)
+        if isinstance(spec, PluginSpec):
+            state = prepare_state(spec, x, getattr(self, "plugin", None), self.layer_shape)
+        y = attend(q, k, v, spec, qk_gain=gain, state=state, p=p)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class AttnlabMLP(nn.Module):
-    """GPT-2's MLP (tanh-GELU) or Llama's SwiGLU (``c_proj(silu(c_fc(x)) * c_up(x))``)."""
-
+# Copied from attnlab.model.gpt.MLP with GPTConfig->AttnlabConfig, cfg->config
+class MLP(nn.Module):
     def __init__(self, config: AttnlabConfig):
         super().__init__()
-        self.swiglu = config.block == "llama"
-        self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
-        if self.swiglu:
-            self.c_up = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
-        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_scaled = True
 
     def forward(self, x):
-        if self.swiglu:
-            return self.c_proj(F.silu(self.c_fc(x)) * self.c_up(x))
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+# Copied from attnlab.model.gpt.SwiGLU with GPTConfig->AttnlabConfig, cfg->config
+class SwiGLU(nn.Module):
+    """Llama's MLP (Shazeer 2020; Touvron et al. 2023): ``c_proj(silu(c_fc(x)) * c_up(x))``, hidden width
+    ``config.mlp_hidden`` (8/3 x n_embd rounded up to 64), three projections without bias."""
+
+    def __init__(self, config: AttnlabConfig):
+        super().__init__()
+        hidden = config.mlp_hidden
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=False)  # the gate (Llama's w1)
+        self.c_up = nn.Linear(config.n_embd, hidden, bias=False)  # Llama's w3
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)  # Llama's w2
+        self.c_proj.residual_scaled = True
+
+    def forward(self, x):
+        return self.c_proj(F.silu(self.c_fc(x)) * self.c_up(x))
 
 
 class AttnlabBlock(nn.Module):
@@ -109,10 +153,10 @@ class AttnlabBlock(nn.Module):
         self.ln_1 = make_norm(config)
         self.attn = AttnlabAttention(config)
         self.ln_2 = make_norm(config)
-        self.mlp = AttnlabMLP(config)
+        self.mlp = SwiGLU(config) if config.block == "llama" else MLP(config)
 
-    def forward(self, x, cos, sin, spec: Spec):
-        x = x + self.attn(self.ln_1(x), cos, sin, spec)
+    def forward(self, x, cos, sin, spec: AttentionSpec | PluginSpec, p: torch.Tensor | None = None):
+        x = x + self.attn(self.ln_1(x), cos, sin, spec, p)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -163,11 +207,11 @@ class AttnlabModel(AttnlabPreTrainedModel):
         c.validate_attnlab()  # p_eval and rope_scaling may have been changed since loading
         cos = sin = None
         if c.position == "rope":
-            cos, sin = rope_tables(c.rope_scaling, T, c.n_embd // c.n_head, c.train_len, c.rope_base, x.device,
-                                   c.trained_rope_scaling, c.original_len, c.trained_rope_factor)
-        spec = attention_spec(c)
+            cos, sin = scaled_rope_tables(c.rope_scaling, T, c.n_embd // c.n_head, c.train_len, c.rope_base,
+                                          device=x.device, trained=trained_scaling(c))
+        spec, p = power_as_tensor(attention_spec(c), x.device)
         for block in self.blocks:
-            x = block(x, cos, sin, spec)
+            x = block(x, cos, sin, spec, p)
         return BaseModelOutput(last_hidden_state=self.ln_f(x))
 
 
