@@ -169,20 +169,33 @@ def _templates(templates: Path) -> list[Path]:
     return sorted(templates.glob("*.py"))
 
 
+def _blocks(template: Path, package: Path) -> tuple[list[str], list[str], list[tuple[Copy, str | ValueError]]]:
+    """The template's lines, its bad markers, and each marked block with what it must read (the ValueError that
+    says why, when its source has no such name)."""
+    copies, bad = find_copies(template)
+    wants = []
+    for copy in copies:
+        try:
+            wants.append((copy, expected_text(copy, package)))
+        except ValueError as exc:
+            wants.append((copy, exc))
+    return template.read_text().splitlines(keepends=True), bad, wants
+
+
+def _differs(lines: list[str], copy: Copy, want: str | ValueError) -> bool:
+    return isinstance(want, str) and "".join(lines[copy.first - 1:copy.last]) != want
+
+
 def check(templates: Path = TEMPLATES, package: Path = PACKAGE) -> list[str]:
     """One line for each copied block that differs from its source, each bad marker and each undefined name."""
     problems = []
     for template in _templates(templates):
-        copies, bad = find_copies(template)
+        lines, bad, wants = _blocks(template, package)
         problems += bad
-        lines = template.read_text().splitlines(keepends=True)
-        for copy in copies:
-            try:
-                want = expected_text(copy, package)
-            except ValueError as exc:
-                problems.append(f"{copy.where()}: {exc}")
-                continue
-            if "".join(lines[copy.first - 1:copy.last]) != want:
+        for copy, want in wants:
+            if isinstance(want, ValueError):
+                problems.append(f"{copy.where()}: {want}")
+            elif _differs(lines, copy, want):
                 problems.append(f"{copy.where()}: the block below the marker is not {copy.source} as attnlab has it: "
                                 "run make fix-copies (python -m attnlab.export.copies --fix)")
         problems += undefined_names(template)
@@ -194,19 +207,12 @@ def fix(templates: Path = TEMPLATES, package: Path = PACKAGE) -> tuple[list[str]
     wrong)``: bad markers, unknown sources, undefined names."""
     fixed = []
     for template in _templates(templates):
-        copies, _ = find_copies(template)
-        lines = template.read_text().splitlines(keepends=True)
-        changed = False
-        for copy in reversed(copies):  # from the bottom: earlier blocks keep their line numbers
-            try:
-                want = expected_text(copy, package)
-            except ValueError:
-                continue
-            if "".join(lines[copy.first - 1:copy.last]) != want:
-                lines[copy.first - 1:copy.last] = want.splitlines(keepends=True)
-                fixed.append(f"{template.name}: {copy.source}")
-                changed = True
-        if changed:
+        lines, _, wants = _blocks(template, package)
+        stale = [(copy, want) for copy, want in wants if _differs(lines, copy, want)]
+        for copy, want in reversed(stale):  # from the bottom: earlier blocks keep their line numbers
+            lines[copy.first - 1:copy.last] = want.splitlines(keepends=True)
+            fixed.append(f"{template.name}: {copy.source}")
+        if stale:
             template.write_text("".join(lines))
     return sorted(fixed), check(templates, package)
 
